@@ -1,0 +1,306 @@
+"""Trace the attention module to ONNX, prove parity with eager PyTorch, then write atomically.
+
+Nothing reaches the model repository unless ONNX Runtime, run on the graphs as written, matches
+eager PyTorch within PARITY_TOLERANCE at shapes unlike the trace's example (so a dynamic dim
+silently fixed during tracing is caught) and with masks that include a fully masked row.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from export.attention import MultiHeadAttention
+from export.config import AttentionConfig
+from server import repository as repo
+
+logger = logging.getLogger(__name__)
+
+PARITY_TOLERANCE = 1e-5
+DEFAULT_OPSET = 18
+# (batch, lq, lk) at which parity is proven; each runs without a mask and with one.
+PARITY_SHAPES = tuple((b, lq, lk) for b in (1, 7) for lq, lk in ((1, 1), (1, 77), (300, 1), (300, 77)))
+# Dynamic axes, named as in the shape vocabulary of export/config.py.
+_DYNAMIC_AXES = {
+    "query": {0: "batch", 1: "q_len"},
+    "key": {0: "batch", 1: "k_len"},
+    "value": {0: "batch", 1: "k_len"},
+    "mask": {0: "batch", 1: "q_len", 2: "k_len"},
+}
+
+
+class ExportError(RuntimeError):
+    """The export cannot go on (a conflict in the repository, a graph that lost a dynamic dim)."""
+
+
+class ParityError(ExportError):
+    """ONNX Runtime and eager PyTorch disagree beyond the tolerance: nothing was written."""
+
+
+@dataclass(frozen=True)
+class ServingDefaults:
+    """What the server reads from config.json for this model; each can be overridden by a flag."""
+
+    max_batch_size: int = 32  # sequences (rows) merged into one ONNX Runtime run
+    max_queue_delay_ms: float = 1.0  # longest a request waits for company while the model is busy
+    max_q_len: int = 4096
+    max_kv_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_q_len", "max_kv_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue_delay_ms < 0:
+            raise ValueError(f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms}")
+
+
+@dataclass
+class ExportResult:
+    name: str
+    version: int
+    model_dir: Path
+    parity: dict[str, Any] = field(default_factory=dict)
+
+
+class _Graph(nn.Module):
+    """The served signature: (query, key, value, mask (b, lq, lk) bool) -> output[, attn_probs]."""
+
+    def __init__(self, attention: MultiHeadAttention, with_probs: bool) -> None:
+        super().__init__()
+        self.attention = attention
+        self.with_probs = with_probs
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor):
+        output, attn_probs = self.attention(query, key, value, mask=mask)
+        return (output, attn_probs) if self.with_probs else output
+
+
+def _example_sizes(config: AttentionConfig) -> tuple[int, int, int]:
+    """Distinct sizes >= 2 for batch, lq, lk, equal to no static dim: a dynamic dim whose
+    example equals another dim can be specialised to that constant without a warning."""
+    taken = {1, config.query_dim, config.kv_dim, config.out_dim, config.d_model,
+             config.num_heads, config.head_dim}
+    sizes: list[int] = []
+    candidate = 3
+    while len(sizes) < 3:
+        if candidate not in taken:
+            sizes.append(candidate)
+            taken.add(candidate)
+        candidate += 1
+    return sizes[0], sizes[1], sizes[2]
+
+
+def _random_inputs(config: AttentionConfig, b: int, lq: int, lk: int, generator: torch.Generator):
+    query = torch.randn(b, lq, config.query_dim, generator=generator)
+    key = torch.randn(b, lk, config.kv_dim, generator=generator)
+    value = torch.randn(b, lk, config.kv_dim, generator=generator)
+    return query, key, value
+
+
+def _random_mask(b: int, lq: int, lk: int, generator: torch.Generator) -> Tensor:
+    """About a third masked; the first query row of item 0 fully masked."""
+    mask = torch.rand(b, lq, lk, generator=generator) > 0.33
+    mask[0, 0, :] = False
+    return mask
+
+
+def trace(module: MultiHeadAttention, path: Path, with_probs: bool, opset: int) -> None:
+    config = module.config
+    b, lq, lk = _example_sizes(config)
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = _random_inputs(config, b, lq, lk, generator)
+    mask = torch.ones(b, lq, lk, dtype=torch.bool)
+    batch, q_len, k_len = (torch.export.Dim(n) for n in ("batch", "q_len", "k_len"))
+    dims = {"batch": batch, "q_len": q_len, "k_len": k_len}
+    dynamic_shapes = {name: {axis: dims[d] for axis, d in axes.items()} for name, axes in _DYNAMIC_AXES.items()}
+    output_names = ["output", "attn_probs"] if with_probs else ["output"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's own deprecation chatter
+        torch.onnx.export(
+            _Graph(module, with_probs).eval(),
+            (query, key, value, mask),
+            str(path),
+            dynamo=True,
+            external_data=False,  # one self-contained file per graph, no model.onnx.data
+            input_names=list(repo.INPUT_NAMES),
+            output_names=output_names,
+            dynamic_shapes=dynamic_shapes,
+            opset_version=opset,
+            verbose=False,
+        )
+    _check_graph_signature(path, config, with_probs)
+
+
+def _check_graph_signature(path: Path, config: AttentionConfig, with_probs: bool) -> None:
+    """Every batch/length dim must be symbolic, every width the config's."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    expected = {
+        "query": ("batch", "q_len", config.query_dim),
+        "key": ("batch", "k_len", config.kv_dim),
+        "value": ("batch", "k_len", config.kv_dim),
+        "mask": ("batch", "q_len", "k_len"),
+        "output": ("batch", "q_len", config.out_dim),
+        "attn_probs": ("batch", config.num_heads, "q_len", "k_len"),
+    }
+    values = list(graph.input) + list(graph.output)
+    names = [v.name for v in values]
+    wanted = list(repo.INPUT_NAMES) + (list(repo.OUTPUT_NAMES) if with_probs else ["output"])
+    if names != wanted:
+        raise ExportError(f"{path.name}: expected tensors {wanted}, the graph has {names}")
+    for v in values:
+        dims = v.type.tensor_type.shape.dim
+        for axis, (dim, want) in enumerate(zip(dims, expected[v.name])):
+            if isinstance(want, str) and not dim.dim_param:
+                raise ExportError(
+                    f"{path.name}: {v.name} axis {axis} should be dynamic ({want}) "
+                    f"but was fixed to {dim.dim_value} during tracing"
+                )
+            if isinstance(want, int) and dim.dim_value != want:
+                raise ExportError(f"{path.name}: {v.name} axis {axis} should be {want}, got {dim}")
+
+
+def check_parity(module: MultiHeadAttention, graphs: dict[str, Path]) -> dict[str, Any]:
+    """Run ONNX Runtime on each written graph against eager PyTorch; return the figures.
+
+    Raises ParityError if any max abs error exceeds PARITY_TOLERANCE."""
+    import onnxruntime as ort
+
+    config = module.config
+    sessions = {kind: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for kind, p in graphs.items()}
+    worst = {kind: {"output": 0.0, "attn_probs": 0.0} for kind in graphs}
+    cases = []
+    generator = torch.Generator().manual_seed(1234)
+    for b, lq, lk in PARITY_SHAPES:
+        query, key, value = _random_inputs(config, b, lq, lk, generator)
+        for masked in (False, True):
+            mask = _random_mask(b, lq, lk, generator) if masked else None
+            with torch.no_grad():
+                want_out, want_probs = module(query, key, value, mask=mask)
+            feeds = {
+                "query": query.numpy(), "key": key.numpy(), "value": value.numpy(),
+                "mask": (mask if mask is not None else torch.ones(b, lq, lk, dtype=torch.bool)).numpy(),
+            }
+            case = {"batch": b, "q_len": lq, "k_len": lk, "mask": masked}
+            for kind, session in sessions.items():
+                got = session.run(None, feeds)
+                err_out = float(np.max(np.abs(got[0] - want_out.numpy())))
+                case[f"{kind}.output"] = err_out
+                worst[kind]["output"] = max(worst[kind]["output"], err_out)
+                if len(got) > 1:
+                    err_probs = float(np.max(np.abs(got[1] - want_probs.numpy())))
+                    case[f"{kind}.attn_probs"] = err_probs
+                    worst[kind]["attn_probs"] = max(worst[kind]["attn_probs"], err_probs)
+            cases.append(case)
+    for kind in graphs:
+        if kind == "output_only":
+            del worst[kind]["attn_probs"]
+    report = {
+        "tolerance": PARITY_TOLERANCE,
+        "max_abs_error": worst,
+        "shapes": [list(s) for s in PARITY_SHAPES],
+        "cases": len(cases),
+        "onnxruntime": ort.__version__,
+        "torch": torch.__version__,
+    }
+    failures = [f"{kind}.{out} {err:.3g}" for kind, errs in worst.items() for out, err in errs.items()
+                if not err <= PARITY_TOLERANCE]  # `not <=` also catches NaN
+    if failures:
+        raise ParityError(
+            f"ONNX Runtime differs from eager PyTorch beyond {PARITY_TOLERANCE:g}: "
+            f"{', '.join(failures)}; nothing was written"
+        )
+    return report
+
+
+def next_version(model_dir: Path) -> int:
+    taken = [int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()] if model_dir.is_dir() else []
+    return max(taken, default=0) + 1
+
+
+def model_config(name: str, config: AttentionConfig, serving: ServingDefaults) -> dict[str, Any]:
+    return {
+        "name": name,
+        "platform": repo.PLATFORM,
+        "attention": config.to_dict(),
+        **repo.tensor_contract(config.query_dim, config.kv_dim, config.out_dim, config.num_heads),
+        "graphs": {"all_outputs": repo.GRAPH_ALL_OUTPUTS, "output_only": repo.GRAPH_OUTPUT_ONLY},
+        "batching": {"max_batch_size": serving.max_batch_size, "max_queue_delay_ms": serving.max_queue_delay_ms},
+        "limits": {"max_q_len": serving.max_q_len, "max_kv_len": serving.max_kv_len},
+    }
+
+
+def _same_interface(existing: dict[str, Any], new: dict[str, Any]) -> bool:
+    return all(existing.get(k) == new.get(k) for k in ("inputs", "outputs")) and all(
+        existing.get("attention", {}).get(k) == new["attention"][k]
+        for k in ("query_dim", "kv_dim", "out_dim", "num_heads", "d_model")
+    )
+
+
+def export_model(
+    module: MultiHeadAttention,
+    repository: Path,
+    name: str,
+    weights: dict[str, Any],
+    version: int | None = None,
+    opset: int = DEFAULT_OPSET,
+    serving: ServingDefaults = ServingDefaults(),
+) -> ExportResult:
+    """Trace both graphs into a temporary directory, prove parity, then move it into place.
+
+    A version directory appears whole (one rename) or not at all; config.json is replaced
+    atomically after it. Raises ExportError/ParityError without touching existing versions."""
+    module = module.eval()  # dropout off, in the eager reference as in the graph
+    config = module.config
+    model_dir = Path(repository) / name
+    new_config = model_config(name, config, serving)
+    config_path = model_dir / repo.CONFIG_FILE
+    if config_path.exists():
+        existing = repo.read_json(config_path)
+        if not _same_interface(existing, new_config):
+            raise ExportError(
+                f"{config_path} describes a model with other dims ({existing.get('attention')}); "
+                f"versions of one model share its tensors: export under another --name"
+            )
+    version = next_version(model_dir) if version is None else version
+    if version < 1:
+        raise ExportError(f"version must be >= 1, got {version}")
+    target = model_dir / str(version)
+    if target.exists():
+        raise ExportError(f"{target} already exists; versions are never overwritten")
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".export-{version}-", dir=model_dir))
+    try:
+        graphs = {"all_outputs": staging / repo.GRAPH_ALL_OUTPUTS, "output_only": staging / repo.GRAPH_OUTPUT_ONLY}
+        trace(module, graphs["all_outputs"], with_probs=True, opset=opset)
+        trace(module, graphs["output_only"], with_probs=False, opset=opset)
+        parity = check_parity(module, graphs)
+        record = {
+            "version": version,
+            "exported_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "opset": opset,
+            "attention": config.to_dict(),
+            "weights": weights,
+            "parity": parity,
+        }
+        repo.write_json_atomic(staging / repo.EXPORT_FILE, record)
+        staging.chmod(0o755)  # mkdtemp makes it 0700; servers may run as another user
+        staging.rename(target)  # atomic: the version appears whole
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    repo.write_json_atomic(config_path, new_config | {"last_export": record})
+    logger.info("wrote %s (parity %s)", target, parity["max_abs_error"])
+    return ExportResult(name=name, version=version, model_dir=model_dir, parity=parity)
