@@ -1,0 +1,49 @@
+"""`python -m server`: flags and ATTNSERVE_* environment -> ServerConfig -> Server.
+
+Exits 0 after a clean drain on SIGTERM/SIGINT; 2 on a bad flag; 3 when it cannot start
+(--device cuda without CUDA, a port in use, no model repository).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from server.config import ServerConfig, load_config
+
+logger = logging.getLogger("server")
+
+EXIT_CANNOT_START = 3
+
+
+async def serve(config: ServerConfig) -> int:
+    from server.app import Server
+    from server.engine import DeviceUnavailable
+    from server.repository import ModelLoadError
+
+    server = Server(config)
+    try:
+        await server.start()
+    except (DeviceUnavailable, ModelLoadError, RuntimeError, OSError) as err:
+        logger.error("cannot start: %s", err)
+        return EXIT_CANNOT_START
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("signal received: draining (grace period %.1fs)", config.grace_period_s)
+    await server.stop(config.grace_period_s)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = load_config(argv)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,355 @@
+"""Dynamic batching for one model: queue -> batch -> pad + mask -> run -> split.
+
+Knows nothing of gRPC, protobuf or ONNX Runtime: it is given a blocking `run_batch(feeds,
+want_probs)` and runs it on its own worker threads, so the event loop keeps accepting requests.
+
+Policy. A lone request on an idle model is dispatched at once (it never waits for company).
+While a batch runs, requests queue up; when an execution slot frees, everything compatible that
+waits is merged into the next run, up to `max_batch_size` rows. With several slots
+(`batches_in_flight` > 1) a partial batch may wait up to `max_queue_delay_s` for company while
+another batch runs.
+
+Padding. Requests of different lengths are padded to the longest query and key of their batch:
+padded keys are masked (False), padded query rows are dropped when the batch is split. A batch
+only takes a request if its padded share of the attention matrix stays under
+`max_padding_ratio` (the oldest request is always taken, so nothing starves).
+
+Exactness. A masked key scores -1e10 (the seeds' fill), so a row that masks all its real keys is
+a uniform distribution over the keys it sees; padding keys onto it would widen that uniform
+distribution. Such requests therefore join only batches whose key length equals their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# feeds {"query", "key", "value", "mask"} -> (output, attn_probs or None); blocking.
+RunBatch = Callable[[dict[str, np.ndarray], bool], tuple[np.ndarray, "np.ndarray | None"]]
+
+
+class QueueFull(Exception):
+    """The model's queue is at max_queue_size: the request is shed at once."""
+
+
+class DeadlineExpired(Exception):
+    """The request's deadline passed while it was queued; it was never computed."""
+
+
+class BatcherClosed(Exception):
+    """The batcher is shutting down and takes no new requests."""
+
+
+class BatchFailed(Exception):
+    """The run of the batch this request was in raised; the cause is chained."""
+
+
+@dataclass(slots=True)
+class Work:
+    """One validated request. Shapes were checked before it got here."""
+
+    query: np.ndarray  # (b, lq, query_dim) float32
+    key: np.ndarray  # (b, lk, kv_dim) float32
+    value: np.ndarray  # (b, lk, kv_dim) float32
+    mask: np.ndarray | None  # (b, lq, lk) bool, False = masked; None = attend to every key
+    want_probs: bool
+    # True if some query row masks all of its keys: see "Exactness" above.
+    exact_k_len: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.exact_k_len = self.mask is not None and self.mask.size > 0 and not self.mask.any(axis=-1).all()
+
+    @property
+    def rows(self) -> int:
+        return self.query.shape[0]
+
+    @property
+    def q_len(self) -> int:
+        return self.query.shape[1]
+
+    @property
+    def k_len(self) -> int:
+        return self.key.shape[1]
+
+
+@dataclass(slots=True)
+class Result:
+    output: np.ndarray  # (b, lq, out_dim)
+    attn_probs: np.ndarray | None  # (b, h, lq, lk)
+    queue_s: float
+    compute_s: float
+    batch_requests: int
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    max_batch_size: int = 32  # rows (sequences) per run; a larger single request runs alone
+    max_queue_delay_s: float = 0.001
+    max_queue_size: int = 512
+    max_padding_ratio: float = 0.5
+    batches_in_flight: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_queue_size", "batches_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue_delay_s < 0:
+            raise ValueError(f"max_queue_delay_s must be >= 0, got {self.max_queue_delay_s}")
+        if not 0.0 <= self.max_padding_ratio < 1.0:
+            raise ValueError(f"max_padding_ratio must be in [0, 1), got {self.max_padding_ratio}")
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    requests: int
+    rows: int
+    padding_ratio: float  # padded share of the batch's (rows, Lq, Lk) attention matrix
+    compute_s: float
+    queue_s: tuple[float, ...]  # each request's wait
+    failed: bool
+
+
+class BatchObserver(Protocol):
+    def on_batch(self, stats: BatchStats) -> None: ...
+    def on_queue_depth(self, depth: int) -> None: ...
+
+
+@dataclass(slots=True)
+class _Pending:
+    work: Work
+    deadline: float | None  # time.monotonic()
+    future: asyncio.Future
+    enqueued_at: float
+
+
+class Batcher:
+    def __init__(self, name: str, run_batch: RunBatch, policy: BatchPolicy,
+                 observer: BatchObserver | None = None) -> None:
+        self.name = name
+        self._run_batch = run_batch
+        self.policy = policy
+        self._observer = observer
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._wakeup = asyncio.Event()
+        self._slots = asyncio.Semaphore(policy.batches_in_flight)
+        self._running: set[asyncio.Task] = set()
+        self._computing = 0  # batches between dispatch and the release of their slot
+        self._executor = ThreadPoolExecutor(max_workers=policy.batches_in_flight, thread_name_prefix=f"run-{name}")
+        self._closing = False
+        self._loop_task: asyncio.Task | None = None
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._collect_forever(), name=f"batcher-{self.name}")
+
+    async def submit(self, work: Work, deadline: float | None = None) -> Result:
+        """Queue one request and wait for its own result. Raises QueueFull, DeadlineExpired,
+        BatcherClosed or BatchFailed; cancelling the caller drops the request if not yet run."""
+        if self._closing:
+            raise BatcherClosed(f"model {self.name} is shutting down")
+        if len(self._pending) >= self.policy.max_queue_size:
+            raise QueueFull(f"model {self.name}: {len(self._pending)} requests queued "
+                            f"(max_queue_size {self.policy.max_queue_size}); retry later")
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append(_Pending(work, deadline, future, time.monotonic()))
+        self._wakeup.set()
+        self._report_depth()
+        return await future  # cancelling the caller cancels the future: the batcher skips it
+
+    async def close(self) -> None:
+        """Take no new requests, finish every queued and running one, then stop."""
+        self._closing = True
+        self._wakeup.set()
+        if self._loop_task is not None:
+            await self._loop_task
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+
+    # -- the collector ----------------------------------------------------------------------
+
+    async def _collect_forever(self) -> None:
+        while True:
+            await self._slots.acquire()  # an execution slot is free: whatever waits goes now
+            while not self._pending:
+                if self._closing:
+                    self._slots.release()
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            if self._computing and self.policy.max_queue_delay_s > 0:
+                await self._wait_for_company()
+            batch = self._take_batch()
+            if not batch:
+                self._slots.release()
+                continue
+            self._computing += 1
+            task = asyncio.get_running_loop().create_task(self._run(batch))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _wait_for_company(self) -> None:
+        """Another batch runs: let a partial batch fill until the oldest request has waited
+        max_queue_delay_s."""
+        deadline = self._pending[0].enqueued_at + self.policy.max_queue_delay_s
+        while sum(p.work.rows for p in self._pending) < self.policy.max_batch_size and not self._closing:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except TimeoutError:
+                return
+
+    def _take_batch(self) -> list[_Pending]:
+        """The oldest live request plus every compatible one that waits, in arrival order."""
+        now = time.monotonic()
+        chosen: list[_Pending] = []
+        kept: collections.deque[_Pending] = collections.deque()
+        rows = q_len = k_len = 0
+        useful = 0  # sum of rows * lq * lk over chosen requests
+        exact_k_lens: set[int] = set()
+        while self._pending:
+            p = self._pending.popleft()
+            if p.future.done():  # cancelled by its caller (client gone, deadline hit in gRPC)
+                continue
+            if p.deadline is not None and p.deadline <= now:
+                p.future.set_exception(DeadlineExpired(
+                    f"deadline passed after {now - p.enqueued_at:.3f}s in the queue of model {self.name}; not computed"))
+                continue
+            w = p.work
+            if chosen:
+                new_rows = rows + w.rows
+                new_q, new_k = max(q_len, w.q_len), max(k_len, w.k_len)
+                new_useful = useful + w.rows * w.q_len * w.k_len
+                exact = exact_k_lens | ({w.k_len} if w.exact_k_len else set())
+                fits = (
+                    new_rows <= self.policy.max_batch_size
+                    and 1.0 - new_useful / (new_rows * new_q * new_k) <= self.policy.max_padding_ratio
+                    and all(k == new_k for k in exact)
+                )
+                if not fits:
+                    kept.append(p)
+                    continue
+            chosen.append(p)
+            rows += w.rows
+            q_len, k_len = max(q_len, w.q_len), max(k_len, w.k_len)
+            useful += w.rows * w.q_len * w.k_len
+            if w.exact_k_len:
+                exact_k_lens.add(w.k_len)
+        self._pending = kept
+        self._report_depth()
+        return chosen
+
+    # -- running a batch --------------------------------------------------------------------
+
+    async def _run(self, batch: list[_Pending]) -> None:
+        started = time.monotonic()
+        queue_s = tuple(started - p.enqueued_at for p in batch)
+        failed = True
+        padding_ratio = 0.0
+        try:
+            works = [p.work for p in batch]
+            loop = asyncio.get_running_loop()
+            results, padding_ratio = await loop.run_in_executor(self._executor, _compute, self._run_batch, works)
+            compute_s = time.monotonic() - started
+            for p, (output, attn_probs), waited in zip(batch, results, queue_s):
+                if not p.future.done():
+                    p.future.set_result(Result(output, attn_probs, waited, compute_s, len(batch)))
+            failed = False
+        except Exception as err:
+            logger.exception("model %s: batch of %d requests failed", self.name, len(batch))
+            for p in batch:
+                if not p.future.done():
+                    failure = BatchFailed(f"model {self.name}: the batch this request was in failed: "
+                                          f"{type(err).__name__}: {err}")
+                    failure.__cause__ = err
+                    p.future.set_exception(failure)
+        finally:
+            self._computing -= 1
+            self._slots.release()
+            if self._observer is not None:
+                self._observer.on_batch(BatchStats(
+                    requests=len(batch), rows=sum(p.work.rows for p in batch), padding_ratio=padding_ratio,
+                    compute_s=time.monotonic() - started, queue_s=queue_s, failed=failed))
+
+    def _report_depth(self) -> None:
+        if self._observer is not None:
+            self._observer.on_queue_depth(len(self._pending))
+
+
+def _compute(run_batch: RunBatch, works: list[Work]) -> tuple[list[tuple[np.ndarray, np.ndarray | None]], float]:
+    """On a worker thread: pad and merge, run, check, split. Returns per-request outputs and
+    the batch's padding ratio."""
+    feeds, padding_ratio = merge(works)
+    want_probs = any(w.want_probs for w in works)
+    output, attn_probs = run_batch(feeds, want_probs)
+    rows = feeds["query"].shape[0]
+    if output.shape[0] != rows or (want_probs and (attn_probs is None or attn_probs.shape[0] != rows)):
+        raise RuntimeError(f"run returned {output.shape[0]} rows for a batch of {rows}")
+    return split(works, output, attn_probs), padding_ratio
+
+
+def merge(works: list[Work]) -> tuple[dict[str, np.ndarray], float]:
+    """Pad to the longest query and key, mask padded keys; returns feeds and padding ratio."""
+    if len(works) == 1:
+        w = works[0]
+        mask = w.mask if w.mask is not None else np.ones((w.rows, w.q_len, w.k_len), dtype=np.bool_)
+        return {"query": w.query, "key": w.key, "value": w.value, "mask": mask}, 0.0
+    rows = sum(w.rows for w in works)
+    q_len = max(w.q_len for w in works)
+    k_len = max(w.k_len for w in works)
+    same_lengths = all(w.q_len == q_len and w.k_len == k_len for w in works)
+    if same_lengths:
+        query = np.concatenate([w.query for w in works])
+        key = np.concatenate([w.key for w in works])
+        value = np.concatenate([w.value for w in works])
+        if all(w.mask is None for w in works):
+            mask = np.ones((rows, q_len, k_len), dtype=np.bool_)
+        else:
+            mask = np.concatenate([w.mask if w.mask is not None else np.ones((w.rows, q_len, k_len), np.bool_)
+                                   for w in works])
+        return {"query": query, "key": key, "value": value, "mask": mask}, 0.0
+    first = works[0]
+    query = np.zeros((rows, q_len, first.query.shape[2]), dtype=np.float32)  # (B, Lq, q_dim)
+    key = np.zeros((rows, k_len, first.key.shape[2]), dtype=np.float32)  # (B, Lk, kv_dim)
+    value = np.zeros_like(key)
+    mask = np.zeros((rows, q_len, k_len), dtype=np.bool_)  # (B, Lq, Lk): padding is masked
+    start = 0
+    useful = 0
+    for w in works:
+        end = start + w.rows
+        query[start:end, : w.q_len] = w.query
+        key[start:end, : w.k_len] = w.key
+        value[start:end, : w.k_len] = w.value
+        mask[start:end, : w.q_len, : w.k_len] = True if w.mask is None else w.mask
+        useful += w.rows * w.q_len * w.k_len
+        start = end
+    return {"query": query, "key": key, "value": value, "mask": mask}, 1.0 - useful / (rows * q_len * k_len)
+
+
+def split(works: list[Work], output: np.ndarray, attn_probs: np.ndarray | None
+          ) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """Each request's own rows, padding dropped: output (b, lq, out_dim), attn_probs (b, h, lq, lk)."""
+    results = []
+    start = 0
+    for w in works:
+        end = start + w.rows
+        out = output[start:end, : w.q_len]
+        probs = attn_probs[start:end, :, : w.q_len, : w.k_len] if (w.want_probs and attn_probs is not None) else None
+        results.append((out, probs))
+        start = end
+    return results

@@ -1,0 +1,146 @@
+"""Protobuf <-> numpy for ModelInfer: the only place tensor bytes are decoded and encoded.
+
+decode() validates a request against its model before anything large is allocated (names,
+datatypes, ranks, widths, batch and length agreement, byte counts, limits) and raises ValueError
+with the tensor's name and the expectation; a bad request therefore fails alone, before it can
+join a batch. Raw contents are wrapped with np.frombuffer, without a copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from proto import inference_pb2 as pb
+from server.batcher import Result, Work
+from server.repository import INPUT_NAMES, OUTPUT_NAMES, ModelSpec
+
+# Little-endian on the wire, whatever this machine is.
+_DTYPES = {"FP32": np.dtype("<f4"), "BOOL": np.dtype("?")}
+_EXPECTED_DATATYPE = {"query": "FP32", "key": "FP32", "value": "FP32", "mask": "BOOL"}
+_TYPED_FIELD = {"FP32": "fp32_contents", "BOOL": "bool_contents"}
+_REQUIRED = ("query", "key", "value")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_q_len: int
+    max_kv_len: int
+    max_attention_bytes: int  # B * H * Lq * Lk * 4 for one request
+
+
+@dataclass(slots=True)
+class Decoded:
+    work: Work
+    outputs: tuple[str, ...]  # requested outputs, in response order
+    raw: bool  # answer in raw_output_contents
+
+
+def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> Decoded:
+    inputs = request.inputs
+    names = [t.name for t in inputs]
+    unknown = [n for n in names if n not in INPUT_NAMES]
+    if unknown:
+        raise ValueError(f"unknown input {unknown[0]!r}; model {spec.name} takes {list(INPUT_NAMES)}")
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"input {duplicates[0]!r} given more than once")
+    missing = [n for n in _REQUIRED if n not in names]
+    if missing:
+        raise ValueError(f"missing input {missing[0]!r}; required: {list(_REQUIRED)}, optional: ['mask']")
+
+    raw = len(request.raw_input_contents) > 0
+    if raw and len(request.raw_input_contents) != len(inputs):
+        raise ValueError(f"raw_input_contents has {len(request.raw_input_contents)} entries for {len(inputs)} inputs")
+
+    # Shapes first: every check below is arithmetic on them, nothing is allocated yet.
+    shapes: dict[str, tuple[int, ...]] = {}
+    for tensor in inputs:
+        want = _EXPECTED_DATATYPE[tensor.name]
+        if tensor.datatype != want:
+            raise ValueError(f"input {tensor.name!r}: expected datatype {want}, got {tensor.datatype!r}")
+        shape = tuple(tensor.shape)
+        if len(shape) != 3:
+            raise ValueError(f"input {tensor.name!r}: expected rank 3, got shape {list(shape)}")
+        if any(d < 0 for d in shape):
+            raise ValueError(f"input {tensor.name!r}: negative dimension in shape {list(shape)}")
+        shapes[tensor.name] = shape
+    _check_shapes(shapes, spec, limits)
+
+    arrays: dict[str, np.ndarray] = {}
+    for index, tensor in enumerate(inputs):
+        shape = shapes[tensor.name]
+        dtype = _DTYPES[tensor.datatype]
+        count = int(np.prod(shape))
+        if raw:
+            if tensor.HasField("contents"):
+                raise ValueError(f"input {tensor.name!r}: has typed contents and raw_input_contents; use one")
+            data = request.raw_input_contents[index]
+            if len(data) != count * dtype.itemsize:
+                raise ValueError(f"input {tensor.name!r}: shape {list(shape)} {tensor.datatype} needs "
+                                 f"{count * dtype.itemsize} bytes, raw_input_contents has {len(data)}")
+            array = np.frombuffer(data, dtype=dtype).reshape(shape)
+        else:
+            values = getattr(tensor.contents, _TYPED_FIELD[tensor.datatype])
+            if len(values) != count:
+                raise ValueError(f"input {tensor.name!r}: shape {list(shape)} needs {count} values in "
+                                 f"contents.{_TYPED_FIELD[tensor.datatype]}, got {len(values)}")
+            array = np.asarray(values, dtype=dtype).reshape(shape)
+        arrays[tensor.name] = array.astype(np.float32, copy=False) if tensor.datatype == "FP32" else array
+
+    outputs = _requested_outputs(request, spec)
+    work = Work(arrays["query"], arrays["key"], arrays["value"], arrays.get("mask"),
+                want_probs="attn_probs" in outputs)
+    return Decoded(work=work, outputs=outputs, raw=raw)
+
+
+def _check_shapes(shapes: dict[str, tuple[int, ...]], spec: ModelSpec, limits: Limits) -> None:
+    b, lq, q_width = shapes["query"]
+    widths = {"query": spec.query_dim, "key": spec.kv_dim, "value": spec.kv_dim}
+    for name, want in widths.items():
+        if shapes[name][2] != want:
+            raise ValueError(f"input {name!r}: expected shape [batch, length, {want}], got {list(shapes[name])}")
+    for name in ("key", "value"):
+        if shapes[name][0] != b:
+            raise ValueError(f"input {name!r}: batch size {shapes[name][0]} disagrees with query's {b}")
+    lk = shapes["key"][1]
+    if shapes["value"][1] != lk:
+        raise ValueError(f"input 'value': length {shapes['value'][1]} disagrees with key's {lk}")
+    if "mask" in shapes and shapes["mask"] != (b, lq, lk):
+        raise ValueError(f"input 'mask': expected shape [batch, q_len, k_len] = {[b, lq, lk]}, got {list(shapes['mask'])}")
+    if b < 1 or lq < 1 or lk < 1:
+        raise ValueError(f"batch, q_len and k_len must be >= 1, got {b}, {lq}, {lk}")
+    if lq > limits.max_q_len:
+        raise ValueError(f"input 'query': length {lq} exceeds this model's max_q_len {limits.max_q_len}")
+    if lk > limits.max_kv_len:
+        raise ValueError(f"input 'key': length {lk} exceeds this model's max_kv_len {limits.max_kv_len}")
+    attention_bytes = b * spec.num_heads * lq * lk * 4
+    if attention_bytes > limits.max_attention_bytes:
+        raise ValueError(f"request needs a {attention_bytes:,}-byte attention matrix (batch {b} x {spec.num_heads} "
+                         f"heads x {lq} x {lk} x 4); the limit is {limits.max_attention_bytes:,} bytes")
+
+
+def _requested_outputs(request: pb.ModelInferRequest, spec: ModelSpec) -> tuple[str, ...]:
+    if not request.outputs:
+        return OUTPUT_NAMES  # the protocol: no outputs named means all of them
+    names = [o.name for o in request.outputs]
+    for name in names:
+        if name not in OUTPUT_NAMES:
+            raise ValueError(f"unknown output {name!r}; model {spec.name} has {list(OUTPUT_NAMES)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"output requested more than once: {names}")
+    return tuple(names)
+
+
+def encode(request: pb.ModelInferRequest, decoded: Decoded, result: Result, version: int
+           ) -> pb.ModelInferResponse:
+    response = pb.ModelInferResponse(model_name=request.model_name, model_version=str(version), id=request.id)
+    for name in decoded.outputs:
+        array = result.output if name == "output" else result.attn_probs
+        tensor = response.outputs.add(name=name, datatype="FP32", shape=array.shape)
+        if decoded.raw:
+            response.raw_output_contents.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
+        else:
+            tensor.contents.fp32_contents.extend(array.ravel().tolist())
+    return response

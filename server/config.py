@@ -1,0 +1,169 @@
+"""ServerConfig: every setting of a server process, in one typed place.
+
+Each field has a flag (`--model-repository`) and an environment variable with the ATTNSERVE_
+prefix (`ATTNSERVE_MODEL_REPOSITORY`); a flag beats the variable, the variable beats the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+ENV_PREFIX = "ATTNSERVE_"
+DEVICES = ("cpu", "cuda", "auto")
+# gRPC's 4 MiB default is too small for real requests (4 x 200 x 512 float32 is 4.9 MB).
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_repository: Path = Path("models")
+    host: str = "0.0.0.0"
+    port: int = 8001  # gRPC: Open Inference Protocol, grpc.health.v1, reflection
+    metrics_port: int = 8002  # Prometheus text over HTTP; 0 = any free port, -1 = off
+    device: str = "cpu"  # cpu | cuda (refuse to start without it) | auto (cuda if it works)
+    # Per-model batching and limits come from config.json; these override every model's.
+    max_batch_size: int | None = None  # sequences merged into one ONNX Runtime run
+    max_queue_delay_ms: float | None = None  # wait for company while another batch runs
+    max_queue_size: int = 512  # requests waiting per model; beyond it RESOURCE_EXHAUSTED
+    max_padding_ratio: float = 0.5  # padded share of a batch's attention matrix allowed
+    max_attention_bytes: int = 2 * 1024**3  # one request's B*H*Lq*Lk*4 bytes; over it refused
+    batches_in_flight: int = 1  # ONNX Runtime runs at once per model
+    intra_op_threads: int = 0  # ONNX Runtime threads per run; 0 = one per core
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    grace_period_s: float = 30.0  # on SIGTERM: time to finish accepted requests
+    model_versions: tuple[tuple[str, int], ...] = ()  # pins, e.g. (("self_attention", 1),)
+    ready_file: Path | None = None  # written with the bound ports once serving (tests, scripts)
+    log_level: str = "INFO"
+    access_log: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in -1..65535, got {self.metrics_port}")
+        for name in ("max_queue_size", "batches_in_flight", "max_message_bytes", "max_attention_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_batch_size is not None and self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_queue_delay_ms is not None and self.max_queue_delay_ms < 0:
+            raise ValueError(f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms}")
+        if not 0.0 <= self.max_padding_ratio < 1.0:
+            raise ValueError(f"max_padding_ratio must be in [0, 1), got {self.max_padding_ratio}")
+        if self.intra_op_threads < 0:
+            raise ValueError(f"intra_op_threads must be >= 0, got {self.intra_op_threads}")
+        if self.grace_period_s < 0:
+            raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
+
+    @property
+    def pinned_versions(self) -> dict[str, int]:
+        return dict(self.model_versions)
+
+
+# Flag help, one line each; the README's configuration table is this list.
+_HELP: dict[str, str] = {
+    "model_repository": "model repository written by `python -m export`",
+    "host": "address to bind",
+    "port": "gRPC port (0 = any free port)",
+    "metrics_port": "Prometheus metrics HTTP port (0 = any free port, -1 = off)",
+    "device": "cpu, cuda (refuse to start without it) or auto",
+    "max_batch_size": "sequences per ONNX Runtime run, for every model (default: config.json)",
+    "max_queue_delay_ms": "longest wait for company while another batch runs (default: config.json)",
+    "max_queue_size": "requests queued per model before RESOURCE_EXHAUSTED",
+    "max_padding_ratio": "largest padded share of a batch's attention matrix",
+    "max_attention_bytes": "largest attention matrix (B*H*Lq*Lk*4 bytes) one request may need",
+    "batches_in_flight": "ONNX Runtime runs at once per model",
+    "intra_op_threads": "ONNX Runtime intra-op threads (0 = one per core)",
+    "max_message_bytes": "largest gRPC message received or sent",
+    "grace_period_s": "seconds to finish accepted requests after SIGTERM",
+    "model_versions": "pin versions: NAME=VERSION[,NAME=VERSION...] (default: highest)",
+    "ready_file": "write {grpc_port, metrics_port} as JSON here once serving",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "access_log": "log every RPC (true/false)",
+}
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+def _parse_pins(text: str) -> tuple[tuple[str, int], ...]:
+    pins = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, version = part.partition("=")
+        if not sep or not name or not version.isdigit():
+            raise ValueError(f"expected NAME=VERSION, got {part!r}")
+        pins.append((name, int(version)))
+    return tuple(pins)
+
+
+def _converter(f: dataclasses.Field) -> Any:
+    if f.name == "model_versions":
+        return _parse_pins
+    if f.name == "access_log":
+        return _parse_bool
+    annotation = str(f.type)
+    if "Path" in annotation:
+        return Path
+    if "float" in annotation:
+        return float
+    if "int" in annotation:
+        return int
+    return str
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m server",
+        description="Serve attention models over the Open Inference Protocol (KServe V2) on gRPC. "
+        f"Every flag can also be set by its environment variable ({ENV_PREFIX}<FLAG>).",
+    )
+    for f in dataclasses.fields(ServerConfig):
+        default = f.default
+        shown = ",".join(f"{n}={v}" for n, v in default) if f.name == "model_versions" else default
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=_converter(f),
+            default=None,
+            help=f"{_HELP[f.name]} [env {env_name(f.name)}; default {shown}]",
+        )
+    return parser
+
+
+def load_config(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """Flags, then ATTNSERVE_* variables, then defaults. Raises SystemExit(2) on bad values."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(ServerConfig):
+        given = getattr(args, f.name)
+        if given is None and env_name(f.name) in environ:
+            try:
+                given = _converter(f)(environ[env_name(f.name)])
+            except ValueError as err:
+                parser.error(f"{env_name(f.name)}: {err}")
+        if given is not None:
+            values[f.name] = given
+    try:
+        return ServerConfig(**values)
+    except ValueError as err:
+        parser.error(str(err))
+        raise  # unreachable: parser.error exits

@@ -1,0 +1,86 @@
+"""ONNX Runtime sessions for one model version: the graph with attn_probs and the one without.
+
+Knows nothing of gRPC or batching. `run` is blocking and thread-safe (ONNX Runtime sessions
+are), and releases the GIL while it computes, so callers run it off the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from server.repository import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+
+
+class DeviceUnavailable(RuntimeError):
+    """--device cuda was asked for and CUDA cannot be used; the message says why."""
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    providers: tuple[str, ...]
+    why_not_cuda: str | None  # set when CUDA was wanted (cuda/auto) but is not used
+
+
+def choose_device(device: str) -> DeviceChoice:
+    """The execution providers for --device, or DeviceUnavailable for 'cuda' without CUDA."""
+    if device == "cpu":
+        return DeviceChoice((CPU,), None)
+    available = ort.get_available_providers()
+    if CUDA in available:
+        return DeviceChoice((CUDA, CPU), None)
+    why_not_cuda = f"{CUDA} not in onnxruntime.get_available_providers() = {available} (onnxruntime {ort.__version__}; install onnxruntime-gpu)"
+    if device == "cuda":
+        raise DeviceUnavailable(why_not_cuda)
+    return DeviceChoice((CPU,), why_not_cuda)
+
+
+def session_options(intra_op_threads: int) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = intra_op_threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return options
+
+
+class Engine:
+    """Both graphs of one model version, on the chosen device."""
+
+    def __init__(self, spec: ModelSpec, device: DeviceChoice, intra_op_threads: int = 0) -> None:
+        self.spec = spec
+        options = session_options(intra_op_threads)
+        self._all_outputs = self._open(str(spec.graph_all_outputs), options, device)
+        # The probability-free graph is an optimisation: serve without it if it is missing.
+        self._output_only = None
+        if spec.graph_output_only.exists():
+            self._output_only = self._open(str(spec.graph_output_only), options, device)
+        else:
+            logger.warning("%s: %s missing; requests for `output` alone will compute attn_probs too",
+                           spec.name, spec.graph_output_only.name)
+        self.providers = tuple(self._all_outputs.get_providers())
+
+    @staticmethod
+    def _open(path: str, options: ort.SessionOptions, device: DeviceChoice) -> ort.InferenceSession:
+        session = ort.InferenceSession(path, sess_options=options, providers=list(device.providers))
+        if device.providers[0] == CUDA and session.get_providers()[0] != CUDA:
+            # ORT falls back to CPU silently when the CUDA libraries fail to load.
+            raise DeviceUnavailable(f"{CUDA} is installed but the session for {path} runs on {session.get_providers()}")
+        return session
+
+    def run(self, feeds: dict[str, np.ndarray], want_probs: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """feeds: query (B, Lq, q_dim), key/value (B, Lk, kv_dim), mask (B, Lq, Lk) bool.
+        Returns output (B, Lq, out_dim) and attn_probs (B, H, Lq, Lk) or None."""
+        if want_probs or self._output_only is None:
+            output, attn_probs = self._all_outputs.run(None, feeds)
+            return output, (attn_probs if want_probs else None)
+        (output,) = self._output_only.run(None, feeds)
+        return output, None

@@ -1,0 +1,132 @@
+"""Observations of serving: Prometheus collectors and Triton-style model statistics.
+
+The metric names are a contract (dashboards are built on them): attnserve_requests_total,
+attnserve_request_duration_seconds, attnserve_queue_duration_seconds,
+attnserve_compute_duration_seconds, attnserve_batch_requests, attnserve_padding_ratio,
+attnserve_queue_depth; every one is labelled by model.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+
+# `_created` series double the output and no dashboard reads them.
+disable_created_metrics()
+
+from server.batcher import BatchStats
+
+_LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
+
+
+@dataclass
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.ns += int(seconds * 1e9)
+
+
+@dataclass
+class ModelStatistics:
+    """What Triton's ModelStatistics RPC reports, for one model."""
+
+    last_inference_ms: int = 0
+    inference_count: int = 0  # rows (sequences) inferred
+    execution_count: int = 0  # ONNX Runtime runs
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    batches: dict[int, Duration] = field(default_factory=dict)  # rows per run -> compute
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("attnserve_requests", "Inference requests by final gRPC status code.",
+                                ["model", "code"], registry=self.registry)
+        self.request_duration = Histogram("attnserve_request_duration_seconds",
+                                          "Inference request time in the server, decode to encode.",
+                                          ["model"], buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.queue_duration = Histogram("attnserve_queue_duration_seconds",
+                                        "Time a request waited in its model's queue.",
+                                        ["model"], buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.compute_duration = Histogram("attnserve_compute_duration_seconds",
+                                          "Time of one batch: pad, ONNX Runtime run, split.",
+                                          ["model"], buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.batch_requests = Histogram("attnserve_batch_requests", "Requests merged into one ONNX Runtime run.",
+                                        ["model"], buckets=_BATCH_BUCKETS, registry=self.registry)
+        self.padding_ratio = Histogram("attnserve_padding_ratio",
+                                       "Padded share of each batch's attention matrix.",
+                                       ["model"], buckets=_RATIO_BUCKETS, registry=self.registry)
+        self.queue_depth = Gauge("attnserve_queue_depth", "Requests waiting in the model's queue.",
+                                 ["model"], registry=self.registry)
+        self.statistics: dict[str, ModelStatistics] = {}
+        self._lock = threading.Lock()  # statistics are read by the RPC, written by the loop
+        self._http = None
+
+    def observer(self, model: str) -> "ModelObserver":
+        self.statistics.setdefault(model, ModelStatistics())
+        return ModelObserver(self, model)
+
+    def request_done(self, model: str, code: str, duration_s: float) -> None:
+        self.requests.labels(model, code).inc()
+        if code == "OK":
+            self.request_duration.labels(model).observe(duration_s)
+        stats = self.statistics.get(model)
+        if stats is not None:
+            with self._lock:
+                (stats.success if code == "OK" else stats.fail).add(duration_s)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the HTTP endpoint on a daemon thread; returns the bound port."""
+        self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+class ModelObserver:
+    """The batcher's view of Metrics, bound to one model's labels."""
+
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self._metrics = metrics
+        self._stats = metrics.statistics[model]
+        self._queue_duration = metrics.queue_duration.labels(model)
+        self._compute_duration = metrics.compute_duration.labels(model)
+        self._batch_requests = metrics.batch_requests.labels(model)
+        self._padding_ratio = metrics.padding_ratio.labels(model)
+        self._queue_depth = metrics.queue_depth.labels(model)
+
+    def on_batch(self, stats: BatchStats) -> None:
+        self._compute_duration.observe(stats.compute_s)
+        self._batch_requests.observe(stats.requests)
+        self._padding_ratio.observe(stats.padding_ratio)
+        for waited in stats.queue_s:
+            self._queue_duration.observe(waited)
+        if stats.failed:
+            return
+        with self._metrics._lock:
+            s = self._stats
+            s.last_inference_ms = int(time.time() * 1000)
+            s.inference_count += stats.rows
+            s.execution_count += 1
+            for waited in stats.queue_s:  # per request, as Triton counts them
+                s.queue.add(waited)
+                s.compute_infer.add(stats.compute_s)
+            s.batches.setdefault(stats.rows, Duration()).add(stats.compute_s)
+
+    def on_queue_depth(self, depth: int) -> None:
+        self._queue_depth.set(depth)

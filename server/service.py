@@ -1,0 +1,177 @@
+"""The Open Inference Protocol servicer: decode -> submit -> encode, errors -> status codes once.
+
+Also Triton's ModelConfig and ModelStatistics extensions, which perf_analyzer and tritonclient
+call. Protobuf stops here: below this module everything is numpy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from proto import inference_pb2 as pb
+from proto import inference_pb2_grpc as pb_grpc
+from server import __version__, codec
+from server.batcher import BatcherClosed, DeadlineExpired, QueueFull
+from server.metrics import Metrics
+from server.models import ModelNotFound, ModelRegistry, ModelUnavailable
+from server.repository import TensorSpec
+
+logger = logging.getLogger(__name__)
+
+SERVER_NAME = "attnserve"
+EXTENSIONS = ("model_configuration", "statistics")
+
+
+class ShuttingDown(Exception):
+    """The server is draining after SIGTERM: new work goes to another replica."""
+
+
+# Every error the servicer can meet, mapped once. Anything else is INTERNAL, logged once.
+_STATUS: dict[type[BaseException], grpc.StatusCode] = {
+    ValueError: grpc.StatusCode.INVALID_ARGUMENT,
+    ModelNotFound: grpc.StatusCode.NOT_FOUND,
+    ModelUnavailable: grpc.StatusCode.UNAVAILABLE,
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    DeadlineExpired: grpc.StatusCode.DEADLINE_EXCEEDED,
+    BatcherClosed: grpc.StatusCode.UNAVAILABLE,
+    ShuttingDown: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_for(err: BaseException) -> tuple[grpc.StatusCode, str]:
+    for cls in type(err).__mro__:
+        if cls in _STATUS:
+            return _STATUS[cls], str(err)
+    if not getattr(err, "_logged", False):
+        logger.error("internal error: %s", err, exc_info=err)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
+
+
+_DATA_TYPES = {"FP32": pb.TYPE_FP32, "BOOL": pb.TYPE_BOOL}
+
+
+def _tensor_metadata(t: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:
+    return pb.ModelMetadataResponse.TensorMetadata(name=t.name, datatype=t.datatype, shape=t.shape)
+
+
+def _duration(d) -> pb.StatisticDuration:
+    return pb.StatisticDuration(count=d.count, ns=d.ns)
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, registry: ModelRegistry, metrics: Metrics) -> None:
+        self._registry = registry
+        self._metrics = metrics
+        self.draining = False
+
+    # -- health and metadata -----------------------------------------------------------------
+
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=not self.draining and bool(self._registry.loaded))
+
+    async def ModelReady(self, request, context):
+        try:
+            ready = self._registry.ready(request.name, request.version)
+        except Exception as err:
+            await context.abort(*status_for(err))
+        return pb.ModelReadyResponse(ready=ready and not self.draining)
+
+    async def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=__version__, extensions=EXTENSIONS)
+
+    async def ModelMetadata(self, request, context):
+        try:
+            spec = self._registry.get(request.name, request.version).spec
+        except Exception as err:
+            await context.abort(*status_for(err))
+        return pb.ModelMetadataResponse(
+            name=spec.name, versions=[str(spec.version)], platform=spec.platform,
+            inputs=[_tensor_metadata(t) for t in spec.inputs], outputs=[_tensor_metadata(t) for t in spec.outputs])
+
+    async def ModelConfig(self, request, context):
+        try:
+            spec = self._registry.get(request.name, request.version).spec
+        except Exception as err:
+            await context.abort(*status_for(err))
+        config = pb.ModelConfig(
+            name=spec.name, platform=spec.platform, backend="onnxruntime",
+            max_batch_size=0,  # the batch dim is explicit in every shape; the server batches itself
+            input=[pb.ModelInput(name=t.name, data_type=_DATA_TYPES[t.datatype], dims=t.shape, optional=t.optional)
+                   for t in spec.inputs],
+            output=[pb.ModelOutput(name=t.name, data_type=_DATA_TYPES[t.datatype], dims=t.shape)
+                    for t in spec.outputs])
+        return pb.ModelConfigResponse(config=config)
+
+    async def ModelStatistics(self, request, context):
+        names = [request.name] if request.name else sorted(self._registry.loaded)
+        response = pb.ModelStatisticsResponse()
+        for name in names:
+            try:
+                spec = self._registry.get(name, request.version).spec
+            except Exception as err:
+                await context.abort(*status_for(err))
+            s = self._metrics.statistics[name]
+            response.model_stats.add(
+                name=name, version=str(spec.version), last_inference=s.last_inference_ms,
+                inference_count=s.inference_count, execution_count=s.execution_count,
+                inference_stats=pb.InferStatistics(
+                    success=_duration(s.success), fail=_duration(s.fail), queue=_duration(s.queue),
+                    compute_input=pb.StatisticDuration(), compute_infer=_duration(s.compute_infer),
+                    compute_output=pb.StatisticDuration()),
+                batch_stats=[pb.InferBatchStatistics(batch_size=size, compute_infer=_duration(d))
+                             for size, d in sorted(s.batches.items())])
+        return response
+
+    # -- inference ---------------------------------------------------------------------------
+
+    async def _infer(self, request: pb.ModelInferRequest, time_remaining: float | None) -> pb.ModelInferResponse:
+        if self.draining:
+            raise ShuttingDown("server is shutting down; retry on another replica")
+        model = self._registry.get(request.model_name, request.model_version)
+        decoded = codec.decode(request, model.spec, model.limits)
+        deadline = None if time_remaining is None else time.monotonic() + time_remaining
+        result = await model.batcher.submit(decoded.work, deadline)
+        return codec.encode(request, decoded, result, model.spec.version)
+
+    def _metric_label(self, model_name: str) -> str:
+        # Only known names become label values: a client must not grow the metrics without bound.
+        known = model_name in self._registry.loaded or model_name in self._registry.failed
+        return model_name if known else "_unknown"
+
+    async def ModelInfer(self, request, context):
+        started = time.monotonic()
+        code = grpc.StatusCode.OK
+        try:
+            return await self._infer(request, context.time_remaining())
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED  # the client went away; its request was dropped
+            raise
+        except Exception as err:
+            code, details = status_for(err)
+            await context.abort(code, details)
+        finally:
+            self._metrics.request_done(self._metric_label(request.model_name), code.name,
+                                       time.monotonic() - started)
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        """Requests answered in order; an error answers that request and the stream goes on."""
+        async for request in request_iterator:
+            started = time.monotonic()
+            try:
+                response = await self._infer(request, context.time_remaining())
+                code = grpc.StatusCode.OK
+                yield pb.ModelStreamInferResponse(infer_response=response)
+            except Exception as err:
+                code, details = status_for(err)
+                yield pb.ModelStreamInferResponse(
+                    error_message=f"{code.name}: {details}",
+                    infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id))
+            self._metrics.request_done(self._metric_label(request.model_name), code.name,
+                                       time.monotonic() - started)

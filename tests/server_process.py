@@ -1,0 +1,81 @@
+"""A real `python -m server` process on a free loopback port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STARTUP_TIMEOUT_S = 60.0
+
+
+class ServerProcess:
+    """Starts the server with --port 0 and reads the bound ports from its --ready-file."""
+
+    def __init__(self, model_repository: Path, *extra_args: str, env: dict[str, str] | None = None) -> None:
+        self._workdir = Path(tempfile.mkdtemp(prefix="attnserve-test-"))
+        self.ready_file = self._workdir / "ready.json"
+        self.log_path = self._workdir / "server.log"
+        args = [
+            sys.executable, "-m", "server",
+            "--model-repository", str(model_repository),
+            "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+            "--ready-file", str(self.ready_file),
+            *extra_args,
+        ]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        self.port, self.metrics_port = self._wait_ready()
+        self.address = f"127.0.0.1:{self.port}"
+
+    def _wait_ready(self) -> tuple[int, int]:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} before it was ready:\n{self.log()}")
+            if self.ready_file.exists():
+                info = json.loads(self.ready_file.read_text())
+                return int(info["grpc_port"]), int(info.get("metrics_port") or 0)
+            time.sleep(0.05)
+        self.proc.kill()
+        raise RuntimeError(f"server not ready within {STARTUP_TIMEOUT_S}s:\n{self.log()}")
+
+    def channel(self, **options: int) -> grpc.Channel:
+        opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+        return grpc.insecure_channel(self.address, options=opts + list(options.items()))
+
+    def health(self, service: str = "") -> int:
+        with self.channel() as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
