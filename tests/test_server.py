@@ -1,0 +1,267 @@
+"""End-to-end: a real server process on loopback, real ONNX Runtime, the generated stubs."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from proto import inference_pb2 as pb
+from proto import inference_pb2_grpc as pb_grpc
+from tests.oip import eager, infer_request, outputs_of, random_inputs
+
+TOLERANCE = 1e-5
+DIMS = {"self_attention": (512, 512, 8), "cross_attention": (32, 32, 2)}  # q_dim, kv_dim, heads
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with server.channel() as channel:
+        yield pb_grpc.GRPCInferenceServiceStub(channel)
+
+
+def _inputs(model, rng, b, lq, lk, **kw):
+    q_dim, kv_dim, _ = DIMS[model]
+    return random_inputs(rng, b, lq, lk, q_dim, kv_dim, **kw)
+
+
+def _assert_close(got: dict, want: dict, names=("output", "attn_probs")):
+    for name in names:
+        assert got[name].shape == want[name].shape, name
+        err = float(np.max(np.abs(got[name] - want[name])))
+        assert err <= TOLERANCE, f"{name}: max abs error {err}"
+
+
+# -- health, metadata, extensions -----------------------------------------------------------
+
+def test_live_ready_and_metadata(stub):
+    assert stub.ServerLive(pb.ServerLiveRequest()).live
+    assert stub.ServerReady(pb.ServerReadyRequest()).ready
+    meta = stub.ServerMetadata(pb.ServerMetadataRequest())
+    assert meta.name == "attnserve" and meta.version
+    assert {"model_configuration", "statistics"} <= set(meta.extensions)
+    for model, (q_dim, kv_dim, heads) in DIMS.items():
+        assert stub.ModelReady(pb.ModelReadyRequest(name=model)).ready
+        assert stub.ModelReady(pb.ModelReadyRequest(name=model, version="1")).ready
+        m = stub.ModelMetadata(pb.ModelMetadataRequest(name=model))
+        assert m.name == model and list(m.versions) == ["1"] and m.platform == "onnxruntime_onnx"
+        assert [(t.name, t.datatype, list(t.shape)) for t in m.inputs] == [
+            ("query", "FP32", [-1, -1, q_dim]), ("key", "FP32", [-1, -1, kv_dim]),
+            ("value", "FP32", [-1, -1, kv_dim]), ("mask", "BOOL", [-1, -1, -1])]
+        assert [(t.name, list(t.shape)) for t in m.outputs] == [
+            ("output", [-1, -1, q_dim]), ("attn_probs", [-1, heads, -1, -1])]
+
+
+def test_model_config_and_statistics(stub):
+    config = stub.ModelConfig(pb.ModelConfigRequest(name="self_attention")).config
+    assert config.name == "self_attention" and config.platform == "onnxruntime_onnx"
+    assert config.max_batch_size == 0  # batch dims are explicit
+    assert [(i.name, i.data_type, list(i.dims), i.optional) for i in config.input] == [
+        ("query", pb.TYPE_FP32, [-1, -1, 512], False), ("key", pb.TYPE_FP32, [-1, -1, 512], False),
+        ("value", pb.TYPE_FP32, [-1, -1, 512], False), ("mask", pb.TYPE_BOOL, [-1, -1, -1], True)]
+    before = stub.ModelStatistics(pb.ModelStatisticsRequest(name="cross_attention")).model_stats[0]
+    x = _inputs("cross_attention", np.random.default_rng(0), 3, 4, 5)
+    stub.ModelInfer(infer_request("cross_attention", **x))
+    after = stub.ModelStatistics(pb.ModelStatisticsRequest(name="cross_attention")).model_stats[0]
+    assert after.name == "cross_attention" and after.version == "1"
+    assert after.inference_count == before.inference_count + 3  # rows
+    assert after.execution_count == before.execution_count + 1
+    assert after.inference_stats.success.count == before.inference_stats.success.count + 1
+    assert after.inference_stats.compute_infer.ns > before.inference_stats.compute_infer.ns
+    everything = stub.ModelStatistics(pb.ModelStatisticsRequest())
+    assert sorted(s.name for s in everything.model_stats) == sorted(DIMS)
+
+
+def test_health_service(server):
+    assert server.health() == health_pb2.HealthCheckResponse.SERVING
+    for model in DIMS:
+        assert server.health(model) == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as exc:
+        server.health("no_such_model")
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_reflection_lists_services(server):
+    with server.channel() as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"inference.GRPCInferenceService", "grpc.health.v1.Health"} <= names
+
+
+# -- inference and parity -------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", sorted(DIMS))
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "typed"])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+def test_parity_with_eager(stub, eager_modules, model, raw, masked):
+    rng = np.random.default_rng(hash((model, raw, masked)) % 2**32)
+    b, lq, lk = (4, 256, 77) if model == "cross_attention" else (2, 10, 7)
+    x = _inputs(model, rng, b, lq, lk, masked=masked, fully_masked_row=masked)
+    response = stub.ModelInfer(infer_request(model, raw=raw, request_id="r-1", **x))
+    assert response.id == "r-1" and response.model_name == model and response.model_version == "1"
+    assert bool(response.raw_output_contents) == raw  # answered the way it was asked
+    _assert_close(outputs_of(response), eager(eager_modules[model], **x))
+
+
+def test_output_selection(stub, eager_modules):
+    x = _inputs("self_attention", np.random.default_rng(1), 1, 5, 6, masked=True)
+    want = eager(eager_modules["self_attention"], **x)
+    only = outputs_of(stub.ModelInfer(infer_request("self_attention", outputs=("output",), **x)))
+    assert list(only) == ["output"]
+    _assert_close(only, want, names=("output",))
+    probs = outputs_of(stub.ModelInfer(infer_request("self_attention", outputs=("attn_probs",), **x)))
+    assert list(probs) == ["attn_probs"]
+    _assert_close(probs, want, names=("attn_probs",))
+    both = outputs_of(stub.ModelInfer(infer_request("self_attention", **x)))
+    assert list(both) == ["output", "attn_probs"]
+
+
+def test_request_over_grpc_default_message_size(stub, eager_modules):
+    """4 x 200 x 512 float32 in three tensors is 4.9 MB: over gRPC's 4 MiB default."""
+    x = _inputs("self_attention", np.random.default_rng(2), 4, 200, 200)
+    response = stub.ModelInfer(infer_request("self_attention", outputs=("output",), **x))
+    _assert_close(outputs_of(response), eager(eager_modules["self_attention"], **x), names=("output",))
+
+
+def test_concurrent_mixed_lengths_equal_unbatched(server, stub, eager_modules):
+    """Concurrent requests of different lengths and masks are batched (padding + masking) and
+    each still equals its own unbatched eager result."""
+    rng = np.random.default_rng(3)
+    cases = []
+    for i in range(48):
+        lq, lk = int(rng.integers(1, 24)), int(rng.integers(1, 24))
+        cases.append(_inputs("self_attention", rng, int(rng.integers(1, 3)), lq, lk,
+                             masked=i % 3 == 0, fully_masked_row=i % 7 == 0))
+    before = _metric(server, "attnserve_batch_requests_count", "self_attention")
+    before_sum = _metric(server, "attnserve_batch_requests_sum", "self_attention")
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        responses = list(pool.map(lambda x: stub.ModelInfer(infer_request("self_attention", **x)), cases))
+    for x, response in zip(cases, responses):
+        _assert_close(outputs_of(response), eager(eager_modules["self_attention"], **x))
+    runs = _metric(server, "attnserve_batch_requests_count", "self_attention") - before
+    merged = _metric(server, "attnserve_batch_requests_sum", "self_attention") - before_sum
+    assert merged == 48
+    assert runs < 48, "no batch of more than one request formed under concurrent load"
+
+
+def test_stream_infer_answers_in_order(stub, eager_modules):
+    rng = np.random.default_rng(4)
+    good = [_inputs("cross_attention", rng, 1, 8, 3) for _ in range(2)]
+    requests = [infer_request("cross_attention", request_id="a", **good[0]),
+                infer_request("cross_attention", request_id="bad", query=good[0]["query"]),
+                infer_request("cross_attention", request_id="b", **good[1])]
+    responses = list(stub.ModelStreamInfer(iter(requests)))
+    assert [r.infer_response.id for r in responses] == ["a", "bad", "b"]
+    assert responses[1].error_message.startswith("INVALID_ARGUMENT") and "key" in responses[1].error_message
+    for x, r in zip(good, (responses[0], responses[2])):
+        assert not r.error_message
+        _assert_close(outputs_of(r.infer_response), eager(eager_modules["cross_attention"], **x))
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+def _bad_requests():
+    rng = np.random.default_rng(5)
+    x = _inputs("self_attention", rng, 2, 3, 4)
+    q, k, v = x["query"], x["key"], x["value"]
+    mask = np.ones((2, 3, 4), dtype=np.bool_)
+    short_raw = infer_request("self_attention", query=q, key=k, value=v)
+    short_raw.raw_input_contents[1] = short_raw.raw_input_contents[1][:-4]
+    typed_short = infer_request("self_attention", raw=False, query=q, key=k, value=v)
+    del typed_short.inputs[0].contents.fp32_contents[-1]
+    mixed = infer_request("self_attention", query=q, key=k, value=v)
+    mixed.inputs[0].contents.fp32_contents.extend(q.ravel().tolist())
+    huge = infer_request("self_attention", query=q, key=k, value=v)
+    huge.inputs[0].shape[:] = [2, 1 << 20, 512]
+    return {
+        "missing key": (infer_request("self_attention", query=q, value=v), "'key'"),
+        "unknown input": (infer_request("self_attention", query=q, key=k, value=v, bias=q), "'bias'"),
+        "duplicate": (infer_request("self_attention", query=q, key=k, value=v), "more than once"),
+        "dtype": (infer_request("self_attention", query=q.astype(np.bool_), key=k, value=v), "FP32"),
+        "rank": (infer_request("self_attention", query=q[0], key=k, value=v), "rank 3"),
+        "width": (infer_request("self_attention", query=q[..., :256].copy(), key=k, value=v), "512"),
+        "batch": (infer_request("self_attention", query=q, key=k[:1].copy(), value=v), "batch size"),
+        "k/v lengths": (infer_request("self_attention", query=q, key=k, value=v[:, :3].copy()), "length"),
+        "mask shape": (infer_request("self_attention", query=q, key=k, value=v, mask=mask[:, :, :3].copy()), "mask"),
+        "mask dtype": (infer_request("self_attention", query=q, key=k, value=v, mask=mask.astype(np.float32)), "BOOL"),
+        "raw bytes": (short_raw, "bytes"),
+        "typed count": (typed_short, "values"),
+        "raw and typed": (mixed, "use one"),
+        "unknown output": (infer_request("self_attention", outputs=("logits",), query=q, key=k, value=v), "'logits'"),
+        "over limits": (huge, "max_q_len"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_requests()))
+def test_bad_request_is_invalid_argument(stub, case):
+    request, fragment = _bad_requests()[case]
+    if case == "duplicate":
+        request.inputs.add().CopyFrom(request.inputs[0])
+        request.raw_input_contents.append(request.raw_input_contents[0])
+    with pytest.raises(grpc.RpcError) as exc:
+        stub.ModelInfer(request)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in exc.value.details()
+
+
+def test_unknown_model_and_version_are_not_found(stub):
+    x = _inputs("cross_attention", np.random.default_rng(6), 1, 2, 2)
+    for request in (infer_request("nope", **x), infer_request("cross_attention", version="9", **x)):
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.ModelInfer(request)
+        assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+    for call, request in ((stub.ModelMetadata, pb.ModelMetadataRequest(name="nope")),
+                          (stub.ModelReady, pb.ModelReadyRequest(name="nope")),
+                          (stub.ModelConfig, pb.ModelConfigRequest(name="cross_attention", version="9"))):
+        with pytest.raises(grpc.RpcError) as exc:
+            call(request)
+        assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_bad_request_does_not_harm_its_batch(stub, eager_modules):
+    """Good and bad requests sent together: the good ones are answered correctly."""
+    rng = np.random.default_rng(7)
+    good = [_inputs("self_attention", rng, 1, 6, 6) for _ in range(12)]
+    bad = infer_request("self_attention", query=good[0]["query"], key=good[0]["key"],
+                        value=good[0]["value"][:, :5].copy())
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        goods = [pool.submit(stub.ModelInfer, infer_request("self_attention", **x)) for x in good]
+        bads = [pool.submit(stub.ModelInfer, bad) for _ in range(4)]
+        for x, f in zip(good, goods):
+            _assert_close(outputs_of(f.result()), eager(eager_modules["self_attention"], **x))
+        for f in bads:
+            assert f.exception().code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# -- metrics --------------------------------------------------------------------------------
+
+def _scrape(server) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def _metric(server, name: str, model: str, extra: str = "") -> float:
+    pattern = rf'^{name}{{(?=[^}}]*model="{model}")(?=[^}}]*{extra})[^}}]*}} (\S+)$'
+    values = [float(m.group(1)) for m in re.finditer(pattern, _scrape(server), re.M)]
+    return sum(values)
+
+
+def test_metrics_contract(server, stub):
+    x = _inputs("cross_attention", np.random.default_rng(8), 1, 2, 3)
+    stub.ModelInfer(infer_request("cross_attention", **x))
+    with pytest.raises(grpc.RpcError):
+        stub.ModelInfer(infer_request("cross_attention", query=x["query"]))
+    text = _scrape(server)
+    for name in ("attnserve_requests_total", "attnserve_request_duration_seconds_bucket",
+                 "attnserve_queue_duration_seconds_bucket", "attnserve_compute_duration_seconds_bucket",
+                 "attnserve_batch_requests_bucket", "attnserve_padding_ratio_bucket", "attnserve_queue_depth"):
+        assert re.search(rf'^{name}{{[^}}]*model="cross_attention"', text, re.M), name
+    assert _metric(server, "attnserve_requests_total", "cross_attention", 'code="OK"') >= 1
+    assert _metric(server, "attnserve_requests_total", "cross_attention", 'code="INVALID_ARGUMENT"') >= 1

@@ -1,0 +1,226 @@
+"""Server processes of their own: draining on SIGTERM, overload, deadlines, failed models, devices."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2
+
+from proto import inference_pb2 as pb
+from proto import inference_pb2_grpc as pb_grpc
+from server.config import ServerConfig, load_config
+from tests.oip import eager, infer_request, outputs_of, random_inputs
+from tests.server_process import REPO_ROOT, ServerProcess
+
+TOLERANCE = 1e-5
+
+
+def _heavy(rng, b=2, lq=300, lk=300):
+    """A self_attention request that takes tens of milliseconds on two cores."""
+    return random_inputs(rng, b, lq, lk, 512, 512)
+
+
+def _close(got, want):
+    return float(np.max(np.abs(got["output"] - want["output"]))) <= TOLERANCE
+
+
+def test_sigterm_drains_every_accepted_request(model_repository, eager_modules):
+    proc = ServerProcess(model_repository, "--max-batch-size", "2", "--grace-period-s", "30")
+    try:
+        rng = np.random.default_rng(0)
+        cases = [_heavy(rng) for _ in range(10)]
+        with proc.channel() as channel, concurrent.futures.ThreadPoolExecutor(10) as pool:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            futures = [pool.submit(stub.ModelInfer, infer_request("self_attention", outputs=("output",), **x),
+                                   timeout=60) for x in cases]
+            time.sleep(0.15)  # the first batches are running, the rest queued
+            proc.signal(signal.SIGTERM)
+            time.sleep(0.05)
+            with pytest.raises(grpc.RpcError) as late:  # arrives after draining began
+                stub.ModelInfer(infer_request("self_attention", **_heavy(rng, 1, 2, 2)), timeout=10)
+            assert late.value.code() == grpc.StatusCode.UNAVAILABLE
+            for x, future in zip(cases, futures):
+                assert _close(outputs_of(future.result()), eager(eager_modules["self_attention"], **x))
+        assert proc.wait(timeout=30) == 0
+        assert "draining" in proc.log()
+    finally:
+        proc.stop()
+
+
+def test_health_turns_not_serving_while_draining(model_repository):
+    proc = ServerProcess(model_repository, "--max-batch-size", "1")
+    try:
+        rng = np.random.default_rng(1)
+        with proc.channel() as channel, concurrent.futures.ThreadPoolExecutor(4) as pool:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            futures = [pool.submit(stub.ModelInfer, infer_request("self_attention", **_heavy(rng, 4)), timeout=60)
+                       for _ in range(4)]
+            time.sleep(0.15)
+            proc.signal(signal.SIGTERM)
+            time.sleep(0.05)
+            assert proc.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert not stub.ServerReady(pb.ServerReadyRequest(), timeout=5).ready
+            assert all(f.result().outputs for f in futures)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.stop()
+
+
+def test_queue_full_sheds_with_resource_exhausted(model_repository, eager_modules):
+    proc = ServerProcess(model_repository, "--max-queue-size", "1", "--max-batch-size", "2")
+    try:
+        rng = np.random.default_rng(2)
+        cases = [_heavy(rng) for _ in range(12)]
+        with proc.channel() as channel, concurrent.futures.ThreadPoolExecutor(12) as pool:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            futures = [pool.submit(stub.ModelInfer, infer_request("self_attention", outputs=("output",), **x),
+                                   timeout=60) for x in cases]
+            shed = served = 0
+            for x, future in zip(cases, futures):
+                err = future.exception()
+                if err is None:
+                    served += 1
+                    assert _close(outputs_of(future.result()), eager(eager_modules["self_attention"], **x))
+                else:
+                    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+                    assert "max_queue_size" in err.details()
+                    shed += 1
+        assert shed >= 1 and served >= 1 and shed + served == 12
+    finally:
+        proc.stop()
+
+
+def test_deadline_passed_in_queue_is_never_computed(model_repository):
+    proc = ServerProcess(model_repository, "--max-batch-size", "1")
+    try:
+        rng = np.random.default_rng(3)
+        with proc.channel() as channel, concurrent.futures.ThreadPoolExecutor(2) as pool:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            stats = lambda: stub.ModelStatistics(pb.ModelStatisticsRequest(name="self_attention")).model_stats[0]
+            before = stats().inference_count
+            slow = pool.submit(stub.ModelInfer, infer_request("self_attention", **_heavy(rng, 8, 400, 400)), timeout=60)
+            time.sleep(0.05)
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.ModelInfer(infer_request("self_attention", **_heavy(rng, 3, 2, 2)), timeout=0.02)
+            assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            slow.result()
+            time.sleep(0.1)
+            assert stats().inference_count - before == 8  # the slow request's rows alone
+    finally:
+        proc.stop()
+
+
+def test_model_that_fails_to_load_is_not_ready_and_others_serve(model_repository, tmp_path, eager_modules):
+    repository = tmp_path / "models"
+    shutil.copytree(model_repository, repository)
+    (repository / "cross_attention" / "1" / "model.onnx").write_bytes(b"not an onnx file")
+    proc = ServerProcess(repository)
+    try:
+        with proc.channel() as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            assert not stub.ModelReady(pb.ModelReadyRequest(name="cross_attention")).ready
+            assert stub.ModelReady(pb.ModelReadyRequest(name="self_attention")).ready
+            assert stub.ServerReady(pb.ServerReadyRequest()).ready
+            x = random_inputs(np.random.default_rng(4), 1, 3, 3, 32, 32)
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.ModelInfer(infer_request("cross_attention", **x))
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "not ready" in exc.value.details()
+            y = random_inputs(np.random.default_rng(5), 1, 3, 3, 512, 512)
+            got = outputs_of(stub.ModelInfer(infer_request("self_attention", **y)))
+            assert _close(got, eager(eager_modules["self_attention"], **y))
+        assert proc.health("cross_attention") == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert "model cross_attention is not ready" in proc.log()
+    finally:
+        proc.stop()
+
+
+def test_missing_graph_is_reported(model_repository, tmp_path):
+    repository = tmp_path / "models"
+    shutil.copytree(model_repository, repository)
+    (repository / "cross_attention" / "1" / "model.onnx").unlink()
+    proc = ServerProcess(repository)
+    try:
+        with proc.channel() as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            assert not stub.ModelReady(pb.ModelReadyRequest(name="cross_attention")).ready
+        assert "no version directory with model.onnx" in proc.log()
+    finally:
+        proc.stop()
+
+
+def _run_server(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_device_cuda_without_cuda_refuses_to_start(model_repository):
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this machine has CUDA: the refusal path cannot be shown here")
+    done = _run_server("--model-repository", str(model_repository), "--device", "cuda", "--port", "0",
+                       "--metrics-port", "-1")
+    assert done.returncode == 3
+    assert "CUDAExecutionProvider not in" in done.stderr
+
+
+def test_device_auto_falls_back_to_cpu_and_says_why(model_repository):
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this machine has CUDA")
+    proc = ServerProcess(model_repository, "--device", "auto")
+    try:
+        assert proc.health() == health_pb2.HealthCheckResponse.SERVING
+        assert "serving on CPU because CUDAExecutionProvider not in" in proc.log()
+    finally:
+        proc.stop()
+
+
+def test_port_in_use_is_a_clear_error(server, model_repository):
+    done = _run_server("--model-repository", str(model_repository), "--host", "127.0.0.1",
+                       "--port", str(server.port), "--metrics-port", "-1")
+    assert done.returncode == 3
+    assert "cannot start" in done.stderr
+
+
+# -- configuration --------------------------------------------------------------------------
+
+def test_flags_beat_environment_beats_defaults():
+    env = {"ATTNSERVE_PORT": "9000", "ATTNSERVE_MAX_BATCH_SIZE": "8", "ATTNSERVE_DEVICE": "auto",
+           "ATTNSERVE_MODEL_VERSIONS": "self_attention=2", "ATTNSERVE_ACCESS_LOG": "true"}
+    config = load_config(["--max-batch-size", "4"], env)
+    assert config.port == 9000 and config.max_batch_size == 4 and config.device == "auto"
+    assert config.pinned_versions == {"self_attention": 2} and config.access_log
+    assert load_config([], {}) == ServerConfig()
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--device", "tpu"], {}, "device must be one of"),
+    (["--max-batch-size", "0"], {}, "max_batch_size must be >= 1"),
+    ([], {"ATTNSERVE_PORT": "eighty"}, "ATTNSERVE_PORT"),
+    ([], {"ATTNSERVE_MODEL_VERSIONS": "x"}, "NAME=VERSION"),
+])
+def test_bad_configuration_exits_2(argv, env, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        load_config(argv, env)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_names_every_environment_variable():
+    import dataclasses
+
+    done = _run_server("--help")
+    assert done.returncode == 0
+    for f in dataclasses.fields(ServerConfig):
+        assert f"ATTNSERVE_{f.name.upper()}" in done.stdout
