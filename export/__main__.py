@@ -12,7 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
-from export.config import PRESETS, AttentionConfig
+from export.config import PRESET_ARGS, PRESETS, AttentionConfig
 
 DEMO_SEED = 0
 EXIT_BAD_ARGUMENTS = 2
@@ -64,18 +64,18 @@ def _resolve(args: argparse.Namespace):
     from export import checkpoint as ckpt
 
     overrides = _dim_overrides(args)
-    preset = PRESETS[args.preset] if args.preset else None
+    preset = PRESET_ARGS[args.preset] if args.preset else None
     if args.checkpoint is None:
         if preset is None and "query_dim" not in overrides:
             raise ValueError("give --preset, or --query-dim and --heads, or --checkpoint")
         if preset is None and "num_heads" not in overrides:
             raise ValueError("--heads is required without --preset")
-        config = preset.replace(**overrides) if preset else AttentionConfig(**overrides)
+        config = AttentionConfig(**((preset or {}) | overrides))
         return config, ckpt.demo_module(config, DEMO_SEED), {"source": "demo", "seed": DEMO_SEED,
                                                              "note": "deterministic demo weights, not trained"}
     state_dict, carried = ckpt.load_checkpoint(args.checkpoint)
     if preset is not None:
-        config = preset.replace(**overrides)
+        config = AttentionConfig(**(preset | overrides))
     elif carried is not None:
         config = carried.replace(**overrides)
     else:

@@ -61,10 +61,12 @@ class AttentionConfig:
         return dataclasses.replace(self, **changes)
 
 
-# The seed documents' sizes.
-PRESETS: dict[str, AttentionConfig] = {
+# The seed documents' sizes, as given: widths left out follow query_dim, also when a flag
+# changes query_dim (AttentionConfig(**PRESET_ARGS[name] | overrides)).
+PRESET_ARGS: dict[str, dict[str, Any]] = {
     # seed 000 MultiHeadAttention: d_model 512, 8 heads, dropout 0.1 (training only).
-    "self_attention": AttentionConfig(query_dim=512, num_heads=8, dropout=0.1),
+    "self_attention": {"query_dim": 512, "num_heads": 8, "dropout": 0.1},
     # seed 002 Multiheadattention(input_dim=32, heads=2, d_model=32): 256 queries over 77 keys.
-    "cross_attention": AttentionConfig(query_dim=32, num_heads=2, d_model=32),
+    "cross_attention": {"query_dim": 32, "num_heads": 2, "d_model": 32},
 }
+PRESETS: dict[str, AttentionConfig] = {name: AttentionConfig(**args) for name, args in PRESET_ARGS.items()}

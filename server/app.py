@@ -7,6 +7,7 @@ Used by `python -m server` and by the tests alike:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -32,18 +33,30 @@ _INFER_METHODS = frozenset(f"/{SERVICE_NAME}/{m}" for m in ("ModelInfer", "Model
 
 
 class _Admission(grpc.aio.ServerInterceptor):
-    """Counts inference RPCs from the moment their headers arrive, before their message does.
+    """Tracks inference RPCs from the moment their headers arrive, before their message does.
 
     A call admitted before SIGTERM is served even if its bytes are still arriving when draining
     starts (grpc's own stop(grace) would cancel it); a call that starts after is refused with
-    UNAVAILABLE, so the client retries on another replica."""
+    UNAVAILABLE, so the client retries on another replica.
+
+    gRPC never runs the handler of a call whose message does not arrive (client gone, deadline
+    hit on the way), so "arriving" calls are forgotten after ARRIVAL_TIMEOUT_S; calls whose
+    handler runs are counted until it returns, whatever happens."""
+
+    ARRIVAL_TIMEOUT_S = 10.0
+    _PRUNE_EVERY = 1024
 
     def __init__(self, access_log: bool) -> None:
         self.draining = False
-        self.in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._arriving: dict[int, float] = {}  # call number -> time.monotonic() its headers came
+        self._running = 0
+        self._changed = asyncio.Event()
+        self._calls = itertools.count()
         self._access_log = access_log
+
+    @property
+    def in_flight(self) -> int:
+        return self._running + len(self._arriving)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -52,47 +65,65 @@ class _Admission(grpc.aio.ServerInterceptor):
         if handler is None or details.method not in _INFER_METHODS:
             return handler
         admitted = not self.draining
-        self._enter()
+        call = next(self._calls)
+        self._arriving[call] = time.monotonic()
+        if call % self._PRUNE_EVERY == 0:
+            self._forget_stale_arrivals()
         if handler.unary_unary is not None:
             inner_unary = handler.unary_unary
 
             async def unary(request, context):
+                self._started(call)
                 try:
                     if not admitted:
                         await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another replica")
                     return await inner_unary(request, context)
                 finally:
-                    self._leave()
+                    self._finished()
 
             return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
         inner_stream = handler.stream_stream
 
         async def stream(request_iterator, context):
+            self._started(call)
             try:
                 if not admitted:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another replica")
                 async for response in inner_stream(request_iterator, context):
                     yield response
             finally:
-                self._leave()
+                self._finished()
 
         return grpc.stream_stream_rpc_method_handler(stream, handler.request_deserializer, handler.response_serializer)
 
-    def _enter(self) -> None:
-        self.in_flight += 1
-        self._idle.clear()
+    def _started(self, call: int) -> None:
+        self._arriving.pop(call, None)
+        self._running += 1
 
-    def _leave(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self._idle.set()
+    def _finished(self) -> None:
+        self._running -= 1
+        self._changed.set()
+
+    def _forget_stale_arrivals(self) -> None:
+        too_old = time.monotonic() - self.ARRIVAL_TIMEOUT_S
+        for call in [c for c, t in self._arriving.items() if t < too_old]:
+            del self._arriving[call]
 
     async def wait_idle(self, timeout_s: float) -> bool:
-        try:
-            await asyncio.wait_for(self._idle.wait(), max(timeout_s, 0.0))
-        except TimeoutError:
-            return False
-        return True
+        """True once no admitted call is running or arriving; False if timeout_s passes first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._forget_stale_arrivals()
+            if self.in_flight == 0:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._changed.clear()
+            try:  # wake on each finished call, and poll for arrivals that never come
+                await asyncio.wait_for(self._changed.wait(), min(remaining, 0.05))
+            except TimeoutError:
+                pass
 
 
 class Server:

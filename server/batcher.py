@@ -202,9 +202,10 @@ class Batcher:
 
     async def _wait_for_company(self) -> None:
         """Another batch runs: let a partial batch fill until the oldest request has waited
-        max_queue_delay_s."""
+        max_queue_delay_s, or until no other batch runs (an idle model never waits)."""
         deadline = self._pending[0].enqueued_at + self.policy.max_queue_delay_s
-        while sum(p.work.rows for p in self._pending) < self.policy.max_batch_size and not self._closing:
+        while (self._computing and sum(p.work.rows for p in self._pending) < self.policy.max_batch_size
+               and not self._closing):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
@@ -281,6 +282,7 @@ class Batcher:
         finally:
             self._computing -= 1
             self._slots.release()
+            self._wakeup.set()  # a partial batch waiting for company stops waiting once the model idles
             if self._observer is not None:
                 self._observer.on_batch(BatchStats(
                     requests=len(batch), rows=sum(p.work.rows for p in batch), padding_ratio=padding_ratio,

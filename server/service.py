@@ -26,10 +26,6 @@ SERVER_NAME = "attnserve"
 EXTENSIONS = ("model_configuration", "statistics")
 
 
-class ShuttingDown(Exception):
-    """The server is draining after SIGTERM: new work goes to another replica."""
-
-
 # Every error the servicer can meet, mapped once. Anything else is INTERNAL, logged once.
 _STATUS: dict[type[BaseException], grpc.StatusCode] = {
     ValueError: grpc.StatusCode.INVALID_ARGUMENT,
@@ -38,7 +34,6 @@ _STATUS: dict[type[BaseException], grpc.StatusCode] = {
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     DeadlineExpired: grpc.StatusCode.DEADLINE_EXCEEDED,
     BatcherClosed: grpc.StatusCode.UNAVAILABLE,
-    ShuttingDown: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -132,8 +127,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     # -- inference ---------------------------------------------------------------------------
 
     async def _infer(self, request: pb.ModelInferRequest, time_remaining: float | None) -> pb.ModelInferResponse:
-        if self.draining:
-            raise ShuttingDown("server is shutting down; retry on another replica")
+        # Draining is decided per call when its headers arrive (app._Admission), not here: a
+        # call admitted before SIGTERM is served even if its message arrives after.
         model = self._registry.get(request.model_name, request.model_version)
         decoded = codec.decode(request, model.spec, model.limits)
         deadline = None if time_remaining is None else time.monotonic() + time_remaining

@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -33,25 +34,97 @@ def _close(got, want):
 
 
 def test_sigterm_drains_every_accepted_request(model_repository, eager_modules):
-    proc = ServerProcess(model_repository, "--max-batch-size", "2", "--grace-period-s", "30")
+    """Requests in flight at SIGTERM are all answered, correctly; one that starts after is refused
+    with UNAVAILABLE (safe to retry elsewhere); nothing fails any other way; exit status 0."""
+    # One request per run, one thread: 12 runs of tens of milliseconds each, one after another.
+    proc = ServerProcess(model_repository, "--max-batch-size", "2", "--intra-op-threads", "1",
+                         "--grace-period-s", "30")
     try:
         rng = np.random.default_rng(0)
-        cases = [_heavy(rng) for _ in range(10)]
-        with proc.channel() as channel, concurrent.futures.ThreadPoolExecutor(10) as pool:
+        cases = [_heavy(rng) for _ in range(12)]
+        finished_at = {}
+        with proc.channel() as channel, concurrent.futures.ThreadPoolExecutor(12) as pool:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            futures = [pool.submit(stub.ModelInfer, infer_request("self_attention", outputs=("output",), **x),
-                                   timeout=60) for x in cases]
-            time.sleep(0.15)  # the first batches are running, the rest queued
+
+            def call(i):
+                try:
+                    return stub.ModelInfer(infer_request("self_attention", outputs=("output",), **cases[i]), timeout=60)
+                finally:
+                    finished_at[i] = time.monotonic()
+
+            futures = [pool.submit(call, i) for i in range(len(cases))]
+            time.sleep(0.2)  # the first batches are running, the rest queued
+            sigterm_at = time.monotonic()
             proc.signal(signal.SIGTERM)
             time.sleep(0.05)
             with pytest.raises(grpc.RpcError) as late:  # arrives after draining began
                 stub.ModelInfer(infer_request("self_attention", **_heavy(rng, 1, 2, 2)), timeout=10)
             assert late.value.code() == grpc.StatusCode.UNAVAILABLE
-            for x, future in zip(cases, futures):
+            served_after_sigterm = 0
+            for i, (x, future) in enumerate(zip(cases, futures)):
+                err = future.exception()
+                if err is not None:  # only a call that started after SIGTERM may be refused
+                    assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                    continue
                 assert _close(outputs_of(future.result()), eager(eager_modules["self_attention"], **x))
-        assert proc.wait(timeout=30) == 0
+                served_after_sigterm += finished_at[i] > sigterm_at
+        assert served_after_sigterm >= 1, "no request was in flight at SIGTERM: the test proves nothing"
+        assert proc.wait(timeout=60) == 0, proc.log()
         assert "draining" in proc.log()
     finally:
+        proc.stop()
+
+
+def test_sigterm_serves_a_request_whose_bytes_are_still_arriving(model_repository, eager_modules):
+    """The call's headers reach the server before SIGTERM, its message only after: it is served.
+    (ModelInfer called as client-streaming is the same bytes on the wire as unary, but lets the
+    test hold the message back.)"""
+    proc = ServerProcess(model_repository)
+    try:
+        x = random_inputs(np.random.default_rng(10), 1, 4, 5, 512, 512)
+        gate = threading.Event()
+
+        def held_back():
+            gate.wait(20)
+            yield infer_request("self_attention", **x)
+
+        with proc.channel() as channel:
+            call = channel.stream_unary("/inference.GRPCInferenceService/ModelInfer",
+                                        request_serializer=pb.ModelInferRequest.SerializeToString,
+                                        response_deserializer=pb.ModelInferResponse.FromString)
+            future = call.future(held_back(), timeout=30)
+            time.sleep(0.5)  # headers are there, the message is not
+            proc.signal(signal.SIGTERM)
+            time.sleep(0.5)
+            assert proc.proc.poll() is None, "exited with an accepted call unanswered"
+            gate.set()
+            assert _close(outputs_of(future.result()), eager(eager_modules["self_attention"], **x))
+        assert proc.wait(timeout=30) == 0
+    finally:
+        gate.set()
+        proc.stop()
+
+
+def test_call_abandoned_before_its_message_does_not_block_shutdown(model_repository):
+    """A client that sends headers and gives up never reaches a handler; draining must not wait
+    the whole grace period for it."""
+    proc = ServerProcess(model_repository, "--grace-period-s", "60")
+    try:
+        with proc.channel() as channel:
+            call = channel.stream_unary("/inference.GRPCInferenceService/ModelInfer",
+                                        request_serializer=pb.ModelInferRequest.SerializeToString,
+                                        response_deserializer=pb.ModelInferResponse.FromString)
+            never = threading.Event()
+            future = call.future(iter(lambda: never.wait(30), True), timeout=30)
+            time.sleep(0.5)
+            future.cancel()
+        time.sleep(0.2)
+        started = time.monotonic()
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(timeout=45) == 0
+        assert time.monotonic() - started < 20, "waited for a call that will never arrive"
+    finally:
+        never.set()
         proc.stop()
 
 
@@ -68,7 +141,8 @@ def test_health_turns_not_serving_while_draining(model_repository):
             time.sleep(0.05)
             assert proc.health() == health_pb2.HealthCheckResponse.NOT_SERVING
             assert not stub.ServerReady(pb.ServerReadyRequest(), timeout=5).ready
-            assert all(f.result().outputs for f in futures)
+            for f in futures:  # answered, or refused because it started after SIGTERM
+                assert f.exception() is None or f.exception().code() == grpc.StatusCode.UNAVAILABLE
         assert proc.wait(timeout=30) == 0
     finally:
         proc.stop()

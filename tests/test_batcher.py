@@ -1,0 +1,745 @@
+"""The batcher alone, driven by a real attention computation (house style 13a).
+
+`NumpyAttention` is a small multi-head attention in numpy (fixed random weights, masked scores
+filled with -1e10 as in the seeds); `Model` wraps it as the batcher's blocking `run_batch`,
+records every call's feeds, and can hold each run on a gate so tests decide when the model is
+busy instead of guessing with sleeps. One test runs the batcher over a real ONNX Runtime Engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from server.batcher import (
+    BatchFailed,
+    BatcherClosed,
+    Batcher,
+    BatchPolicy,
+    BatchStats,
+    DeadlineExpired,
+    QueueFull,
+    Work,
+    merge,
+    split,
+)
+
+QUERY_DIM = KV_DIM = OUT_DIM = 16
+NUM_HEADS, HEAD_DIM = 2, 8
+MASK_FILL = -1e10  # the seeds' fill for masked scores
+TOL = 1e-5
+
+
+class NumpyAttention:
+    """Multi-head attention: (B, Lq, 16) over (B, Lk, 16) -> output (B, Lq, 16), attn_probs (B, 2, Lq, Lk)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        d_model = NUM_HEADS * HEAD_DIM
+        scale = 1.0 / np.sqrt(QUERY_DIM)
+        self.to_q = (rng.standard_normal((QUERY_DIM, d_model)) * scale).astype(np.float32)
+        self.to_k = (rng.standard_normal((KV_DIM, d_model)) * scale).astype(np.float32)
+        self.to_v = (rng.standard_normal((KV_DIM, d_model)) * scale).astype(np.float32)
+        self.to_out = (rng.standard_normal((d_model, OUT_DIM)) * scale).astype(np.float32)
+        self.out_bias = (rng.standard_normal(OUT_DIM) * 0.1).astype(np.float32)
+
+    @staticmethod
+    def _split_heads(x: np.ndarray) -> np.ndarray:
+        b, s, _ = x.shape  # batch, seq, d_model
+        return x.reshape(b, s, NUM_HEADS, HEAD_DIM).transpose(0, 2, 1, 3)  # (b, h, s, dh)
+
+    def __call__(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        query, key, value, mask = feeds["query"], feeds["key"], feeds["value"], feeds["mask"]
+        b, lq, _ = query.shape  # batch, query length, query_dim
+        q = self._split_heads(query @ self.to_q)  # (b, h, lq, dh)
+        k = self._split_heads(key @ self.to_k)  # (b, h, lk, dh)
+        v = self._split_heads(value @ self.to_v)  # (b, h, lk, dh)
+        scores = q @ k.transpose(0, 1, 3, 2) / np.float32(np.sqrt(HEAD_DIM))  # (b, h, lq, lk)
+        scores = np.where(mask[:, None], scores, np.float32(MASK_FILL))
+        scores = scores - scores.max(axis=-1, keepdims=True)
+        weights = np.exp(scores)
+        probs = (weights / weights.sum(axis=-1, keepdims=True)).astype(np.float32)  # (b, h, lq, lk)
+        context = (probs @ v).transpose(0, 2, 1, 3).reshape(b, lq, NUM_HEADS * HEAD_DIM)  # (b, lq, d_model)
+        return (context @ self.to_out + self.out_bias).astype(np.float32), probs
+
+
+ATTENTION = NumpyAttention()
+
+
+@dataclass
+class Call:
+    feeds: dict[str, np.ndarray]
+    want_probs: bool
+
+    @property
+    def rows(self) -> int:
+        return self.feeds["query"].shape[0]
+
+    def holds(self, work: Work) -> bool:
+        """Whether this run computed `work`: some row starts with its (random, so unique) first query."""
+        q = self.feeds["query"]
+        if q.shape[1] < work.q_len:
+            return False
+        return bool((q[:, : work.q_len] == work.query[0]).all(axis=(1, 2)).any())
+
+
+class Model:
+    """The batcher's run_batch: the numpy attention, recording each call; optionally slow,
+    failing, held on a gate, or returning the wrong number of rows."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.calls: list[Call] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_next: Exception | None = None
+        self.drop_a_row = False
+
+    def __call__(self, feeds: dict[str, np.ndarray], want_probs: bool):
+        self.calls.append(Call({k: v.copy() for k, v in feeds.items()}, want_probs))
+        assert self.gate.wait(5), "test never released the model"
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.fail_next is not None:
+            err, self.fail_next = self.fail_next, None
+            raise err
+        output, probs = ATTENTION(feeds)
+        if self.drop_a_row:
+            output, probs = output[1:], probs[1:]
+        return output, (probs if want_probs else None)
+
+    def runs_with(self, work: Work) -> list[Call]:
+        return [c for c in self.calls if c.holds(work)]
+
+
+@dataclass
+class Observer:
+    batches: list[BatchStats] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+
+    def on_batch(self, stats: BatchStats) -> None:
+        self.batches.append(stats)
+
+    def on_queue_depth(self, depth: int) -> None:
+        self.depths.append(depth)
+
+
+_rng = np.random.default_rng(1234)
+
+
+def make_work(b: int = 1, lq: int = 4, lk: int = 6, *, mask: np.ndarray | None | str = "random",
+              want_probs: bool = True) -> Work:
+    """A request with fresh random data. mask="random" masks some keys but never a whole row."""
+    if isinstance(mask, str):
+        mask = _rng.random((b, lq, lk)) < 0.7
+        mask[..., 0] = True
+    return Work(
+        query=_rng.standard_normal((b, lq, QUERY_DIM)).astype(np.float32),
+        key=_rng.standard_normal((b, lk, KV_DIM)).astype(np.float32),
+        value=_rng.standard_normal((b, lk, KV_DIM)).astype(np.float32),
+        mask=mask,
+        want_probs=want_probs,
+    )
+
+
+def alone(work: Work, attention=ATTENTION) -> tuple[np.ndarray, np.ndarray]:
+    """The unbatched computation of one request."""
+    mask = work.mask if work.mask is not None else np.ones((work.rows, work.q_len, work.k_len), np.bool_)
+    return attention({"query": work.query, "key": work.key, "value": work.value, "mask": mask})
+
+
+def assert_matches_alone(work: Work, result, attention=ATTENTION) -> None:
+    output, probs = alone(work, attention)
+    assert result.output.shape == (work.rows, work.q_len, OUT_DIM)
+    np.testing.assert_allclose(result.output, output, atol=TOL, rtol=0)
+    if work.want_probs:
+        assert result.attn_probs is not None
+        assert result.attn_probs.shape == (work.rows, NUM_HEADS, work.q_len, work.k_len)
+        np.testing.assert_allclose(result.attn_probs, probs, atol=TOL, rtol=0)
+    else:
+        assert result.attn_probs is None
+
+
+async def wait_until(predicate, timeout_s: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.001)
+
+
+async def started(model: Model, policy: BatchPolicy, observer: Observer | None = None) -> Batcher:
+    batcher = Batcher("test", model, policy, observer)
+    batcher.start()
+    return batcher
+
+
+async def stop(batcher: Batcher, model: Model) -> None:
+    model.gate.set()  # a failed assertion must not leave the worker held on the gate
+    await batcher.close()
+
+
+async def queue_while_busy(batcher: Batcher, model: Model, works: list[Work], deadline: float | None = None):
+    """Hold the model on a blocker request, queue `works` behind it, then let everything run.
+    Returns (the blocker's task, the tasks of `works`) with the model released."""
+    model.gate.clear()
+    runs_before = len(model.calls)
+    blocker = asyncio.create_task(batcher.submit(make_work()))
+    await wait_until(lambda: len(model.calls) == runs_before + 1)
+    tasks = [asyncio.create_task(batcher.submit(w, deadline)) for w in works]
+    await wait_until(lambda: batcher.queue_depth == len(works))
+    model.gate.set()
+    return blocker, tasks
+
+
+# -- each caller gets its own rows ----------------------------------------------------------
+
+
+def test_each_caller_gets_its_own_rows_and_busy_model_batches():
+    async def main():
+        model = Model(delay_s=0.01)
+        batcher = await started(model, BatchPolicy(max_batch_size=64, max_queue_delay_s=0.0))
+        works = [make_work(b=1 + i % 3, lq=5, lk=7) for i in range(20)]
+
+        async def submit_later(i: int, w: Work):
+            await asyncio.sleep(0.002 * i)  # arrivals spread over ~40 ms while each run takes 10 ms
+            return await batcher.submit(w)
+
+        try:
+            results = await asyncio.gather(*(submit_later(i, w) for i, w in enumerate(works)))
+        finally:
+            await stop(batcher, model)
+        return model, works, results
+
+    model, works, results = asyncio.run(main())
+    for w, r in zip(works, results):
+        assert_matches_alone(w, r)
+    assert len(model.calls) < len(works)
+    assert model.calls[0].rows == works[0].rows  # the first request found the model idle: ran alone
+    assert max(r.batch_requests for r in results) > 1
+    assert sum(c.rows for c in model.calls) == sum(w.rows for w in works)  # each computed once
+    for w in works:
+        assert len(model.runs_with(w)) == 1
+
+
+def test_lone_request_on_idle_model_is_dispatched_at_once():
+    async def main():
+        model = Model()
+        batcher = await started(model, BatchPolicy(max_queue_delay_s=0.5))
+        try:
+            w = make_work()
+            t0 = time.monotonic()
+            result = await batcher.submit(w)
+            return w, result, time.monotonic() - t0
+        finally:
+            await stop(batcher, model)
+
+    w, result, elapsed = asyncio.run(main())
+    assert_matches_alone(w, result)
+    assert elapsed < 0.1, f"a lone request on an idle model waited {elapsed:.3f}s"
+    assert result.batch_requests == 1
+
+
+def test_max_batch_size_is_respected_and_a_larger_request_runs_alone():
+    async def main():
+        model = Model()
+        batcher = await started(model, BatchPolicy(max_batch_size=4, max_queue_delay_s=0.0))
+        works = [make_work(b=b, lq=3, lk=5) for b in (3, 2, 6, 1, 2, 1, 3)]
+        try:
+            blocker, tasks = await queue_while_busy(batcher, model, works)
+            await blocker
+            results = await asyncio.gather(*tasks)
+        finally:
+            await stop(batcher, model)
+        return model, works, results
+
+    model, works, results = asyncio.run(main())
+    for w, r in zip(works, results):
+        assert_matches_alone(w, r)
+    big = works[2]
+    (big_run,) = model.runs_with(big)
+    assert big_run.rows == 6  # alone, though larger than max_batch_size
+    for call in model.calls:
+        if call is not big_run:
+            assert call.rows <= 4
+    assert any(c.rows == 4 for c in model.calls)  # batches did fill up to the limit
+    assert len(model.calls) < 1 + len(works)
+
+
+# -- padding ----------------------------------------------------------------------------------
+
+
+def test_mixed_lengths_are_padded_and_match_unbatched_runs():
+    async def main():
+        model = Model()
+        observer = Observer()
+        batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0, max_padding_ratio=0.9), observer)
+        works = [
+            make_work(b=2, lq=3, lk=5),
+            make_work(b=1, lq=7, lk=2),
+            make_work(b=1, lq=1, lk=9, mask=None),
+            make_work(b=3, lq=6, lk=6),
+        ]
+        try:
+            blocker, tasks = await queue_while_busy(batcher, model, works)
+            await blocker
+            results = await asyncio.gather(*tasks)
+        finally:
+            await stop(batcher, model)
+        return model, observer, works, results
+
+    model, observer, works, results = asyncio.run(main())
+    assert len(model.calls) == 2  # the blocker, then all four together
+    shared = model.calls[1]
+    assert shared.feeds["query"].shape == (7, 7, QUERY_DIM)  # 7 rows padded to lq 7
+    assert shared.feeds["key"].shape == (7, 9, KV_DIM)  # and to lk 9
+    for w, r in zip(works, results):
+        assert r.batch_requests == 4
+        assert_matches_alone(w, r)  # shapes are the request's own: padded rows and keys dropped
+    assert observer.batches[-1].padding_ratio > 0.3
+
+
+def test_padding_ratio_bound_keeps_short_and_long_requests_apart():
+    async def main():
+        model = Model()
+        observer = Observer()
+        batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0, max_padding_ratio=0.2), observer)
+        short = make_work(b=1, lq=2, lk=2)
+        long = make_work(b=1, lq=64, lk=64)
+        near = make_work(b=1, lq=64, lk=60)  # 3% padding beside `long`: may share its run
+        works = [short, long, near]
+        try:
+            blocker, tasks = await queue_while_busy(batcher, model, works)
+            await blocker
+            results = await asyncio.gather(*tasks)
+        finally:
+            await stop(batcher, model)
+        return model, observer, works, results
+
+    model, observer, (short, long, near), results = asyncio.run(main())
+    for w, r in zip((short, long, near), results):
+        assert_matches_alone(w, r)
+    (short_run,) = model.runs_with(short)
+    (long_run,) = model.runs_with(long)
+    assert short_run is not long_run
+    assert model.runs_with(near) == [long_run]
+    ratios = [s.padding_ratio for s in observer.batches]
+    assert max(ratios) > 0  # the (64, 60) request was padded ...
+    assert all(r <= 0.2 for r in ratios)  # ... but no batch exceeded the bound
+
+
+def test_fully_masked_row_only_joins_batches_of_equal_key_length():
+    async def main():
+        model = Model()
+        # 0.5 lets `exact` join the longer-key run on padding grounds (42% padded): only
+        # exactness keeps it out. It keeps `same_k` out of that run (65%).
+        batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0, max_padding_ratio=0.5))
+        exact_mask = np.ones((1, 2, 3), np.bool_)
+        exact_mask[0, 0] = False  # query row 0 sees no key: uniform over its own 3 keys
+        works = {
+            "longer": make_work(b=1, lq=2, lk=8),
+            "plain": make_work(b=1, lq=2, lk=3),  # same shape as `exact`, no fully masked row
+            "exact": make_work(b=1, lq=2, lk=3, mask=exact_mask),
+            "same_k": make_work(b=1, lq=4, lk=3),  # equal key length: may share with `exact`
+        }
+        try:
+            blocker, tasks = await queue_while_busy(batcher, model, list(works.values()))
+            await blocker
+            results = await asyncio.gather(*tasks)
+        finally:
+            await stop(batcher, model)
+        return model, works, dict(zip(works, results))
+
+    model, works, results = asyncio.run(main())
+    assert works["exact"].exact_k_len and not works["plain"].exact_k_len
+    for name, w in works.items():
+        assert_matches_alone(w, results[name])
+    np.testing.assert_array_equal(results["exact"].attn_probs[0, :, 0],
+                                  np.full((NUM_HEADS, 3), 1 / 3, np.float32))
+    (exact_run,) = model.runs_with(works["exact"])
+    (longer_run,) = model.runs_with(works["longer"])
+    assert exact_run is not longer_run
+    assert exact_run.feeds["key"].shape[1] == 3  # never padded on keys
+    assert model.runs_with(works["same_k"]) == [exact_run]  # batched where the key length is equal
+    assert model.runs_with(works["plain"]) == [longer_run]  # a plain request of that shape is padded
+    assert len(model.calls) == 3
+
+
+# -- outputs asked for ------------------------------------------------------------------------
+
+
+def test_want_probs_each_request_gets_what_it_asked_for():
+    async def main():
+        model = Model()
+        batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0))
+        try:
+            lone = make_work(want_probs=False)
+            lone_result = await batcher.submit(lone)
+            works = [make_work(want_probs=False), make_work(want_probs=True), make_work(b=2, want_probs=False)]
+            blocker, tasks = await queue_while_busy(batcher, model, works)
+            await blocker
+            results = await asyncio.gather(*tasks)
+        finally:
+            await stop(batcher, model)
+        return model, lone, lone_result, works, results
+
+    model, lone, lone_result, works, results = asyncio.run(main())
+    assert lone_result.attn_probs is None
+    assert_matches_alone(lone, lone_result)
+    assert model.runs_with(lone)[0].want_probs is False  # the model was not asked for probs
+    (mixed_run,) = model.runs_with(works[1])
+    assert mixed_run.want_probs is True
+    for w, r in zip(works, results):
+        assert r.batch_requests == 3
+        assert_matches_alone(w, r)  # None where not asked, the request's own probs where asked
+    assert [r.attn_probs is None for r in results] == [True, False, True]
+
+
+# -- shedding, deadlines, cancellation -------------------------------------------------------
+
+
+def test_queue_full_sheds_the_third_concurrent_request_at_once():
+    async def main():
+        model = Model(delay_s=0.02)
+        batcher = await started(model, BatchPolicy(max_queue_size=2, max_queue_delay_s=0.0))
+        works = [make_work() for _ in range(3)]
+
+        async def timed(w):
+            t0 = time.monotonic()
+            try:
+                return await batcher.submit(w)
+            except QueueFull as err:
+                return err, time.monotonic() - t0
+
+        try:
+            results = await asyncio.gather(*(timed(w) for w in works))
+        finally:
+            await stop(batcher, model)
+        return model, works, results
+
+    model, works, results = asyncio.run(main())
+    for w, r in zip(works[:2], results[:2]):
+        assert_matches_alone(w, r)
+    err, elapsed = results[2]
+    assert isinstance(err, QueueFull)
+    assert "max_queue_size 2" in str(err)
+    assert elapsed < 0.01  # shed at once, not after the 20 ms run
+    assert model.runs_with(works[2]) == []
+
+
+def test_deadline_passing_in_queue_raises_and_is_never_computed():
+    async def main():
+        model = Model(delay_s=0.03)
+        batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0))
+        try:
+            first = asyncio.create_task(batcher.submit(make_work()))
+            await wait_until(lambda: len(model.calls) == 1)
+            late = make_work()
+            on_time = make_work()
+            late_task = asyncio.create_task(batcher.submit(late, deadline=time.monotonic() + 0.005))
+            on_time_task = asyncio.create_task(batcher.submit(on_time, deadline=time.monotonic() + 5.0))
+            await first
+            with pytest.raises(DeadlineExpired, match="not computed"):
+                await late_task
+            on_time_result = await on_time_task
+        finally:
+            await stop(batcher, model)
+        return model, late, on_time, on_time_result
+
+    model, late, on_time, on_time_result = asyncio.run(main())
+    assert model.runs_with(late) == []
+    assert_matches_alone(on_time, on_time_result)
+    assert len(model.calls) == 2
+
+
+def test_cancelled_queued_request_is_not_computed():
+    async def main():
+        model = Model()
+        batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0))
+        kept, dropped = make_work(), make_work()
+        try:
+            blocker, (kept_task, dropped_task) = await queue_while_busy(batcher, model, [kept, dropped])
+            # queue_while_busy released the model; cancel before the loop gets to run anything
+            dropped_task.cancel()
+            await blocker
+            kept_result = await kept_task
+            with pytest.raises(asyncio.CancelledError):
+                await dropped_task
+        finally:
+            await stop(batcher, model)
+        return model, kept, dropped, kept_result
+
+    model, kept, dropped, kept_result = asyncio.run(main())
+    assert_matches_alone(kept, kept_result)
+    assert kept_result.batch_requests == 1
+    assert model.runs_with(dropped) == []
+    assert len(model.calls) == 2
+
+
+# -- failures ---------------------------------------------------------------------------------
+
+
+def test_failing_run_fails_each_request_of_that_batch_once_and_batcher_keeps_serving():
+    async def main():
+        model = Model()
+        observer = Observer()
+        batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0), observer)
+        boom = ValueError("device lost")
+        try:
+            works = [make_work() for _ in range(3)]
+            model.gate.clear()
+            model.fail_next = boom
+            tasks = [asyncio.create_task(batcher.submit(w)) for w in works]
+            await wait_until(lambda: len(model.calls) == 1)
+            model.gate.set()
+            # bounded: a request the batcher forgot to settle must fail the test, not hang it
+            outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 2)
+            after = make_work()
+            after_result = await batcher.submit(after)
+        finally:
+            await stop(batcher, model)
+        return model, observer, boom, works, outcomes, after, after_result
+
+    model, observer, boom, works, outcomes, after, after_result = asyncio.run(main())
+    assert model.calls[0].rows == 3  # the three formed one batch, and it failed
+    for err in outcomes:
+        assert isinstance(err, BatchFailed)
+        assert err.__cause__ is boom
+        assert "device lost" in str(err)
+    assert len({id(err) for err in outcomes}) == 3  # one exception per request
+    assert [s.failed for s in observer.batches] == [True, False]
+    assert_matches_alone(after, after_result)
+
+
+def test_run_returning_wrong_number_of_rows_fails_that_batch():
+    async def main():
+        model = Model()
+        batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0))
+        try:
+            model.drop_a_row = True
+            with pytest.raises(BatchFailed, match="returned 1 rows for a batch of 2") as exc:
+                await batcher.submit(make_work(b=2))
+            model.drop_a_row = False
+            w = make_work(b=2)
+            result = await batcher.submit(w)
+        finally:
+            await stop(batcher, model)
+        return exc.value, w, result
+
+    err, w, result = asyncio.run(main())
+    assert isinstance(err.__cause__, RuntimeError)
+    assert_matches_alone(w, result)
+
+
+# -- shutdown ---------------------------------------------------------------------------------
+
+
+def test_close_finishes_every_queued_request_then_refuses_new_ones():
+    async def main():
+        model = Model(delay_s=0.005)
+        batcher = await started(model, BatchPolicy(max_batch_size=2, max_queue_delay_s=0.0))
+        works = [make_work() for _ in range(7)]
+        model.gate.clear()
+        tasks = [asyncio.create_task(batcher.submit(w)) for w in works]
+        await wait_until(lambda: len(model.calls) == 1)
+        closing = asyncio.create_task(batcher.close())
+        await asyncio.sleep(0.005)
+        assert not closing.done()
+        with pytest.raises(BatcherClosed):
+            await batcher.submit(make_work())  # refused while draining
+        model.gate.set()
+        await asyncio.wait_for(closing, 2)
+        done_when_closed = [t.done() for t in tasks]
+        results = await asyncio.gather(*tasks)
+        with pytest.raises(BatcherClosed, match="shutting down"):
+            await batcher.submit(make_work())
+        return model, works, done_when_closed, results
+
+    model, works, done_when_closed, results = asyncio.run(main())
+    assert all(done_when_closed)
+    for w, r in zip(works, results):
+        assert_matches_alone(w, r)
+    assert len(model.calls) == 4  # 7 requests, max_batch_size 2
+
+
+# -- several batches in flight ---------------------------------------------------------------
+
+
+def test_two_batches_in_flight_partial_batch_waits_only_while_another_runs():
+    async def main():
+        model = Model()
+        batcher = await started(model, BatchPolicy(batches_in_flight=2, max_queue_delay_s=0.3))
+        try:
+            # Idle: a lone request goes at once despite the 0.3 s delay.
+            t0 = time.monotonic()
+            lone = make_work()
+            lone_result = await batcher.submit(lone)
+            lone_s = time.monotonic() - t0
+
+            # Busy: a request arriving while another batch runs waits for company ...
+            model.gate.clear()
+            first = asyncio.create_task(batcher.submit(make_work()))
+            await wait_until(lambda: len(model.calls) == 2)  # `first` runs, held on the gate
+            a, b = make_work(), make_work()
+            task_a = asyncio.create_task(batcher.submit(a))
+            await asyncio.sleep(0.02)
+            assert len(model.calls) == 2, "a partial batch left while another batch ran"
+            task_b = asyncio.create_task(batcher.submit(b))
+            await asyncio.sleep(0.02)
+            assert len(model.calls) == 2
+            # ... and leaves as soon as the model goes idle, not when the 0.3 s run out.
+            t1 = time.monotonic()
+            model.gate.set()
+            await first
+            result_a, result_b = await asyncio.gather(task_a, task_b)
+            idle_s = time.monotonic() - t1
+        finally:
+            await stop(batcher, model)
+        return model, lone, lone_result, lone_s, (a, b), (result_a, result_b), idle_s
+
+    model, lone, lone_result, lone_s, works, results, idle_s = asyncio.run(main())
+    assert lone_s < 0.1
+    assert_matches_alone(lone, lone_result)
+    for w, r in zip(works, results):
+        assert_matches_alone(w, r)
+        assert r.batch_requests == 2  # a and b waited for each other
+    assert len(model.calls) == 3
+    assert idle_s < 0.15, f"the partial batch waited {idle_s:.3f}s after the model went idle"
+
+
+# -- merge / split / Work ---------------------------------------------------------------------
+
+
+def test_merge_and_split_layout_by_hand():
+    q1 = np.arange(1 * 2 * 16, dtype=np.float32).reshape(1, 2, 16)
+    k1 = np.full((1, 3, 16), 1.0, np.float32)
+    m1 = np.array([[[True, False, True], [True, True, True]]])
+    w1 = Work(query=q1, key=k1, value=k1 + 1, mask=m1, want_probs=True)
+    q2 = -np.ones((2, 1, 16), np.float32)
+    k2 = np.full((2, 4, 16), 2.0, np.float32)
+    w2 = Work(query=q2, key=k2, value=k2 + 1, mask=None, want_probs=False)
+
+    feeds, ratio = merge([w1, w2])
+    assert feeds["query"].shape == (3, 2, 16) and feeds["key"].shape == (3, 4, 16)
+    assert feeds["value"].shape == (3, 4, 16) and feeds["mask"].shape == (3, 2, 4)
+    np.testing.assert_array_equal(feeds["query"][0], q1[0])
+    np.testing.assert_array_equal(feeds["query"][1:, :1], q2)
+    np.testing.assert_array_equal(feeds["query"][1:, 1:], 0)  # padded query rows are zeros
+    np.testing.assert_array_equal(feeds["key"][0, :3], k1[0])
+    np.testing.assert_array_equal(feeds["key"][0, 3:], 0)  # padded key
+    np.testing.assert_array_equal(feeds["value"][0, :3], k1[0] + 1)
+    np.testing.assert_array_equal(feeds["key"][1:], k2)
+    expected_mask = np.array([
+        [[True, False, True, False], [True, True, True, False]],  # w1: own mask, padded key masked
+        [[True, True, True, True], [False, False, False, False]],  # w2 row 0: all keys, padded query row masked
+        [[True, True, True, True], [False, False, False, False]],
+    ])
+    np.testing.assert_array_equal(feeds["mask"], expected_mask)
+    assert ratio == pytest.approx(1 - (1 * 2 * 3 + 2 * 1 * 4) / (3 * 2 * 4))
+
+    output = np.arange(3 * 2 * 5, dtype=np.float32).reshape(3, 2, 5)
+    probs = np.arange(3 * 2 * 2 * 4, dtype=np.float32).reshape(3, 2, 2, 4)
+    (out1, p1), (out2, p2) = split([w1, w2], output, probs)
+    np.testing.assert_array_equal(out1, output[:1])
+    np.testing.assert_array_equal(p1, probs[:1, :, :2, :3])
+    np.testing.assert_array_equal(out2, output[1:, :1])
+    assert p2 is None  # w2 did not ask for probs
+
+    same = [make_work(b=1, lq=2, lk=3, mask=None), make_work(b=2, lq=2, lk=3)]
+    feeds, ratio = merge(same)
+    assert ratio == 0.0
+    np.testing.assert_array_equal(feeds["mask"][0], True)
+    np.testing.assert_array_equal(feeds["mask"][1:], same[1].mask)
+    np.testing.assert_array_equal(feeds["query"], np.concatenate([w.query for w in same]))
+
+
+def test_work_exact_k_len_only_when_a_query_row_masks_all_its_keys():
+    def work(mask):
+        return Work(query=np.zeros((1, 2, 16), np.float32), key=np.zeros((1, 3, 16), np.float32),
+                    value=np.zeros((1, 3, 16), np.float32), mask=mask, want_probs=True)
+
+    full = np.ones((1, 2, 3), np.bool_)
+    assert work(None).exact_k_len is False
+    assert work(full).exact_k_len is False
+    some = full.copy()
+    some[0, 1, :2] = False  # row 1 still sees key 2
+    assert work(some).exact_k_len is False
+    one_row = full.copy()
+    one_row[0, 1] = False
+    assert work(one_row).exact_k_len is True
+    assert work(np.zeros((1, 2, 3), np.bool_)).exact_k_len is True
+
+
+def test_policy_rejects_out_of_range_values():
+    with pytest.raises(ValueError, match="max_batch_size must be >= 1, got 0"):
+        BatchPolicy(max_batch_size=0)
+    with pytest.raises(ValueError, match="max_padding_ratio"):
+        BatchPolicy(max_padding_ratio=1.0)
+    with pytest.raises(ValueError, match="max_queue_delay_s"):
+        BatchPolicy(max_queue_delay_s=-0.1)
+
+
+# -- a real ONNX Runtime engine ---------------------------------------------------------------
+
+
+def test_batcher_over_real_onnx_runtime_engine(model_repository):
+    from server.engine import Engine, choose_device
+    from server.repository import read_model_spec
+
+    spec = read_model_spec(model_repository / "cross_attention")
+    engine = Engine(spec, choose_device("cpu"))
+    rng = np.random.default_rng(7)
+
+    def work(b, lq, lk, want_probs=True, fully_masked_row=False):
+        mask = rng.random((b, lq, lk)) < 0.8
+        mask[..., 0] = True
+        if fully_masked_row:
+            mask[0, 0] = False
+        return Work(query=rng.standard_normal((b, lq, spec.query_dim)).astype(np.float32),
+                    key=rng.standard_normal((b, lk, spec.kv_dim)).astype(np.float32),
+                    value=rng.standard_normal((b, lk, spec.kv_dim)).astype(np.float32),
+                    mask=mask, want_probs=want_probs)
+
+    calls: list[tuple[int, int, int]] = []
+    gate = threading.Event()
+
+    def run_batch(feeds, want_probs):
+        calls.append(feeds["mask"].shape)
+        gate.wait(5)
+        return engine.run(feeds, want_probs)
+
+    works = [work(2, 5, 7), work(1, 9, 4, want_probs=False), work(3, 2, 7), work(1, 4, 4, fully_masked_row=True)]
+
+    async def main():
+        batcher = Batcher("cross_attention", run_batch, BatchPolicy(max_queue_delay_s=0.0, max_padding_ratio=0.8))
+        batcher.start()
+        try:
+            blocker = asyncio.create_task(batcher.submit(work(1, 3, 3)))
+            await wait_until(lambda: len(calls) == 1)
+            tasks = [asyncio.create_task(batcher.submit(w)) for w in works]
+            await wait_until(lambda: batcher.queue_depth == len(works))
+            gate.set()
+            await blocker
+            return await asyncio.gather(*tasks)
+        finally:
+            gate.set()
+            await batcher.close()
+
+    results = asyncio.run(main())
+    # The first three share a padded run; the fully masked one (lk 4) cannot join lk 7.
+    assert calls[1] == (6, 9, 7)
+    assert calls[2] == (1, 4, 4)
+    for w, r in zip(works, results):
+        output, probs = engine.run({"query": w.query, "key": w.key, "value": w.value, "mask": w.mask}, True)
+        assert r.output.shape == (w.rows, w.q_len, spec.out_dim)
+        np.testing.assert_allclose(r.output, output, atol=TOL, rtol=0)
+        if w.want_probs:
+            assert r.attn_probs.shape == (w.rows, spec.num_heads, w.q_len, w.k_len)
+            np.testing.assert_allclose(r.attn_probs, probs, atol=TOL, rtol=0)
+        else:
+            assert r.attn_probs is None
+    np.testing.assert_allclose(results[3].attn_probs[0, :, 0], 0.25, atol=1e-7)
