@@ -102,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # The exporter warns once per missing torchvision op; we export none of them.
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
     name = args.name or args.preset
     if name is None:

@@ -25,6 +25,8 @@ from export.config import AttentionConfig
 from server import repository as repo
 
 logger = logging.getLogger(__name__)
+# The exporter warns once per torchvision op it cannot register; we export none of them.
+logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
 PARITY_TOLERANCE = 1e-5
 DEFAULT_OPSET = 18
