@@ -9,7 +9,7 @@ COMPAT_VENV := .venv-tritonclient
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
 # torch==2.13.0 (CPU) is read from /opt/wheels where that folder exists.
 PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
-MODELS ?= models
+MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
 PRESETS := self_attention cross_attention
 
 .PHONY: install test serve export proto clean

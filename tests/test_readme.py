@@ -1,0 +1,34 @@
+"""The README tells the truth about the code: settings, metric names, the two commands."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from server.config import ServerConfig, env_name
+from tests.server_process import REPO_ROOT
+
+README = (REPO_ROOT / "README.md").read_text()
+
+
+def test_every_setting_is_documented_and_every_documented_one_exists():
+    documented = set(re.findall(r"`(ATTNSERVE_[A-Z_]+)`", README))
+    real = {env_name(f.name) for f in dataclasses.fields(ServerConfig)}
+    assert real <= documented, f"undocumented: {sorted(real - documented)}"
+    assert documented <= real, f"documented but not read by the server: {sorted(documented - real)}"
+
+
+def test_metric_names_match_the_code():
+    from server.metrics import Metrics
+
+    families = {m.name for m in Metrics().registry.collect()}
+    documented = set(re.findall(r"`(attnserve_[a-z_]+)`", README))
+    # prometheus_client names counters without their _total suffix
+    assert {f"{n}_total" if n == "attnserve_requests" else n for n in families} == documented
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
+    commands = [line.strip() for line in ci.splitlines() if line.strip() and not line.startswith("#")]
+    assert "make test" in commands
+    assert re.search(r"^make test\b", README, re.M) and re.search(r"^make serve\b", README, re.M)
