@@ -113,9 +113,12 @@ class BatchStats:
     requests: int
     rows: int
     padding_ratio: float  # padded share of the batch's (rows, Lq, Lk) attention matrix
-    compute_s: float
+    compute_s: float  # merge + run + split, as the batch's requests saw it
     queue_s: tuple[float, ...]  # each request's wait
     failed: bool
+    merge_s: float = 0.0  # padding and concatenating the inputs
+    run_s: float = 0.0  # the ONNX Runtime run
+    split_s: float = 0.0  # slicing each request's outputs back
 
 
 class BatchObserver(Protocol):
@@ -262,10 +265,12 @@ class Batcher:
         queue_s = tuple(started - p.enqueued_at for p in batch)
         failed = True
         padding_ratio = 0.0
+        timings = (0.0, 0.0, 0.0)
         try:
             works = [p.work for p in batch]
             loop = asyncio.get_running_loop()
-            results, padding_ratio = await loop.run_in_executor(self._executor, _compute, self._run_batch, works)
+            results, padding_ratio, timings = await loop.run_in_executor(
+                self._executor, _compute, self._run_batch, works)
             compute_s = time.monotonic() - started
             for p, (output, attn_probs), waited in zip(batch, results, queue_s):
                 if not p.future.done():
@@ -286,23 +291,29 @@ class Batcher:
             if self._observer is not None:
                 self._observer.on_batch(BatchStats(
                     requests=len(batch), rows=sum(p.work.rows for p in batch), padding_ratio=padding_ratio,
-                    compute_s=time.monotonic() - started, queue_s=queue_s, failed=failed))
+                    compute_s=time.monotonic() - started, queue_s=queue_s, failed=failed,
+                    merge_s=timings[0], run_s=timings[1], split_s=timings[2]))
 
     def _report_depth(self) -> None:
         if self._observer is not None:
             self._observer.on_queue_depth(len(self._pending))
 
 
-def _compute(run_batch: RunBatch, works: list[Work]) -> tuple[list[tuple[np.ndarray, np.ndarray | None]], float]:
-    """On a worker thread: pad and merge, run, check, split. Returns per-request outputs and
-    the batch's padding ratio."""
+def _compute(run_batch: RunBatch, works: list[Work]
+             ) -> tuple[list[tuple[np.ndarray, np.ndarray | None]], float, tuple[float, float, float]]:
+    """On a worker thread: pad and merge, run, check, split. Returns per-request outputs, the
+    batch's padding ratio, and the seconds spent merging, running and splitting."""
+    t0 = time.perf_counter()
     feeds, padding_ratio = merge(works)
     want_probs = any(w.want_probs for w in works)
+    t1 = time.perf_counter()
     output, attn_probs = run_batch(feeds, want_probs)
+    t2 = time.perf_counter()
     rows = feeds["query"].shape[0]
     if output.shape[0] != rows or (want_probs and (attn_probs is None or attn_probs.shape[0] != rows)):
         raise RuntimeError(f"run returned {output.shape[0]} rows for a batch of {rows}")
-    return split(works, output, attn_probs), padding_ratio
+    results = split(works, output, attn_probs)
+    return results, padding_ratio, (t1 - t0, t2 - t1, time.perf_counter() - t2)
 
 
 def merge(works: list[Work]) -> tuple[dict[str, np.ndarray], float]:

@@ -35,6 +35,18 @@ class Duration:
 
 
 @dataclass
+class BatchDurations:
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+
+    def add(self, stats: BatchStats) -> None:
+        self.compute_input.add(stats.merge_s)
+        self.compute_infer.add(stats.run_s)
+        self.compute_output.add(stats.split_s)
+
+
+@dataclass
 class ModelStatistics:
     """What Triton's ModelStatistics RPC reports, for one model."""
 
@@ -44,8 +56,10 @@ class ModelStatistics:
     success: Duration = field(default_factory=Duration)
     fail: Duration = field(default_factory=Duration)
     queue: Duration = field(default_factory=Duration)
-    compute_infer: Duration = field(default_factory=Duration)
-    batches: dict[int, Duration] = field(default_factory=dict)  # rows per run -> compute
+    compute_input: Duration = field(default_factory=Duration)  # padding and merging
+    compute_infer: Duration = field(default_factory=Duration)  # the ONNX Runtime run
+    compute_output: Duration = field(default_factory=Duration)  # splitting rows back
+    batches: dict[int, BatchDurations] = field(default_factory=dict)  # rows per run -> durations
 
 
 class Metrics:
@@ -125,8 +139,10 @@ class ModelObserver:
             s.execution_count += 1
             for waited in stats.queue_s:  # per request, as Triton counts them
                 s.queue.add(waited)
-                s.compute_infer.add(stats.compute_s)
-            s.batches.setdefault(stats.rows, Duration()).add(stats.compute_s)
+                s.compute_input.add(stats.merge_s)
+                s.compute_infer.add(stats.run_s)
+                s.compute_output.add(stats.split_s)
+            s.batches.setdefault(stats.rows, BatchDurations()).add(stats)
 
     def on_queue_depth(self, depth: int) -> None:
         self._queue_depth.set(depth)

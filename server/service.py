@@ -118,10 +118,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 inference_count=s.inference_count, execution_count=s.execution_count,
                 inference_stats=pb.InferStatistics(
                     success=_duration(s.success), fail=_duration(s.fail), queue=_duration(s.queue),
-                    compute_input=pb.StatisticDuration(), compute_infer=_duration(s.compute_infer),
-                    compute_output=pb.StatisticDuration()),
-                batch_stats=[pb.InferBatchStatistics(batch_size=size, compute_infer=_duration(d))
-                             for size, d in sorted(s.batches.items())])
+                    compute_input=_duration(s.compute_input), compute_infer=_duration(s.compute_infer),
+                    compute_output=_duration(s.compute_output)),
+                batch_stats=[pb.InferBatchStatistics(
+                    batch_size=size, compute_input=_duration(d.compute_input),
+                    compute_infer=_duration(d.compute_infer), compute_output=_duration(d.compute_output))
+                    for size, d in sorted(s.batches.items())])
         return response
 
     # -- inference ---------------------------------------------------------------------------

@@ -60,7 +60,8 @@ class ServerProcess:
             return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def signal(self, sig: int = signal.SIGTERM) -> None:

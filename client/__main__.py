@@ -1,0 +1,310 @@
+"""`python -m client`: health, model metadata, one inference, or a resumable batch job.
+
+    python -m client health --url 127.0.0.1:8001
+    python -m client models --model self_attention
+    python -m client infer --model cross_attention --input in.npz --outputs output,attn_probs \\
+        --output out.npz --plot heads.png
+    python -m client batch --url 127.0.0.1:8001,127.0.0.1:8002 --model self_attention \\
+        --input in.npz --output out.npz --concurrency 4 --batch-size 16
+
+The connection flags (--url, --timeout, TLS, token) go before or after the command. --url
+defaults to $ATTNSERVE_URL, else localhost:8001. Exit status: 0 done, 1 the server refused or
+is not healthy, 2 bad arguments, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from client.batch import DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, BatchError, BatchJob, run_batch
+from client.client import InferenceClient
+from client.codec import OUTPUT_NAMES
+from client.errors import InferenceError
+from client.options import (
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_URL,
+    GRPC_SCHEMES,
+    ClientOptions,
+    RetryPolicy,
+    TlsConfig,
+    parse_addresses,
+)
+
+logger = logging.getLogger("client")
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+DEFAULT_MODELS = ("self_attention", "cross_attention")
+URL_ENV = "ATTNSERVE_URL"
+
+
+class UsageError(Exception):
+    """Arguments that parse but do not make sense together; exit status 2."""
+
+
+# ---------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------
+
+
+def _connection_flags(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
+    # Defined on the main parser (with defaults) and on every command (with SUPPRESS), so a flag
+    # given after the command wins and one given before it is not reset by the command's default.
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if suppress else value
+
+    group = parser.add_argument_group("connection")
+    group.add_argument("--url", default=default(os.environ.get(URL_ENV, DEFAULT_URL)),
+                       help=f"HOST:PORT[,HOST:PORT...], several = round robin (default: ${URL_ENV} or {DEFAULT_URL})")
+    group.add_argument("--timeout", type=float, default=default(DEFAULT_TIMEOUT_S), metavar="SECONDS",
+                       help=f"deadline of each call, retries included (default {DEFAULT_TIMEOUT_S:g})")
+    group.add_argument("--retries", type=int, default=default(4), metavar="N",
+                       help="retries of a call answered UNAVAILABLE, with exponential backoff (default 4)")
+    group.add_argument("--max-message-mb", type=int, default=default(64), metavar="MIB",
+                       help="largest message sent or received (default 64, the server's default)")
+    group.add_argument("--token-file", type=Path, default=default(None),
+                       help="file holding a bearer token, sent as 'authorization: Bearer <token>'")
+    group.add_argument("--tls-ca", type=Path, default=default(None), help="PEM roots to verify the server (enables TLS)")
+    group.add_argument("--tls-cert", type=Path, default=default(None), help="PEM client certificate (mTLS)")
+    group.add_argument("--tls-key", type=Path, default=default(None), help="PEM client key (mTLS)")
+    group.add_argument("--tls", action="store_true", default=default(False),
+                       help="TLS with the system's roots (implied by any --tls-* file)")
+    group.add_argument("--tls-server-name", default=default(None),
+                       help="name to verify in the server's certificate (default: the host in --url)")
+    group.add_argument("-v", "--verbose", action="store_true", default=default(False), help="log progress (INFO)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m client", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _connection_flags(parser, suppress=False)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        _connection_flags(sub, suppress=True)
+        return sub
+
+    health = command("health", "server liveness, readiness, grpc.health.v1 status, and model readiness")
+    health.add_argument("--model", action="append", metavar="NAME", help="model to check (repeatable; default: none)")
+
+    models = command("models", "metadata of each model (the protocol has no list call: names from --model)")
+    models.add_argument("--model", action="append", metavar="NAME",
+                        help=f"model name (repeatable; default: {', '.join(DEFAULT_MODELS)})")
+    models.add_argument("--json", action="store_true", help="print JSON")
+
+    infer = command("infer", "one inference from .npy/.npz files")
+    infer.add_argument("--model", required=True, metavar="NAME")
+    infer.add_argument("--model-version", default="", metavar="VERSION", help="default: the server's choice")
+    infer.add_argument("--input", type=Path, metavar="IN.npz", help="arrays query, key, value and optionally mask")
+    infer.add_argument("--query", type=Path, metavar="Q.npy")
+    infer.add_argument("--key", type=Path, metavar="K.npy")
+    infer.add_argument("--value", type=Path, metavar="V.npy")
+    infer.add_argument("--mask", type=Path, metavar="M.npy", help="bool (batch, lq, lk), True = attend")
+    infer.add_argument("--outputs", default="output", metavar="NAMES", help="comma-separated (default: output)")
+    infer.add_argument("--output", type=Path, metavar="OUT.npz", help="write the outputs here (default: print)")
+    infer.add_argument("--plot", type=Path, metavar="FILE.png",
+                       help="draw attention heatmaps of one item, a panel per head (asks for attn_probs)")
+    infer.add_argument("--plot-item", type=int, default=0, metavar="I", help="item to plot (default 0)")
+
+    batch = command("batch", "a resumable job over many items: bounded concurrency, outputs in input order")
+    batch.add_argument("--model", required=True, metavar="NAME")
+    batch.add_argument("--model-version", default="", metavar="VERSION",
+                       help="default: the version that answers first, pinned for the rest of the job")
+    batch.add_argument("--input", type=Path, required=True, metavar="IN.npz|DIR",
+                       help="query (N, lq, q_dim), key/value (N, lk, kv_dim), optional mask (N, lq, lk); "
+                            "or a directory of such .npz shards, in sorted order")
+    batch.add_argument("--output", type=Path, required=True, metavar="OUT.npz")
+    batch.add_argument("--outputs", default="output", metavar="NAMES",
+                       help="output[,attn_probs] (default: output)")
+    batch.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="N",
+                       help=f"items per request (default {DEFAULT_BATCH_SIZE})")
+    batch.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY, metavar="N",
+                       help=f"requests in flight (default {DEFAULT_CONCURRENCY})")
+    return parser
+
+
+def _client_options(args: argparse.Namespace) -> ClientOptions:
+    token = None
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text(encoding="utf-8").strip()
+        except OSError as err:
+            raise UsageError(f"cannot read --token-file {args.token_file}: {err.strerror}") from None
+    tls = None
+    if args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
+        tls = TlsConfig(ca_file=args.tls_ca, cert_file=args.tls_cert, key_file=args.tls_key,
+                        server_name=args.tls_server_name)
+    if args.retries < 0:
+        raise UsageError(f"--retries must be >= 0, got {args.retries}")
+    return ClientOptions(url=args.url, timeout_s=args.timeout, max_message_bytes=args.max_message_mb << 20,
+                         tls=tls, token=token, retry=RetryPolicy(max_attempts=args.retries + 1))
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names:
+        raise UsageError(f"--outputs needs at least one name, e.g. {','.join(OUTPUT_NAMES)}")
+    return names
+
+
+# ---------------------------------------------------------------------------
+# Commands
+# ---------------------------------------------------------------------------
+
+
+def _health(args: argparse.Namespace, options: ClientOptions) -> int:
+    """Probe each server of --url on its own (round robin would answer for one of them at random)."""
+    urls = [options.url]
+    if not options.url.strip().startswith(GRPC_SCHEMES):
+        urls = [_format_address(host, port) for host, port in parse_addresses(options.url)]
+    healthy = True
+    for url in urls:
+        prefix = f"{url} " if len(urls) > 1 else ""
+        try:
+            with InferenceClient(dataclasses.replace(options, url=url)) as client:
+                for label, probe in (("live", client.server_live), ("ready", client.server_ready)):
+                    value = probe()
+                    healthy &= value
+                    print(f"{prefix}{label}: {str(value).lower()}")
+                status = client.health_check()
+                healthy &= status == "SERVING"
+                print(f"{prefix}health: {status}")
+                for model in args.model or ():
+                    ready = client.model_ready(model)
+                    healthy &= ready
+                    print(f"{prefix}model {model} ready: {str(ready).lower()}")
+        except InferenceError as err:
+            if len(urls) == 1:
+                raise
+            healthy = False
+            print(f"{prefix}error: {err}")
+    return 0 if healthy else EXIT_FAILED
+
+
+def _format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _models(args: argparse.Namespace, options: ClientOptions) -> int:
+    with InferenceClient(options) as client:
+        found = [client.model_metadata(name) for name in args.model or DEFAULT_MODELS]
+    if args.json:
+        print(json.dumps([m.to_dict() for m in found], indent=2))
+        return 0
+    for meta in found:
+        print(f"{meta.name}  versions {', '.join(meta.versions) or '-'}  platform {meta.platform}")
+        for kind, tensors in (("input", meta.inputs), ("output", meta.outputs)):
+            for t in tensors:
+                print(f"  {kind:6} {t.name:10} {t.datatype:5} {list(t.shape)}")
+    return 0
+
+
+def _load_npy(path: Path, what: str) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"cannot read {what} from {path}: {err}") from None
+
+
+def _infer_inputs(args: argparse.Namespace) -> dict[str, np.ndarray | None]:
+    separate = {name: getattr(args, name) for name in ("query", "key", "value", "mask")}
+    if args.input is not None:
+        if any(separate.values()):
+            raise UsageError("give either --input IN.npz or --query/--key/--value[/--mask], not both")
+        try:
+            with np.load(args.input, allow_pickle=False) as npz:
+                arrays = {name: npz[name] for name in npz.files}
+        except (OSError, ValueError) as err:
+            raise UsageError(f"cannot read --input {args.input}: {err}") from None
+        missing = [name for name in ("query", "key", "value") if name not in arrays]
+        if missing:
+            raise UsageError(f"--input {args.input} lacks {missing}; it has {sorted(arrays)}")
+        return {name: arrays.get(name) for name in ("query", "key", "value", "mask")}
+    missing = [f"--{name}" for name in ("query", "key", "value") if separate[name] is None]
+    if missing:
+        raise UsageError(f"give --input IN.npz, or all of --query, --key and --value (missing {', '.join(missing)})")
+    return {name: None if path is None else _load_npy(path, name) for name, path in separate.items()}
+
+
+def _infer(args: argparse.Namespace, options: ClientOptions) -> int:
+    outputs = _names(args.outputs)
+    if args.plot is not None and "attn_probs" not in outputs:
+        outputs += ("attn_probs",)
+    inputs = _infer_inputs(args)
+    with InferenceClient(options) as client:
+        try:
+            result = client.infer(args.model, inputs["query"], inputs["key"], inputs["value"], inputs["mask"],
+                                  outputs, model_version=args.model_version)
+        except ValueError as err:  # the client's input validation
+            raise UsageError(str(err)) from None
+    if args.output is not None:
+        np.savez(args.output, **result)
+        print(f"wrote {', '.join(f'{n} {list(a.shape)}' for n, a in result.items())} to {args.output}")
+    else:
+        for name, array in result.items():
+            print(f"{name}: {array.dtype} {list(array.shape)}")
+            print(np.array2string(array, precision=5, threshold=20, edgeitems=2))
+    if args.plot is not None:
+        from client.plot import plot_attention
+
+        try:
+            plot_attention(result["attn_probs"], args.plot, item=args.plot_item,
+                           title=f"{args.model}: attention of item {args.plot_item}")
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        print(f"wrote attention heatmaps of item {args.plot_item} to {args.plot}")
+    return 0
+
+
+def _batch(args: argparse.Namespace, options: ClientOptions) -> int:
+    try:
+        job = BatchJob(model=args.model, input_path=args.input, output_path=args.output,
+                       outputs=_names(args.outputs), batch_size=args.batch_size, concurrency=args.concurrency,
+                       model_version=args.model_version, timeout_s=args.timeout)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    try:
+        summary = run_batch(job, options, progress_stream=sys.stderr)
+    except BatchError as err:
+        if err.summary is not None:
+            print(err.summary.line(), flush=True)
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    print(summary.line(), flush=True)
+    return 0
+
+
+COMMANDS = {"health": _health, "models": _models, "infer": _infer, "batch": _batch}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        options = _client_options(args)
+        return COMMANDS[args.command](args, options)
+    except (UsageError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except InferenceError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The asyncio client: the sync client's API as coroutines, over grpc.aio and the same codec.
+
+    async with AsyncInferenceClient("127.0.0.1:8001", timeout_s=10) as client:
+        out = await client.infer("cross_attention", q, k, v)
+
+Create it inside the running event loop that uses it (grpc.aio channels belong to one loop).
+`_call` is the funnel, with the same deadline, token, retry and error rules as `client.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import codec
+from client.errors import InferenceError
+from client.options import DEFAULT_URL, ClientOptions, open_channel
+from proto import inference_pb2 as pb
+from proto import inference_pb2_grpc as pb_grpc
+
+
+class AsyncInferenceClient:
+    """`AsyncInferenceClient(url, **settings)` takes the same settings as `InferenceClient`."""
+
+    def __init__(self, url: str | ClientOptions = DEFAULT_URL, **settings: Any) -> None:
+        self.options = ClientOptions.build(url, **settings)
+        self._metadata = self.options.call_metadata()
+        self._channel = open_channel(self.options, aio=True)
+        self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._retries = 0  # one event loop: no lock needed
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncInferenceClient":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def retry_count(self) -> int:
+        """How many times a call was sent again after UNAVAILABLE, over this client's life."""
+        return self._retries
+
+    async def _call(self, rpc: Any, request: Any, timeout_s: float | None, *, retry: bool = True) -> Any:
+        budget_s = self.options.timeout_s if timeout_s is None else timeout_s
+        if not budget_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {budget_s}")
+        deadline = time.monotonic() + budget_s
+        retries_done = 0
+        while True:
+            try:
+                return await rpc(request, timeout=max(deadline - time.monotonic(), 0.0), metadata=self._metadata)
+            except grpc.RpcError as err:  # grpc.aio.AioRpcError
+                error = InferenceError.from_rpc_error(err)
+            delay = self.options.retry.delay_before_retry(error, retries_done, deadline - time.monotonic()) if retry else None
+            if delay is None:
+                raise error
+            await asyncio.sleep(delay)
+            retries_done += 1
+            self._retries += 1
+
+    async def server_live(self, *, timeout_s: float | None = None) -> bool:
+        return (await self._call(self._stub.ServerLive, pb.ServerLiveRequest(), timeout_s, retry=False)).live
+
+    async def server_ready(self, *, timeout_s: float | None = None) -> bool:
+        return (await self._call(self._stub.ServerReady, pb.ServerReadyRequest(), timeout_s, retry=False)).ready
+
+    async def model_ready(self, model: str, version: str = "", *, timeout_s: float | None = None) -> bool:
+        request = pb.ModelReadyRequest(name=model, version=version)
+        return (await self._call(self._stub.ModelReady, request, timeout_s, retry=False)).ready
+
+    async def health_check(self, service: str = "", *, timeout_s: float | None = None) -> str:
+        request = health_pb2.HealthCheckRequest(service=service)
+        response = await self._call(self._health.Check, request, timeout_s, retry=False)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    async def server_metadata(self, *, timeout_s: float | None = None) -> codec.ServerMetadata:
+        response = await self._call(self._stub.ServerMetadata, pb.ServerMetadataRequest(), timeout_s)
+        return codec.parse_server_metadata(response)
+
+    async def model_metadata(self, model: str, version: str = "", *,
+                             timeout_s: float | None = None) -> codec.ModelMetadata:
+        request = pb.ModelMetadataRequest(name=model, version=version)
+        return codec.parse_model_metadata(await self._call(self._stub.ModelMetadata, request, timeout_s))
+
+    async def model_statistics(self, model: str = "", version: str = "", *,
+                               timeout_s: float | None = None) -> list[codec.ModelStatistics]:
+        request = pb.ModelStatisticsRequest(name=model, version=version)
+        return codec.parse_model_statistics(await self._call(self._stub.ModelStatistics, request, timeout_s))
+
+    async def infer(
+        self,
+        model: str,
+        query: Any,
+        key: Any,
+        value: Any,
+        mask: Any = None,
+        outputs: Sequence[str] = ("output",),
+        *,
+        model_version: str = "",
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """The requested outputs by name, as read-only numpy arrays (empty `outputs`: all of them)."""
+        result = await self.infer_result(model, query, key, value, mask, outputs,
+                                         model_version=model_version, timeout_s=timeout_s)
+        return result.outputs
+
+    async def infer_result(
+        self,
+        model: str,
+        query: Any,
+        key: Any,
+        value: Any,
+        mask: Any = None,
+        outputs: Sequence[str] = ("output",),
+        *,
+        model_version: str = "",
+        timeout_s: float | None = None,
+    ) -> codec.InferResult:
+        outputs = tuple(outputs)
+        inputs = codec.validate_inputs(query, key, value, mask)
+        request = codec.build_infer_request(model, inputs, outputs, model_version=model_version)
+        response = await self._call(self._stub.ModelInfer, request, timeout_s)
+        result = codec.parse_infer_response(response, outputs)
+        codec.check_output_shapes(result.outputs, inputs)
+        return result

@@ -1,0 +1,151 @@
+"""The synchronous client: numpy in, numpy out, one error type.
+
+    with InferenceClient("127.0.0.1:8001,127.0.0.1:8002", timeout_s=10) as client:
+        out = client.infer("self_attention", q, k, v, mask=m, outputs=("output", "attn_probs"))
+        out["output"]       # (b, lq, out_dim) float32
+        client.retry_count  # UNAVAILABLE answers retried so far
+
+Every RPC goes through `_call`: it applies the deadline (the client's default or the call's
+`timeout_s`, covering all attempts), the bearer token, the retry policy (UNAVAILABLE only), and
+turns `grpc.RpcError` into `InferenceError(code, details)`. Safe to share between threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import codec
+from client.errors import InferenceError
+from client.options import DEFAULT_URL, ClientOptions, open_channel
+from proto import inference_pb2 as pb
+from proto import inference_pb2_grpc as pb_grpc
+
+
+class InferenceClient:
+    """A channel to one or more servers (round robin), and the Open Inference Protocol calls.
+
+    `InferenceClient(url, timeout_s=30.0, max_message_bytes=64 MiB, tls=TlsConfig(...),
+    token="...", retry=RetryPolicy(...))`, or `InferenceClient(ClientOptions(...))`.
+    """
+
+    def __init__(self, url: str | ClientOptions = DEFAULT_URL, **settings: Any) -> None:
+        self.options = ClientOptions.build(url, **settings)
+        self._metadata = self.options.call_metadata()
+        self._channel = open_channel(self.options)
+        self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._lock = threading.Lock()
+        self._retries = 0
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "InferenceClient":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def retry_count(self) -> int:
+        """How many times a call was sent again after UNAVAILABLE, over this client's life."""
+        with self._lock:
+            return self._retries
+
+    # -- the funnel --------------------------------------------------------
+
+    def _call(self, rpc: Callable[..., Any], request: Any, timeout_s: float | None, *, retry: bool = True) -> Any:
+        budget_s = self.options.timeout_s if timeout_s is None else timeout_s
+        if not budget_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {budget_s}")
+        deadline = time.monotonic() + budget_s
+        retries_done = 0
+        while True:
+            try:
+                return rpc(request, timeout=max(deadline - time.monotonic(), 0.0), metadata=self._metadata)
+            except grpc.RpcError as err:
+                error = InferenceError.from_rpc_error(err)
+            delay = self.options.retry.delay_before_retry(error, retries_done, deadline - time.monotonic()) if retry else None
+            if delay is None:
+                raise error
+            time.sleep(delay)
+            retries_done += 1
+            with self._lock:
+                self._retries += 1
+
+    # -- health and metadata -----------------------------------------------
+    # Probes are not retried: they report the state now, which is what their callers ask.
+
+    def server_live(self, *, timeout_s: float | None = None) -> bool:
+        return self._call(self._stub.ServerLive, pb.ServerLiveRequest(), timeout_s, retry=False).live
+
+    def server_ready(self, *, timeout_s: float | None = None) -> bool:
+        return self._call(self._stub.ServerReady, pb.ServerReadyRequest(), timeout_s, retry=False).ready
+
+    def model_ready(self, model: str, version: str = "", *, timeout_s: float | None = None) -> bool:
+        request = pb.ModelReadyRequest(name=model, version=version)
+        return self._call(self._stub.ModelReady, request, timeout_s, retry=False).ready
+
+    def health_check(self, service: str = "", *, timeout_s: float | None = None) -> str:
+        """grpc.health.v1 status name: 'SERVING', 'NOT_SERVING', 'SERVICE_UNKNOWN' or 'UNKNOWN'."""
+        response = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout_s, retry=False)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def server_metadata(self, *, timeout_s: float | None = None) -> codec.ServerMetadata:
+        return codec.parse_server_metadata(self._call(self._stub.ServerMetadata, pb.ServerMetadataRequest(), timeout_s))
+
+    def model_metadata(self, model: str, version: str = "", *, timeout_s: float | None = None) -> codec.ModelMetadata:
+        request = pb.ModelMetadataRequest(name=model, version=version)
+        return codec.parse_model_metadata(self._call(self._stub.ModelMetadata, request, timeout_s))
+
+    def model_statistics(self, model: str = "", version: str = "", *,
+                         timeout_s: float | None = None) -> list[codec.ModelStatistics]:
+        """Cumulative counters of one model (or of every model when `model` is empty)."""
+        request = pb.ModelStatisticsRequest(name=model, version=version)
+        return codec.parse_model_statistics(self._call(self._stub.ModelStatistics, request, timeout_s))
+
+    # -- inference ---------------------------------------------------------
+
+    def infer(
+        self,
+        model: str,
+        query: Any,
+        key: Any,
+        value: Any,
+        mask: Any = None,
+        outputs: Sequence[str] = ("output",),
+        *,
+        model_version: str = "",
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """The requested outputs by name, as read-only numpy arrays (empty `outputs`: all of them)."""
+        return self.infer_result(model, query, key, value, mask, outputs,
+                                 model_version=model_version, timeout_s=timeout_s).outputs
+
+    def infer_result(
+        self,
+        model: str,
+        query: Any,
+        key: Any,
+        value: Any,
+        mask: Any = None,
+        outputs: Sequence[str] = ("output",),
+        *,
+        model_version: str = "",
+        timeout_s: float | None = None,
+    ) -> codec.InferResult:
+        """Like `infer`, with the model name and version that answered."""
+        outputs = tuple(outputs)
+        inputs = codec.validate_inputs(query, key, value, mask)
+        request = codec.build_infer_request(model, inputs, outputs, model_version=model_version)
+        result = codec.parse_infer_response(self._call(self._stub.ModelInfer, request, timeout_s), outputs)
+        codec.check_output_shapes(result.outputs, inputs)
+        return result

@@ -1,0 +1,40 @@
+"""The one exception the client raises for anything the server (or the wire) refused.
+
+Every stub call goes through one funnel (`client.py` / `aio.py`), which turns `grpc.RpcError`
+into `InferenceError(code, details)`; the codec raises it too when a response is malformed.
+Bad arguments given by the caller are plain `ValueError`s, raised before anything is sent.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+# UNAVAILABLE is the one status our server returns only before it computed anything (draining,
+# model not ready), and the one gRPC itself returns when no connection could be made. (gRPC also
+# returns it when a connection breaks mid-call; an inference has no side effects, so at worst
+# that request is computed twice.) Every other status is final.
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+
+class InferenceError(Exception):
+    """A failed call: the gRPC status code and the server's (or client's) message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, details)
+        self.code = code
+        self.details = details
+
+    @classmethod
+    def from_rpc_error(cls, err: grpc.RpcError) -> "InferenceError":
+        # Sync calls raise a grpc.Call; grpc.aio raises AioRpcError. Both have code()/details().
+        code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+        details = err.details() if hasattr(err, "details") else str(err)
+        return cls(code or grpc.StatusCode.UNKNOWN, details or "")
+
+    @property
+    def retryable(self) -> bool:
+        """True when the call is known not to have been computed, so sending it again is safe."""
+        return self.code in RETRYABLE_CODES
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.details}"

@@ -1,0 +1,135 @@
+"""`python -m client` health / models / infer against a real server (the batch command: test_batch_job.py)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from client.__main__ import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _inputs(width: int, b: int = 2, lq: int = 5, lk: int = 7, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, lq, width), dtype=np.float32)
+    k = rng.standard_normal((b, lk, width), dtype=np.float32)
+    v = rng.standard_normal((b, lk, width), dtype=np.float32)
+    mask = rng.random((b, lq, lk)) > 0.3
+    return q, k, v, mask
+
+
+def _eager(module, q, k, v, mask):
+    with torch.no_grad():
+        out, probs = module(*(torch.from_numpy(x) for x in (q, k, v)), mask=torch.from_numpy(mask))
+    return out.numpy(), probs.numpy()
+
+
+def test_health(server, capsys):
+    assert main(["health", "--url", server.address, "--model", "cross_attention"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "live: true", "ready: true", "health: SERVING", "model cross_attention ready: true"]
+
+
+def test_health_probes_each_server_of_a_list(server, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    assert main(["health", "--url", f"{server.address},{dead}", "--timeout", "2"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == [f"{server.address} live: true", f"{server.address} ready: true",
+                         f"{server.address} health: SERVING"]
+    assert lines[3].startswith(f"{dead} error: UNAVAILABLE")
+
+
+def test_health_of_nothing_listening_fails(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["--url", f"127.0.0.1:{port}", "--timeout", "2", "health"]) == 1
+    assert "error: UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_models_defaults_to_both_presets_and_url_comes_from_the_environment(server, capsys, monkeypatch):
+    monkeypatch.setenv("ATTNSERVE_URL", server.address)
+    assert main(["models", "--json"]) == 0
+    models = json.loads(capsys.readouterr().out)
+    assert [m["name"] for m in models] == ["self_attention", "cross_attention"]
+    assert models[1]["outputs"][1] == {"name": "attn_probs", "datatype": "FP32", "shape": [-1, 2, -1, -1]}
+    assert main(["models", "--model", "cross_attention"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("cross_attention  versions 1  platform onnxruntime_onnx")
+    assert "input  query      FP32  [-1, -1, 32]" in text
+    assert main(["models", "--model", "nope"]) == 1
+    assert "error: NOT_FOUND" in capsys.readouterr().err
+
+
+def test_infer_npz_to_npz_with_a_plot(server, eager_modules, tmp_path, capsys):
+    q, k, v, mask = _inputs(512)
+    np.savez(tmp_path / "in.npz", query=q, key=k, value=v, mask=mask)
+    png = tmp_path / "heads.png"
+    code = main(["--url", server.address, "infer", "--model", "self_attention", "--input", str(tmp_path / "in.npz"),
+                 "--output", str(tmp_path / "out.npz"), "--plot", str(png), "--plot-item", "1"])
+    assert code == 0, capsys.readouterr().err
+    want_out, want_probs = _eager(eager_modules["self_attention"], q, k, v, mask)
+    with np.load(tmp_path / "out.npz") as out:
+        assert out.files == ["output", "attn_probs"]  # attn_probs asked for the plot
+        np.testing.assert_allclose(out["output"], want_out, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(out["attn_probs"], want_probs, atol=1e-5, rtol=0)
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    import matplotlib.image
+
+    image = matplotlib.image.imread(png)
+    assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 400  # 8 heads: 2 rows of 4 panels
+    assert "wrote attention heatmaps of item 1" in capsys.readouterr().out
+
+
+def test_infer_separate_npy_files_prints_the_outputs(server, eager_modules, tmp_path, capsys):
+    q, k, v, mask = _inputs(32, b=1, lq=2, lk=3)
+    for name, array in dict(q=q, k=k, v=v, m=mask).items():
+        np.save(tmp_path / f"{name}.npy", array)
+    code = main(["infer", "--url", server.address, "--model", "cross_attention", "--query", str(tmp_path / "q.npy"),
+                 "--key", str(tmp_path / "k.npy"), "--value", str(tmp_path / "v.npy"), "--mask", str(tmp_path / "m.npy"),
+                 "--outputs", "attn_probs"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("attn_probs: float32 [1, 2, 2, 3]\n")
+    _, probs = _eager(eager_modules["cross_attention"], q, k, v, mask)
+    assert f"{probs[0, 0, 0, 0]:.5f}"[:6] in text
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--input", "x.npz", "--query", "q.npy"], "either --input IN.npz or --query"),
+        (["--query", "q.npy"], "missing --key, --value"),
+        (["--input", "missing.npz"], "cannot read --input"),
+        (["--input", "x.npz", "--outputs", ","], "--outputs needs at least one name"),
+    ],
+)
+def test_infer_usage_errors_exit_2(server, tmp_path, capsys, monkeypatch, extra, message):
+    monkeypatch.chdir(tmp_path)
+    q, k, v, _ = _inputs(32)
+    np.savez("x.npz", query=q, key=k, value=v)
+    np.save("q.npy", q)
+    assert main(["infer", "--url", server.address, "--model", "cross_attention", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_infer_input_validation_is_a_usage_error(server, tmp_path, capsys):
+    q, k, v, _ = _inputs(32)
+    np.savez(tmp_path / "x.npz", query=q, key=k[:1], value=v[:1])
+    assert main(["infer", "--url", server.address, "--model", "cross_attention", "--input", str(tmp_path / "x.npz")]) == 2
+    assert "batch sizes disagree" in capsys.readouterr().err
+
+
+def test_server_refusal_exits_1_with_code_and_details(server, tmp_path, capsys):
+    q, k, v, _ = _inputs(32)
+    np.savez(tmp_path / "x.npz", query=q, key=k, value=v)
+    assert main(["infer", "--url", server.address, "--model", "self_attention", "--input", str(tmp_path / "x.npz")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: INVALID_ARGUMENT:") and "512" in err

@@ -1,0 +1,221 @@
+"""The client's transport rules over real gRPC on loopback, against a small scripted servicer.
+
+The scripted servicer is a real grpc server (real HTTP/2, real TLS): it is used where the real
+server cannot be made to behave on cue: answer UNAVAILABLE exactly n times, stall past a deadline,
+record the metadata it received, and serve TLS with a client-certificate check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import numpy as np
+import pytest
+
+from client import AsyncInferenceClient, InferenceClient, InferenceError, RetryPolicy, TlsConfig
+from proto import inference_pb2 as pb
+from proto import inference_pb2_grpc as pb_grpc
+
+FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.02)
+
+
+class ScriptedServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """ModelInfer echoes `query` as `output`, after failing the first `fail_times` calls with `code`."""
+
+    def __init__(self, fail_times: int = 0, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+                 delay_s: float = 0.0) -> None:
+        self.fail_times, self.code, self.delay_s = fail_times, code, delay_s
+        self.calls = 0
+        self.metadata: list[dict[str, str]] = []
+        self._lock = threading.Lock()
+
+    def ModelInfer(self, request, context):
+        with self._lock:
+            self.calls += 1
+            call = self.calls
+            self.metadata.append(dict(context.invocation_metadata()))
+        if call <= self.fail_times:
+            context.abort(self.code, f"scripted failure {call}")
+        time.sleep(self.delay_s)
+        query = request.inputs[0]
+        response = pb.ModelInferResponse(model_name=request.model_name, model_version="7")
+        response.outputs.add(name="output", datatype="FP32", shape=query.shape)
+        response.raw_output_contents.append(request.raw_input_contents[0])
+        return response
+
+    def ServerLive(self, request, context):
+        self.metadata.append(dict(context.invocation_metadata()))
+        return pb.ServerLiveResponse(live=True)
+
+
+def _serve(servicer, credentials=None, host="127.0.0.1"):
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    address = f"{host}:0"
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    server.start()
+    return server, port
+
+
+@pytest.fixture
+def scripted():
+    started = []
+
+    def start(servicer, **kw):
+        server, port = _serve(servicer, **kw)
+        started.append(server)
+        return port
+
+    yield start
+    for server in started:
+        server.stop(grace=None)
+
+
+Q = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+KV = np.ones((2, 5, 4), dtype=np.float32)
+
+
+def test_unavailable_is_retried_and_counted(scripted):
+    servicer = ScriptedServicer(fail_times=2)
+    port = scripted(servicer)
+    with InferenceClient(f"127.0.0.1:{port}", retry=FAST_RETRY) as client:
+        out = client.infer("m", Q, KV, KV)
+        np.testing.assert_array_equal(out["output"], Q)
+        assert client.retry_count == 2 and servicer.calls == 3
+
+
+def test_retries_stop_at_max_attempts(scripted):
+    servicer = ScriptedServicer(fail_times=100)
+    port = scripted(servicer)
+    with InferenceClient(f"127.0.0.1:{port}", retry=FAST_RETRY) as client:
+        with pytest.raises(InferenceError) as exc:
+            client.infer("m", Q, KV, KV)
+    assert exc.value.code == grpc.StatusCode.UNAVAILABLE and exc.value.details == "scripted failure 4"
+    assert servicer.calls == 4
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  grpc.StatusCode.INTERNAL])
+def test_other_errors_are_not_retried(scripted, code):
+    servicer = ScriptedServicer(fail_times=1, code=code)
+    port = scripted(servicer)
+    with InferenceClient(f"127.0.0.1:{port}", retry=FAST_RETRY) as client:
+        with pytest.raises(InferenceError) as exc:
+            client.infer("m", Q, KV, KV)
+        assert client.retry_count == 0
+    assert exc.value.code == code and servicer.calls == 1
+
+
+def test_async_client_retries_the_same_way(scripted):
+    servicer = ScriptedServicer(fail_times=1)
+    port = scripted(servicer)
+
+    async def main():
+        async with AsyncInferenceClient(f"127.0.0.1:{port}", retry=FAST_RETRY) as client:
+            out = await client.infer("m", Q, KV, KV)
+            return out, client.retry_count
+
+    out, retries = asyncio.run(main())
+    np.testing.assert_array_equal(out["output"], Q)
+    assert retries == 1 and servicer.calls == 2
+
+
+def test_the_deadline_covers_the_call_and_can_be_overridden(scripted):
+    port = scripted(ScriptedServicer(delay_s=0.5))
+    with InferenceClient(f"127.0.0.1:{port}", timeout_s=0.1) as client:
+        started = time.monotonic()
+        with pytest.raises(InferenceError) as exc:
+            client.infer("m", Q, KV, KV)
+        assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - started < 0.4
+        assert client.infer("m", Q, KV, KV, timeout_s=5)["output"].shape == Q.shape  # per-call override
+
+
+def test_bearer_token_is_sent_on_every_call(scripted):
+    servicer = ScriptedServicer()
+    port = scripted(servicer)
+    with InferenceClient(f"127.0.0.1:{port}", token="t0ken") as client:
+        client.server_live()
+        client.infer("m", Q, KV, KV)
+    assert [m.get("authorization") for m in servicer.metadata] == ["Bearer t0ken", "Bearer t0ken"]
+    assert servicer.metadata[0]["user-agent"].startswith("attnserve-client/")
+
+
+def test_a_malformed_response_is_an_inference_error(scripted):
+    class Short(ScriptedServicer):
+        def ModelInfer(self, request, context):
+            response = super().ModelInfer(request, context)
+            response.raw_output_contents[0] = response.raw_output_contents[0][:-1]
+            return response
+
+    port = scripted(Short())
+    with InferenceClient(f"127.0.0.1:{port}") as client:
+        with pytest.raises(InferenceError) as exc:
+            client.infer("m", Q, KV, KV)
+    assert exc.value.code == grpc.StatusCode.INTERNAL and "expected 96 bytes, got 95" in exc.value.details
+
+
+# -- TLS ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    """A CA, a server certificate for DNS:localhost, and a client certificate, made by openssl."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not on PATH")
+    d = tmp_path_factory.mktemp("tls")
+    (d / "ext.cnf").write_text("[server]\nsubjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n"
+                               "[client]\nextendedKeyUsage=clientAuth\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def run(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca")
+    for name in ("server", "client"):
+        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "1", "-extfile", "ext.cnf", "-extensions", name)
+    return d
+
+
+@pytest.fixture
+def mtls_port(scripted, certs):
+    credentials = grpc.ssl_server_credentials(
+        [((certs / "server.key").read_bytes(), (certs / "server.pem").read_bytes())],
+        root_certificates=(certs / "ca.pem").read_bytes(), require_client_auth=True)
+    return scripted(ScriptedServicer(), credentials=credentials)
+
+
+def test_mtls_round_trip(certs, mtls_port):
+    tls = TlsConfig(ca_file=certs / "ca.pem", cert_file=certs / "client.pem", key_file=certs / "client.key")
+    with InferenceClient(f"localhost:{mtls_port}", tls=tls, timeout_s=5) as client:
+        np.testing.assert_array_equal(client.infer("m", Q, KV, KV)["output"], Q)
+    # An IP literal in the url, the certificate's name given separately.
+    tls_by_ip = TlsConfig(ca_file=certs / "ca.pem", cert_file=certs / "client.pem", key_file=certs / "client.key",
+                          server_name="localhost")
+    with InferenceClient(f"127.0.0.1:{mtls_port}", tls=tls_by_ip, timeout_s=5) as client:
+        assert client.server_live()
+
+
+def test_mtls_refuses_a_client_without_a_certificate(certs, mtls_port):
+    with InferenceClient(f"localhost:{mtls_port}", tls=TlsConfig(ca_file=certs / "ca.pem"), timeout_s=5,
+                         retry=RetryPolicy(max_attempts=1)) as client:
+        with pytest.raises(InferenceError) as exc:
+            client.server_live()
+    assert exc.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_tls_refuses_a_server_certificate_for_another_name(certs, mtls_port):
+    tls = TlsConfig(ca_file=certs / "ca.pem", cert_file=certs / "client.pem", key_file=certs / "client.key",
+                    server_name="not-localhost")
+    with InferenceClient(f"localhost:{mtls_port}", tls=tls, timeout_s=5, retry=RetryPolicy(max_attempts=1)) as client:
+        with pytest.raises(InferenceError) as exc:
+            client.server_live()
+    assert exc.value.code == grpc.StatusCode.UNAVAILABLE
