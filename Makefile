@@ -12,7 +12,7 @@ PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
 PRESETS := self_attention cross_attention
 
-.PHONY: install test serve export proto clean
+.PHONY: install test serve export proto bench bench-tools clean nginx
 
 install: $(STAMP) $(COMPAT_STAMP)
 
@@ -28,8 +28,19 @@ $(COMPAT_STAMP):
 	$(COMPAT_VENV)/bin/python -m pip install --quiet 'tritonclient[grpc]==2.73.0'
 	touch $(COMPAT_STAMP)
 
-test: $(STAMP) $(COMPAT_STAMP)
+test: $(STAMP) $(COMPAT_STAMP) nginx
 	$(PY) -m pytest tests
+
+# tests/test_deploy_nginx.py runs a real nginx (deploy/nginx/nginx.conf). Install the Debian
+# package when it is missing and we are root; otherwise say so (that test then skips).
+nginx:
+	@if command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "nginx is not installed: apt-get update && apt-get install -y nginx"; \
+	  apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y nginx; \
+	else \
+	  echo "nginx is not installed and this is not root with apt-get: tests/test_deploy_nginx.py will skip"; \
+	fi
 
 # Export each default model unless the repository already has a version of it.
 export: $(STAMP)
@@ -44,9 +55,25 @@ export: $(STAMP)
 serve: export
 	exec $(PY) -m server --model-repository $(MODELS)
 
+# The benchmark (bench/): server vs in-process ONNX Runtime; figures in bench/results/.
+BENCH_VENV := .venv-bench
+bench: export bench-tools
+	$(PY) -m bench --repository $(MODELS) $(BENCH_ARGS)
+
+# NVIDIA's perf_analyzer: its binary ships in tritonclient 2.45's wheel; it links libcudart.so.12
+# (pip: nvidia-cuda-runtime-cu12, no GPU needed) and libb64 (Debian: libb64-0d). If it cannot be
+# installed, the benchmark falls back to its own multi-process load generator.
+bench-tools: $(BENCH_VENV)/.installed
+$(BENCH_VENV)/.installed:
+	-@ldconfig -p | grep -q libb64.so.0d || { [ "$$(id -u)" = 0 ] && echo "installing libb64-0d for perf_analyzer" && \
+	  (apt-get install -y -q libb64-0d >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q libb64-0d >/dev/null)); }
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install --quiet --no-deps 'tritonclient==2.45.0' 'nvidia-cuda-runtime-cu12==12.9.79'
+	touch $@
+
 # Regenerate the checked-in gRPC stubs from proto/inference.proto.
 proto: $(STAMP)
 	$(PY) -m proto.generate
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) $(BENCH_VENV) .pytest_cache

@@ -1,0 +1,242 @@
+"""The compose topology, run here without Docker: two real server replicas behind a real nginx
+running deploy/nginx/nginx.conf, the very file docker-compose.yml mounts.
+
+What the test changes, and only that: the two `listen` ports (to free loopback ports), and
+upstream.conf, the file nginx.conf includes inside its upstream block: the compose one names
+the replicas by Docker's DNS name (`server replicas:8001 resolve ...` with resolver 127.0.0.11);
+here each `server` line becomes one line per replica's loopback address with the same
+parameters (max_fails, fail_timeout), and the resolver lines are dropped (no Docker DNS here,
+and `resolve` needs nginx >= 1.27.3 where Debian ships 1.22). nginx runs in the foreground with
+a temporary directory as its prefix (`-p`), which holds its pid file and temp directories, as
+/var/cache/nginx/ does in the container.
+
+All traffic is to 127.0.0.1. `make test` installs nginx (Debian package) when it is missing.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.oip import eager, random_inputs
+from tests.server_process import REPO_ROOT, ServerProcess
+
+NGINX_DIR = REPO_ROOT / "deploy" / "nginx"
+NGINX_CONF = NGINX_DIR / "nginx.conf"
+UPSTREAM_CONF = NGINX_DIR / "upstream.conf"
+HEALTHCHECK = REPO_ROOT / "deploy" / "healthcheck.py"
+# The ports nginx.conf listens on: gRPC (published by compose) and its own /healthz.
+GRPC_LISTEN = 8001
+HEALTH_LISTEN = 8081
+TOLERANCE = 1e-5
+NGINX_START_TIMEOUT_S = 15.0
+DIMS = {"self_attention": (512, 512), "cross_attention": (32, 32)}
+
+NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).exists()), None)
+pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (`make test` installs it)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def render_nginx_conf(text: str, grpc_port: int, health_port: int) -> str:
+    """nginx.conf with its two listen ports moved to loopback ports; nothing else changes."""
+    for port, new in ((GRPC_LISTEN, grpc_port), (HEALTH_LISTEN, health_port)):
+        text, count = re.subn(rf"^(\s*)listen {port}\b", rf"\g<1>listen 127.0.0.1:{new}", text, flags=re.M)
+        assert count == 1, f"nginx.conf should listen on {port} exactly once, found {count}"
+    return text
+
+
+def render_upstream_conf(text: str, addresses: list[str]) -> str:
+    """upstream.conf with each `server NAME ...;` line replaced by one line per address (same
+    parameters, minus `resolve`) and the resolver lines dropped."""
+    lines, servers = [], 0
+    for line in text.splitlines():
+        stripped = line.split("#", 1)[0].strip()
+        if stripped.startswith(("resolver ", "resolver_timeout ")):
+            continue
+        match = re.fullmatch(r"server\s+(\S+)((?:\s+\S+)*)\s*;", stripped)
+        if match:
+            servers += 1
+            params = " ".join(p for p in match.group(2).split() if p != "resolve")
+            lines += [f"server {address} {params};" for address in addresses]
+        else:
+            lines.append(line)
+    assert servers == 1, f"upstream.conf should have one server line, found {servers}"
+    return "\n".join(lines) + "\n"
+
+
+class NginxProcess:
+    """nginx in the foreground with `prefix` as its prefix: pid file, temp dirs and the two
+    config files live there; its stdout (access log) and stderr (error log) go to files."""
+
+    def __init__(self, prefix: Path, upstreams: list[str]) -> None:
+        conf_dir = prefix / "conf"
+        conf_dir.mkdir(parents=True)
+        self.port, self.health_port = free_port(), free_port()
+        self.conf = conf_dir / "nginx.conf"
+        self.conf.write_text(render_nginx_conf(NGINX_CONF.read_text(), self.port, self.health_port))
+        (conf_dir / "upstream.conf").write_text(render_upstream_conf(UPSTREAM_CONF.read_text(), upstreams))
+        self.access_log, self.error_log = prefix / "access.log", prefix / "error.log"
+        self._out, self._err = open(self.access_log, "wb"), open(self.error_log, "wb")
+        self.command = [NGINX, "-p", f"{prefix}/", "-c", str(self.conf), "-e", "stderr", "-g", "daemon off;"]
+        self.proc = subprocess.Popen(self.command, stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL)
+        self.address = f"127.0.0.1:{self.port}"
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + NGINX_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nginx exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/healthz", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"nginx not answering within {NGINX_START_TIMEOUT_S}s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        for f in (self._out, self._err):
+            f.flush()
+        return (f"--- error log\n{self.error_log.read_text(errors='replace')}"
+                f"--- access log\n{self.access_log.read_text(errors='replace')}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGQUIT)  # graceful: finish open requests, then exit
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._out.close()
+        self._err.close()
+
+
+@pytest.fixture(scope="module")
+def replicas(model_repository):
+    # One ONNX Runtime thread each: two replicas, nginx and the test share two cores here.
+    with ThreadPoolExecutor(2) as pool:
+        started = list(pool.map(lambda _: ServerProcess(model_repository, "--intra-op-threads", "1",
+                                                        "--grace-period-s", "10"), range(2)))
+    yield started
+    for replica in started:
+        replica.stop()
+
+
+@pytest.fixture(scope="module")
+def nginx(replicas, tmp_path_factory):
+    proc = NginxProcess(tmp_path_factory.mktemp("nginx"), [r.address for r in replicas])
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(nginx):
+    from client import InferenceClient
+
+    with InferenceClient(nginx.address, timeout_s=30.0) as c:
+        yield c
+
+
+def successes(replica: ServerProcess) -> int:
+    """Inference requests a replica answered successfully (its own ModelStatistics)."""
+    from client import InferenceClient
+
+    with InferenceClient(replica.address, timeout_s=10.0) as c:
+        return sum(s.success_count for s in c.model_statistics())
+
+
+def infer_and_check(client, eager_modules, model: str, rng, b: int, lq: int, lk: int, masked: bool,
+                    outputs=("output", "attn_probs")) -> None:
+    x = random_inputs(rng, b, lq, lk, *DIMS[model], masked=masked)
+    got = client.infer(model, x["query"], x["key"], x["value"], mask=x["mask"], outputs=outputs)
+    want = eager(eager_modules[model], **x)
+    assert set(got) == set(outputs)
+    for name in outputs:
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=TOLERANCE, err_msg=f"{model} {name}")
+
+
+def run_healthcheck(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(HEALTHCHECK), *args], capture_output=True, text=True, timeout=30)
+
+
+def test_both_replicas_serve_correct_answers_through_nginx(nginx, replicas, client, eager_modules):
+    before = [successes(r) for r in replicas]
+    rng = np.random.default_rng(5)
+    cases = [("self_attention", 1, 10, 10, False), ("cross_attention", 2, 256, 77, True),
+             ("self_attention", 2, 7, 13, True), ("cross_attention", 1, 3, 77, False),
+             ("self_attention", 1, 1, 1, False), ("cross_attention", 3, 16, 5, True)]
+    try:
+        for model, b, lq, lk, masked in cases:
+            infer_and_check(client, eager_modules, model, rng, b, lq, lk, masked)
+        # 4.9 MB of request (4 x 200 x 512 floats, three times): over nginx's 1 MiB default body
+        # limit and gRPC's 4 MiB default message size.
+        infer_and_check(client, eager_modules, "self_attention", rng, 4, 200, 200, False, outputs=("output",))
+    except Exception:
+        print(nginx.logs())
+        raise
+    served = [successes(r) - b for r, b in zip(replicas, before)]
+    print(f"calls served per replica: {served}")
+    assert sum(served) == len(cases) + 1, served
+    assert min(served) >= 2, f"round robin should spread {len(cases) + 1} calls over both replicas: {served}"
+    assert client.retry_count == 0
+
+
+def test_healthcheck_script_asks_the_health_service(nginx, replicas):
+    for address in (replicas[0].address, replicas[1].address, nginx.address):
+        result = run_healthcheck("--address", address)
+        assert result.returncode == 0, result.stderr
+    assert run_healthcheck("--address", replicas[0].address, "--service", "self_attention").returncode == 0
+    unknown = run_healthcheck("--address", replicas[0].address, "--service", "no_such_model")
+    assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr, unknown.stderr
+    closed = run_healthcheck("--address", f"127.0.0.1:{free_port()}", "--timeout", "1")
+    assert closed.returncode == 1 and "unhealthy" in closed.stderr
+
+
+def test_service_goes_on_when_a_replica_stops(nginx, replicas, client, eager_modules):
+    """SIGTERM one replica: calls through nginx keep succeeding with correct answers. While it
+    drains, it answers UNAVAILABLE and the client retries; once it is gone, nginx moves each call
+    to the other replica itself (grpc_next_upstream error), so the client sees no error at all."""
+    stopped, survivor = replicas
+    survivor_before = successes(survivor)
+    rng = np.random.default_rng(6)
+    sent = 0
+    try:
+        stopped.signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while stopped.proc.poll() is None and time.monotonic() < deadline and sent < 20:
+            infer_and_check(client, eager_modules, "cross_attention", rng, 1, 8, 8, False)
+            sent += 1
+        assert stopped.wait(timeout=20) == 0, stopped.log()
+        retries_while_draining = client.retry_count
+        for i in range(6):
+            infer_and_check(client, eager_modules, ("self_attention", "cross_attention")[i % 2], rng, 1, 5, 9, True)
+            sent += 1
+    except Exception:
+        print(nginx.logs())
+        raise
+    print(f"{sent} calls after SIGTERM, {retries_while_draining} client retries while draining; "
+          f"access log:\n{nginx.access_log.read_text()}")
+    assert client.retry_count == retries_while_draining, "after the replica exited nginx should retry, not the client"
+    assert retries_while_draining <= 3
+    # A call the stopped replica admitted just before its signal arrived may have been its last.
+    assert sent - 1 <= successes(survivor) - survivor_before <= sent
+    assert run_healthcheck("--address", nginx.address).returncode == 0
