@@ -24,6 +24,7 @@ from server.config import ServerConfig
 from server.engine import choose_device
 from server.metrics import Metrics
 from server.models import ModelRegistry
+from server.security import MalformedMessageGuard, auth_interceptors, server_credentials
 from server.service import InferenceServicer
 
 logger = logging.getLogger(__name__)
@@ -141,11 +142,14 @@ class Server:
         """Load the models, bind, serve. Returns the bound gRPC port.
         Raises engine.DeviceUnavailable for --device cuda without CUDA."""
         cfg = self.config
+        # TLS files and the token are checked before anything slow: a bad one fails at once.
+        credentials = server_credentials(cfg)
+        auth = auth_interceptors(cfg)
         device = choose_device(cfg.device)
         if device.why_not_cuda:
             logger.warning("device auto: serving on CPU because %s", device.why_not_cuda)
         # Creating sessions blocks for a while; nothing else is running yet.
-        self.registry = ModelRegistry.load(cfg, device, self.metrics)
+        self.registry = ModelRegistry.load(cfg, device, self.metrics, arrivals=self._requests_arriving)
         self.registry.start()
         servicer = InferenceServicer(self.registry, self.metrics)
         self._servicer = servicer
@@ -155,13 +159,18 @@ class Server:
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
         ]
-        self._grpc = grpc.aio.server(interceptors=[self._admission], options=options)
+        # Unauthenticated calls stop before admission; the guard sits inside it (a message that
+        # does not parse is answered INVALID_ARGUMENT by a call admission saw start and finish).
+        self._grpc = grpc.aio.server(interceptors=[*auth, self._admission, MalformedMessageGuard()],
+                                     options=options)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self._grpc)
-        self.port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        address = f"{cfg.host}:{cfg.port}"
+        self.port = (self._grpc.add_secure_port(address, credentials) if credentials is not None
+                     else self._grpc.add_insecure_port(address))
         await self._grpc.start()
 
         serving = health_pb2.HealthCheckResponse.SERVING
@@ -185,6 +194,11 @@ class Server:
             self._write_ready_file(cfg.ready_file)
         return self.port
 
+    def _requests_arriving(self) -> int:
+        """Inference calls the server has received (headers or message) that have not reached a
+        batcher yet: the batchers wait a little for them instead of running each one alone."""
+        return self._admission.in_flight - self.registry.requests_inside()
+
     def _write_ready_file(self, path: Path) -> None:
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_text(json.dumps({"grpc_port": self.port, "metrics_port": self.metrics_port, "pid": os.getpid()}))
@@ -198,10 +212,14 @@ class Server:
         self._servicer.draining = True
         await self._health.enter_graceful_shutdown()
         in_flight = self._admission.in_flight
-        if not await self._admission.wait_idle(grace_s):
-            logger.warning("grace period %.1fs over with %d call(s) unfinished", grace_s, self._admission.in_flight)
+        finished = await self._admission.wait_idle(grace_s)
+        if not finished:
+            # The grace period bounds the stop: what has not started computing is refused with
+            # UNAVAILABLE (safe to retry elsewhere); running batches finish.
+            logger.warning("grace period %.1fs over with %d call(s) unfinished; refusing queued ones",
+                           grace_s, self._admission.in_flight)
         if self.registry is not None:
-            await self.registry.close()
+            await self.registry.close(abandon_queued=not finished)
         remaining = grace_s - (time.monotonic() - started)
         if self._grpc is not None:
             await self._grpc.stop(max(remaining, 0.1))

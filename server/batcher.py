@@ -5,9 +5,11 @@ want_probs)` and runs it on its own worker threads, so the event loop keeps acce
 
 Policy. A lone request on an idle model is dispatched at once (it never waits for company).
 While a batch runs, requests queue up; when an execution slot frees, everything compatible that
-waits is merged into the next run, up to `max_batch_size` rows. With several slots
-(`batches_in_flight` > 1) a partial batch may wait up to `max_queue_delay_s` for company while
-another batch runs.
+waits is merged into the next run, up to `max_batch_size` rows. A partial batch waits up to
+`max_queue_delay_s` for company only when company is coming: another batch of this model runs,
+or (the `arrivals` hint) the server has received requests that have not reached a batcher yet.
+Under load the gRPC layer, not the model, is often the slower stage; without that hint each
+request would run alone as it trickles in, at several times the per-request cost of a batch.
 
 Padding. Requests of different lengths are padded to the longest query and key of their batch:
 padded keys are masked (False), padded query rows are dropped when the batch is split. A batch
@@ -80,6 +82,11 @@ class Work:
     def k_len(self) -> int:
         return self.key.shape[1]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its input arrays: what it holds while it waits in the queue."""
+        return self.query.nbytes + self.key.nbytes + self.value.nbytes + (0 if self.mask is None else self.mask.nbytes)
+
 
 @dataclass(slots=True)
 class Result:
@@ -97,15 +104,23 @@ class BatchPolicy:
     max_queue_size: int = 512
     max_padding_ratio: float = 0.5
     batches_in_flight: int = 1
+    # Input bytes waiting in the queue; a request that would pass it is shed (one request is
+    # always admitted to an empty queue, so the bound is max(this, one request)).
+    max_queued_bytes: int = 1 << 30
+    # rows x Lq x Lk of a merged, padded batch (its attention matrix per head); a request only
+    # joins a batch that stays within it (the oldest request always goes). None: no bound.
+    max_batch_scores: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_queue_size", "batches_in_flight"):
+        for name in ("max_batch_size", "max_queue_size", "batches_in_flight", "max_queued_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue_delay_s < 0:
             raise ValueError(f"max_queue_delay_s must be >= 0, got {self.max_queue_delay_s}")
         if not 0.0 <= self.max_padding_ratio < 1.0:
             raise ValueError(f"max_padding_ratio must be in [0, 1), got {self.max_padding_ratio}")
+        if self.max_batch_scores is not None and self.max_batch_scores < 1:
+            raise ValueError(f"max_batch_scores must be >= 1, got {self.max_batch_scores}")
 
 
 @dataclass(frozen=True)
@@ -136,16 +151,21 @@ class _Pending:
 
 class Batcher:
     def __init__(self, name: str, run_batch: RunBatch, policy: BatchPolicy,
-                 observer: BatchObserver | None = None) -> None:
+                 observer: BatchObserver | None = None, arrivals: Callable[[], int] | None = None) -> None:
         self.name = name
         self._run_batch = run_batch
         self.policy = policy
         self._observer = observer
         self._pending: collections.deque[_Pending] = collections.deque()
+        self._queued_bytes = 0  # sum of work.nbytes over _pending
         self._wakeup = asyncio.Event()
         self._slots = asyncio.Semaphore(policy.batches_in_flight)
         self._running: set[asyncio.Task] = set()
         self._computing = 0  # batches between dispatch and the release of their slot
+        self._computing_requests = 0  # requests in those batches
+        # How many requests the server has received but not yet submitted to any batcher: a
+        # hint that company is on its way even while no batch runs (see _company_coming).
+        self._arrivals = arrivals
         self._executor = ThreadPoolExecutor(max_workers=policy.batches_in_flight, thread_name_prefix=f"run-{name}")
         self._closing = False
         self._loop_task: asyncio.Task | None = None
@@ -153,6 +173,16 @@ class Batcher:
     @property
     def queue_depth(self) -> int:
         return len(self._pending)
+
+    @property
+    def requests_inside(self) -> int:
+        """Requests queued or being computed."""
+        return len(self._pending) + self._computing_requests
+
+    def _company_coming(self) -> bool:
+        """Worth waiting for: another batch runs, or requests are on their way in (received,
+        not yet submitted). A lone request on an idle server sees neither and goes at once."""
+        return self._computing > 0 or (self._arrivals is not None and self._arrivals() > 0)
 
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._collect_forever(), name=f"batcher-{self.name}")
@@ -165,15 +195,29 @@ class Batcher:
         if len(self._pending) >= self.policy.max_queue_size:
             raise QueueFull(f"model {self.name}: {len(self._pending)} requests queued "
                             f"(max_queue_size {self.policy.max_queue_size}); retry later")
+        nbytes = work.nbytes
+        if self._pending and self._queued_bytes + nbytes > self.policy.max_queued_bytes:
+            raise QueueFull(f"model {self.name}: {self._queued_bytes:,} input bytes queued; this request's "
+                            f"{nbytes:,} would pass max_queued_bytes {self.policy.max_queued_bytes:,}; retry later")
         future = asyncio.get_running_loop().create_future()
         self._pending.append(_Pending(work, deadline, future, time.monotonic()))
+        self._queued_bytes += nbytes
         self._wakeup.set()
         self._report_depth()
         return await future  # cancelling the caller cancels the future: the batcher skips it
 
-    async def close(self) -> None:
-        """Take no new requests, finish every queued and running one, then stop."""
+    async def close(self, abandon_queued: bool = False) -> None:
+        """Take no new requests, finish every running one and, unless `abandon_queued`, every
+        queued one; abandoned requests fail with BatcherClosed (never computed: safe to retry)."""
         self._closing = True
+        if abandon_queued:
+            while self._pending:
+                p = self._pending.popleft()
+                if not p.future.done():
+                    p.future.set_exception(BatcherClosed(
+                        f"model {self.name}: shutting down, not started within the grace period; "
+                        "retry on another replica"))
+            self._queued_bytes = 0
         self._wakeup.set()
         if self._loop_task is not None:
             await self._loop_task
@@ -192,22 +236,23 @@ class Batcher:
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            if self._computing and self.policy.max_queue_delay_s > 0:
+            if self.policy.max_queue_delay_s > 0 and self._company_coming():
                 await self._wait_for_company()
             batch = self._take_batch()
             if not batch:
                 self._slots.release()
                 continue
             self._computing += 1
+            self._computing_requests += len(batch)
             task = asyncio.get_running_loop().create_task(self._run(batch))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
     async def _wait_for_company(self) -> None:
-        """Another batch runs: let a partial batch fill until the oldest request has waited
-        max_queue_delay_s, or until no other batch runs (an idle model never waits)."""
+        """Company is coming: let a partial batch fill until the oldest request has waited
+        max_queue_delay_s, or until no company is coming any more (an idle model never waits)."""
         deadline = self._pending[0].enqueued_at + self.policy.max_queue_delay_s
-        while (self._computing and sum(p.work.rows for p in self._pending) < self.policy.max_batch_size
+        while (self._company_coming() and sum(p.work.rows for p in self._pending) < self.policy.max_batch_size
                and not self._closing):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -244,6 +289,8 @@ class Batcher:
                     new_rows <= self.policy.max_batch_size
                     and 1.0 - new_useful / (new_rows * new_q * new_k) <= self.policy.max_padding_ratio
                     and all(k == new_k for k in exact)
+                    and (self.policy.max_batch_scores is None
+                         or new_rows * new_q * new_k <= self.policy.max_batch_scores)
                 )
                 if not fits:
                     kept.append(p)
@@ -255,6 +302,7 @@ class Batcher:
             if w.exact_k_len:
                 exact_k_lens.add(w.k_len)
         self._pending = kept
+        self._queued_bytes = sum(p.work.nbytes for p in kept)
         self._report_depth()
         return chosen
 
@@ -283,9 +331,11 @@ class Batcher:
                     failure = BatchFailed(f"model {self.name}: the batch this request was in failed: "
                                           f"{type(err).__name__}: {err}")
                     failure.__cause__ = err
+                    failure._logged = True  # the traceback is above, once for the batch
                     p.future.set_exception(failure)
         finally:
             self._computing -= 1
+            self._computing_requests -= len(batch)
             self._slots.release()
             self._wakeup.set()  # a partial batch waiting for company stops waiting once the model idles
             if self._observer is not None:

@@ -28,6 +28,7 @@ class Limits:
     max_q_len: int
     max_kv_len: int
     max_attention_bytes: int  # B * H * Lq * Lk * 4 for one request
+    max_response_bytes: int | None = None  # the gRPC send limit: the answer must fit in it
 
 
 @dataclass(slots=True)
@@ -67,6 +68,8 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> De
             raise ValueError(f"input {tensor.name!r}: negative dimension in shape {list(shape)}")
         shapes[tensor.name] = shape
     _check_shapes(shapes, spec, limits)
+    outputs = _requested_outputs(request, spec)
+    _check_response_size(request, shapes, outputs, spec, limits)
 
     arrays: dict[str, np.ndarray] = {}
     for index, tensor in enumerate(inputs):
@@ -89,7 +92,6 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> De
             array = np.asarray(values, dtype=dtype).reshape(shape)
         arrays[tensor.name] = array.astype(np.float32, copy=False) if tensor.datatype == "FP32" else array
 
-    outputs = _requested_outputs(request, spec)
     work = Work(arrays["query"], arrays["key"], arrays["value"], arrays.get("mask"),
                 want_probs="attn_probs" in outputs)
     return Decoded(work=work, outputs=outputs, raw=raw)
@@ -119,6 +121,27 @@ def _check_shapes(shapes: dict[str, tuple[int, ...]], spec: ModelSpec, limits: L
     if attention_bytes > limits.max_attention_bytes:
         raise ValueError(f"request needs a {attention_bytes:,}-byte attention matrix (batch {b} x {spec.num_heads} "
                          f"heads x {lq} x {lk} x 4); the limit is {limits.max_attention_bytes:,} bytes")
+
+
+# Room for what a response holds besides tensor bytes: names, shapes, datatypes, field tags.
+_RESPONSE_OVERHEAD_BYTES = 4096
+
+
+def _check_response_size(request: pb.ModelInferRequest, shapes: dict[str, tuple[int, ...]],
+                         outputs: tuple[str, ...], spec: ModelSpec, limits: Limits) -> None:
+    """Refuse up front a request whose answer could not be sent (over the message limit)."""
+    if limits.max_response_bytes is None:
+        return
+    b, lq, _ = shapes["query"]
+    lk = shapes["key"][1]
+    sizes = {"output": b * lq * spec.out_dim * 4, "attn_probs": b * spec.num_heads * lq * lk * 4}
+    needed = sum(sizes[name] for name in outputs)
+    total = needed + len(request.id) + len(request.model_name) + _RESPONSE_OVERHEAD_BYTES
+    if total > limits.max_response_bytes:
+        parts = " + ".join(f"{name} {sizes[name]:,}" for name in outputs)
+        raise ValueError(f"the response would need {total:,} bytes ({parts} bytes of tensors), over the "
+                         f"{limits.max_response_bytes:,}-byte message limit (--max-message-bytes); ask for fewer "
+                         f"rows, shorter sequences, or only the outputs you need")
 
 
 def _requested_outputs(request: pb.ModelInferRequest, spec: ModelSpec) -> tuple[str, ...]:

@@ -35,11 +35,18 @@ class ServerConfig:
     batches_in_flight: int = 1  # ONNX Runtime runs at once per model
     intra_op_threads: int = 0  # ONNX Runtime threads per run; 0 = one per core
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_queued_bytes: int = 1024**3  # input bytes waiting per model; beyond it RESOURCE_EXHAUSTED
     grace_period_s: float = 30.0  # on SIGTERM: time to finish accepted requests
     model_versions: tuple[tuple[str, int], ...] = ()  # pins, e.g. (("self_attention", 1),)
     ready_file: Path | None = None  # written with the bound ports once serving (tests, scripts)
     log_level: str = "INFO"
     access_log: bool = False
+    # Security (server/security.py). TLS when both cert and key are given; mutual TLS (client
+    # certificates required) when a client CA is given too; bearer tokens when a token file is.
+    tls_cert: Path | None = None  # PEM certificate chain of the server
+    tls_key: Path | None = None  # PEM private key of the server
+    tls_client_ca: Path | None = None  # PEM roots that client certificates must chain to
+    auth_token_file: Path | None = None  # file holding the bearer token clients must send
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -48,7 +55,8 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in -1..65535, got {self.metrics_port}")
-        for name in ("max_queue_size", "batches_in_flight", "max_message_bytes", "max_attention_bytes"):
+        for name in ("max_queue_size", "batches_in_flight", "max_message_bytes", "max_attention_bytes",
+                     "max_queued_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
@@ -61,6 +69,11 @@ class ServerConfig:
             raise ValueError(f"intra_op_threads must be >= 0, got {self.intra_op_threads}")
         if self.grace_period_s < 0:
             raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both --tls-cert and --tls-key, got only "
+                             + ("--tls-cert" if self.tls_key is None else "--tls-key"))
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
 
     @property
     def pinned_versions(self) -> dict[str, int]:
@@ -82,11 +95,16 @@ _HELP: dict[str, str] = {
     "batches_in_flight": "ONNX Runtime runs at once per model",
     "intra_op_threads": "ONNX Runtime intra-op threads (0 = one per core)",
     "max_message_bytes": "largest gRPC message received or sent",
+    "max_queued_bytes": "input bytes queued per model before RESOURCE_EXHAUSTED",
     "grace_period_s": "seconds to finish accepted requests after SIGTERM",
     "model_versions": "pin versions: NAME=VERSION[,NAME=VERSION...] (default: highest)",
     "ready_file": "write {grpc_port, metrics_port} as JSON here once serving",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "access_log": "log every RPC (true/false)",
+    "tls_cert": "PEM certificate chain: serve TLS (with --tls-key)",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_client_ca": "PEM roots: require client certificates signed by them (mutual TLS)",
+    "auth_token_file": "file holding a bearer token every call must send (health stays open)",
 }
 
 

@@ -49,6 +49,10 @@ def session_options(intra_op_threads: int) -> ort.SessionOptions:
     options.intra_op_num_threads = intra_op_threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # ONNX Runtime's pool threads spin after each run waiting for the next; on a server whose
+    # event loop shares the cores, that spinning starves the loop (measured: the pool thread
+    # burned 7.2 s of CPU against the loop's 6.0 s in an 11 s run at concurrency 32).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from server.batcher import Batcher, BatchPolicy
 from server.codec import Limits
@@ -41,8 +42,10 @@ class ModelRegistry:
         self.failed: dict[str, str] = {}  # name -> why it is not ready
 
     @classmethod
-    def load(cls, config: ServerConfig, device: DeviceChoice, metrics: Metrics) -> "ModelRegistry":
-        """Load every model of the repository; a model that fails is logged and kept as failed."""
+    def load(cls, config: ServerConfig, device: DeviceChoice, metrics: Metrics,
+             arrivals: Callable[[], int] | None = None) -> "ModelRegistry":
+        """Load every model of the repository; a model that fails is logged and kept as failed.
+        `arrivals` counts requests received but not yet submitted (the batchers' hint)."""
         registry = cls()
         root = Path(config.model_repository)
         pins = config.pinned_versions
@@ -62,9 +65,13 @@ class ModelRegistry:
                 max_queue_size=config.max_queue_size,
                 max_padding_ratio=config.max_padding_ratio,
                 batches_in_flight=config.batches_in_flight,
+                max_queued_bytes=config.max_queued_bytes,
+                # A merged batch's attention matrix obeys the same bound as one request's.
+                max_batch_scores=max(config.max_attention_bytes // (4 * spec.num_heads), 1),
             )
-            batcher = Batcher(name, engine.run, policy, metrics.observer(name))
-            limits = Limits(spec.max_q_len, spec.max_kv_len, config.max_attention_bytes)
+            batcher = Batcher(name, engine.run, policy, metrics.observer(name), arrivals)
+            limits = Limits(spec.max_q_len, spec.max_kv_len, config.max_attention_bytes,
+                            max_response_bytes=config.max_message_bytes)
             registry.loaded[name] = LoadedModel(spec, engine, batcher, limits)
             logger.info("model %s version %d ready on %s (max_batch_size=%d, max_queue_delay_ms=%.2f)",
                         name, spec.version, ",".join(engine.providers), policy.max_batch_size,
@@ -85,6 +92,10 @@ class ModelRegistry:
                                 f"on disk: {list(model.spec.available_versions)})")
         return model
 
+    def requests_inside(self) -> int:
+        """Requests queued or being computed, all models together."""
+        return sum(model.batcher.requests_inside for model in self.loaded.values())
+
     def ready(self, name: str, version: str = "") -> bool:
         try:
             self.get(name, version)
@@ -96,6 +107,6 @@ class ModelRegistry:
         for model in self.loaded.values():
             model.batcher.start()
 
-    async def close(self) -> None:
+    async def close(self, abandon_queued: bool = False) -> None:
         for model in self.loaded.values():
-            await model.batcher.close()
+            await model.batcher.close(abandon_queued)

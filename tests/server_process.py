@@ -19,9 +19,15 @@ STARTUP_TIMEOUT_S = 60.0
 
 
 class ServerProcess:
-    """Starts the server with --port 0 and reads the bound ports from its --ready-file."""
+    """Starts the server with --port 0 and reads the bound ports from its --ready-file.
 
-    def __init__(self, model_repository: Path, *extra_args: str, env: dict[str, str] | None = None) -> None:
+    For a TLS server pass `credentials` (grpc.ssl_channel_credentials): channel() and health()
+    then use them (and `server_name`, the name to check in the server's certificate)."""
+
+    def __init__(self, model_repository: Path, *extra_args: str, env: dict[str, str] | None = None,
+                 credentials: grpc.ChannelCredentials | None = None, server_name: str = "localhost") -> None:
+        self.credentials = credentials
+        self.server_name = server_name
         self._workdir = Path(tempfile.mkdtemp(prefix="attnserve-test-"))
         self.ready_file = self._workdir / "ready.json"
         self.log_path = self._workdir / "server.log"
@@ -50,9 +56,22 @@ class ServerProcess:
         self.proc.kill()
         raise RuntimeError(f"server not ready within {STARTUP_TIMEOUT_S}s:\n{self.log()}")
 
-    def channel(self, **options: int) -> grpc.Channel:
+    def channel(self, credentials: grpc.ChannelCredentials | None = None, **options: int) -> grpc.Channel:
+        """A channel to the server: plaintext, or TLS with `credentials` (default: the server's)."""
         opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-        return grpc.insecure_channel(self.address, options=opts + list(options.items()))
+        opts += list(options.items())
+        credentials = credentials or self.credentials
+        if credentials is None:
+            return grpc.insecure_channel(self.address, options=opts)
+        opts.append(("grpc.ssl_target_name_override", self.server_name))
+        return grpc.secure_channel(self.address, credentials, options=opts)
+
+    def memory_kib(self, field: str = "VmHWM") -> int:
+        """From /proc/<pid>/status: VmHWM (peak resident set so far) or VmRSS (now), in KiB."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+        raise RuntimeError(f"no {field} in /proc/{self.proc.pid}/status")
 
     def health(self, service: str = "") -> int:
         with self.channel() as ch:

@@ -134,7 +134,9 @@ def test_health_turns_not_serving_while_draining(model_repository):
         rng = np.random.default_rng(1)
         with proc.channel() as channel, concurrent.futures.ThreadPoolExecutor(4) as pool:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            futures = [pool.submit(stub.ModelInfer, infer_request("self_attention", **_heavy(rng, 4)), timeout=60)
+            # Rows of 8: the backlog must outlast the probes below (with 4 rows a fast machine
+            # could finish it, and exit, before ServerReady is asked).
+            futures = [pool.submit(stub.ModelInfer, infer_request("self_attention", **_heavy(rng, 8)), timeout=60)
                        for _ in range(4)]
             time.sleep(0.15)
             proc.signal(signal.SIGTERM)
@@ -298,3 +300,28 @@ def test_help_names_every_environment_variable():
     assert done.returncode == 0
     for f in dataclasses.fields(ServerConfig):
         assert f"ATTNSERVE_{f.name.upper()}" in done.stdout
+
+
+def test_grace_period_bounds_the_stop(model_repository):
+    """With more queued work than the grace period allows, the server still exits 0 soon after
+    it: running batches finish, queued requests get UNAVAILABLE (never computed, retryable)."""
+    proc = ServerProcess(model_repository, "--max-batch-size", "1", "--intra-op-threads", "1",
+                         "--grace-period-s", "0.2")
+    try:
+        rng = np.random.default_rng(11)
+        cases = [_heavy(rng, 1, 1200, 1200) for _ in range(12)]  # ~0.1 s each, one at a time
+        with proc.channel() as channel, concurrent.futures.ThreadPoolExecutor(12) as pool:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            futures = [pool.submit(stub.ModelInfer, infer_request("self_attention", outputs=("output",), **x),
+                                   timeout=60) for x in cases]
+            time.sleep(0.3)
+            sigterm_at = time.monotonic()
+            proc.signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+            stopped_in = time.monotonic() - sigterm_at
+            codes = [f.exception().code() if f.exception() else grpc.StatusCode.OK for f in futures]
+        assert stopped_in < 5, f"took {stopped_in:.1f}s for a 0.2 s grace period"
+        assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, codes
+        assert grpc.StatusCode.UNAVAILABLE in codes, "nothing was left queued: the test proves nothing"
+    finally:
+        proc.stop()

@@ -1,0 +1,287 @@
+"""Callers the server does not trust: TLS, mutual TLS, bearer tokens, messages that do not parse.
+
+    credentials = server_credentials(config)  # None: plaintext
+    interceptors = [*auth_interceptors(config), <admission>, MalformedMessageGuard()]
+
+TLS is served when --tls-cert and --tls-key are given; with --tls-client-ca too, every client
+must present a certificate that chains to it (mutual TLS). Files are read and checked once, at
+startup: a missing, unreadable or mismatched file is a SecurityError (the server exits 3 and
+says which file and why) instead of a failure at the first handshake.
+
+With --auth-token-file every call must carry `authorization: Bearer <token>`; the value is
+compared in constant time (hmac.compare_digest) and anything else is refused with
+UNAUTHENTICATED before the call's handler, or any later interceptor, sees it. The standard
+health service and server reflection stay open, so load balancers and probes need no secret.
+Neither the token nor any metadata value is ever logged.
+
+MalformedMessageGuard answers a message that does not parse as its RPC's request type with
+INVALID_ARGUMENT (gRPC's own answer is UNKNOWN, with a traceback logged per message).
+"""
+
+from __future__ import annotations
+
+import hmac
+import inspect
+import ipaddress
+import logging
+import ssl
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from server.config import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+# RPCs that need no token: probes (grpc.health.v1) and service discovery (reflection).
+OPEN_METHOD_PREFIXES = (
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+    "/grpc.reflection.v1.ServerReflection/",
+)
+_REFUSAL_LOG_EVERY_S = 10.0  # refusals are counted; the log gets one line per interval at most
+
+
+class SecurityError(RuntimeError):
+    """A TLS or token setting that cannot be used; the message names the flag and the file."""
+
+
+def _read(path: Path, flag: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise SecurityError(f"{flag} {path}: cannot read it ({err.strerror or err})") from None
+    if not data.strip():
+        raise SecurityError(f"{flag} {path}: the file is empty")
+    return data
+
+
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS (mutual when config.tls_client_ca is set) server credentials, or None for plaintext."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    cert = _read(config.tls_cert, "--tls-cert")
+    key = _read(config.tls_key, "--tls-key")
+    _check_key_pair(config.tls_cert, config.tls_key)
+    client_ca = None
+    if config.tls_client_ca is not None:
+        client_ca = _read(config.tls_client_ca, "--tls-client-ca")
+        try:
+            ssl.create_default_context().load_verify_locations(cadata=client_ca.decode("ascii"))
+        except (ssl.SSLError, ValueError, UnicodeDecodeError) as err:
+            raise SecurityError(f"--tls-client-ca {config.tls_client_ca}: not PEM certificates ({err})") from None
+    logger.info("TLS on (certificate %s)%s", config.tls_cert,
+                "; mutual TLS: client certificates signed by %s required" % config.tls_client_ca
+                if client_ca is not None else "")
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
+def _check_key_pair(cert: Path, key: Path) -> None:
+    """Load the pair with OpenSSL, as the handshake will, so a bad pair fails at startup."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(certfile=str(cert), keyfile=str(key), password=_no_password)
+    except _EncryptedKey:
+        raise SecurityError(f"--tls-key {key}: the private key is encrypted; give an unencrypted one") from None
+    except ssl.SSLError as err:
+        # err.reason: e.g. KEY_VALUES_MISMATCH, NO_START_LINE; never the key's bytes.
+        raise SecurityError(f"--tls-cert {cert} / --tls-key {key}: not a usable PEM certificate and "
+                            f"matching private key ({err.reason or err})") from None
+    except OSError as err:
+        raise SecurityError(f"--tls-cert {cert} / --tls-key {key}: cannot read ({err.strerror or err})") from None
+
+
+class _EncryptedKey(Exception):
+    pass
+
+
+def _no_password() -> bytes:
+    raise _EncryptedKey  # OpenSSL asks for a password only for an encrypted key
+
+
+def read_token(path: Path) -> bytes:
+    """The token in `path`, surrounding whitespace stripped; one line of printable ASCII."""
+    text = _read(path, "--auth-token-file")
+    token = text.strip()
+    if not all(0x21 <= c <= 0x7E for c in token):
+        raise SecurityError(f"--auth-token-file {path}: the token must be one word of printable ASCII "
+                            "(no spaces, line breaks or control characters)")
+    return token
+
+
+def auth_interceptors(config: ServerConfig) -> list[grpc.aio.ServerInterceptor]:
+    """[BearerTokenInterceptor] when --auth-token-file is set, else []."""
+    if config.auth_token_file is None:
+        return []
+    interceptor = BearerTokenInterceptor(read_token(config.auth_token_file))
+    logger.info("bearer-token authentication on (token from %s); open without it: %s",
+                config.auth_token_file, ", ".join(p.strip("/") for p in OPEN_METHOD_PREFIXES))
+    if config.tls_cert is None and not _is_loopback(config.host):
+        logger.warning("bearer tokens will cross the network in plaintext: serve TLS (--tls-cert, --tls-key)")
+    return [interceptor]
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Admits a call only with exactly one `authorization: Bearer <token>` header whose token
+    equals the configured one (constant-time comparison); OPEN_METHOD_PREFIXES need none.
+
+    A refused call never reaches the next interceptor or its handler: it is answered
+    UNAUTHENTICATED by a handler that reads no message (a request-streaming handler runs as soon
+    as the headers arrive, so the body, however large, is never parsed)."""
+
+    def __init__(self, token: bytes, open_prefixes: tuple[str, ...] = OPEN_METHOD_PREFIXES) -> None:
+        if not token:
+            raise SecurityError("the bearer token is empty")
+        self._token = token
+        self._open = open_prefixes
+        self.refused = 0  # calls refused over the server's life
+        self._refused_unlogged = 0
+        self._last_log = float("-inf")
+
+    def __repr__(self) -> str:  # never show the token
+        return f"{type(self).__name__}(refused={self.refused})"
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith(self._open) or self._authorized(details.invocation_metadata):
+            return await continuation(details)
+        return self._refusal(details.method)
+
+    def _authorized(self, metadata: Any) -> bool:
+        values = [value for key, value in (metadata or ()) if key == "authorization"]
+        if len(values) != 1:
+            return False
+        value = values[0]
+        if isinstance(value, str):
+            value = value.encode("utf-8", "replace")
+        scheme, _, credential = value.strip().partition(b" ")
+        # Compare even when the scheme is wrong, so the time taken tells nothing.
+        matches = hmac.compare_digest(credential.strip(), self._token)
+        return matches and scheme.lower() == b"bearer"
+
+    def _refusal(self, method: str) -> grpc.RpcMethodHandler:
+        async def refuse(request_iterator, context):
+            self._note_refusal(method, context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or invalid bearer token: send metadata 'authorization: Bearer <token>'")
+
+        # Request-streaming, with no deserializer: runs without waiting for or parsing the message.
+        return grpc.stream_unary_rpc_method_handler(refuse)
+
+    def _note_refusal(self, method: str, peer: str) -> None:
+        self.refused += 1
+        self._refused_unlogged += 1
+        now = time.monotonic()
+        if now - self._last_log >= _REFUSAL_LOG_EVERY_S:
+            logger.warning("refused %d call(s) without a valid bearer token (latest: %s from %s)",
+                           self._refused_unlogged, method, peer)
+            self._refused_unlogged = 0
+            self._last_log = now
+
+
+class _Malformed:
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer):
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as err:  # protobuf's DecodeError, or anything a deserializer raises
+            return _Malformed(err)
+
+    return parse
+
+
+async def _refuse_malformed(context, malformed: _Malformed) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the request message does not parse: {type(malformed.error).__name__}: {malformed.error}")
+
+
+async def _checked(requests, context):
+    async for request in requests:
+        if isinstance(request, _Malformed):
+            await _refuse_malformed(context, request)
+        yield request
+
+
+class MalformedMessageGuard(grpc.aio.ServerInterceptor):
+    """A message that does not parse as its RPC's request type is answered INVALID_ARGUMENT by
+    the handler's own call (so the call counts as started and finished for draining), instead
+    of gRPC's UNKNOWN and a logged traceback. Place it after the admission interceptor."""
+
+    def __init__(self) -> None:
+        # The wrapped handler depends on the registered one alone: build it once per method,
+        # not on every call (this sits on the request path).
+        self._wrapped: dict[tuple[str, int], grpc.RpcMethodHandler] = {}
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        key = (details.method, id(handler))
+        wrapped = self._wrapped.get(key)
+        if wrapped is None:
+            wrapped = self._wrapped[key] = _guard(handler)
+        return wrapped
+
+
+def _guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    parse = _tolerant(handler.request_deserializer)
+    if handler.unary_unary is not None and inspect.iscoroutinefunction(handler.unary_unary):
+        inner = handler.unary_unary
+
+        async def unary_unary(request, context):
+            if isinstance(request, _Malformed):
+                await _refuse_malformed(context, request)
+            return await inner(request, context)
+
+        return handler._replace(request_deserializer=parse, unary_unary=unary_unary)
+    if handler.unary_stream is not None:
+        inner = handler.unary_stream
+        if inspect.isasyncgenfunction(inner):
+            async def unary_stream(request, context):
+                if isinstance(request, _Malformed):
+                    await _refuse_malformed(context, request)
+                async for response in inner(request, context):
+                    yield response
+        elif inspect.iscoroutinefunction(inner):
+            async def unary_stream(request, context):  # writes its responses with context.write
+                if isinstance(request, _Malformed):
+                    await _refuse_malformed(context, request)
+                return await inner(request, context)
+        else:
+            return handler
+        return handler._replace(request_deserializer=parse, unary_stream=unary_stream)
+    if handler.stream_unary is not None and inspect.iscoroutinefunction(handler.stream_unary):
+        inner = handler.stream_unary
+
+        async def stream_unary(requests, context):
+            return await inner(_checked(requests, context), context)
+
+        return handler._replace(request_deserializer=parse, stream_unary=stream_unary)
+    if handler.stream_stream is not None:
+        inner = handler.stream_stream
+        if inspect.isasyncgenfunction(inner):
+            async def stream_stream(requests, context):
+                async for response in inner(_checked(requests, context), context):
+                    yield response
+        elif inspect.iscoroutinefunction(inner):
+            async def stream_stream(requests, context):
+                return await inner(_checked(requests, context), context)
+        else:
+            return handler
+        return handler._replace(request_deserializer=parse, stream_stream=stream_stream)
+    return handler  # a synchronous handler: left as gRPC runs it

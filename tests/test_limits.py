@@ -1,0 +1,193 @@
+"""Resource limits that hold: the queue bounded in bytes, a merged batch's attention matrix bounded
+like one request's, answers that could not be sent refused up front, gRPC message limits.
+
+Batcher tests drive the real batcher with the numpy attention of test_batcher (house style);
+the end-to-end ones use a server of their own whose messages are limited to 1 MiB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from client import InferenceClient, InferenceError
+from proto import inference_pb2_grpc as pb_grpc
+from server import codec
+from server.batcher import BatchPolicy, QueueFull
+from server.repository import ModelSpec, TensorSpec
+from tests.oip import eager, infer_request, outputs_of, random_inputs
+from tests.server_process import ServerProcess
+from tests.test_batcher import Model, assert_matches_alone, make_work, queue_while_busy, started, stop, wait_until
+
+# -- the queue, in bytes --------------------------------------------------------------------
+
+
+def test_queue_is_bounded_in_bytes_and_frees_them_as_it_drains():
+    async def main():
+        model = Model()
+        works = [make_work(1, 4, 6) for _ in range(4)]
+        size = works[0].nbytes  # (4 + 6 + 6) x 16 floats + a 4 x 6 mask = 1,048 bytes
+        batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0, max_queued_bytes=int(2.5 * size)))
+        try:
+            model.gate.clear()
+            blocker = asyncio.create_task(batcher.submit(make_work()))
+            await wait_until(lambda: len(model.calls) == 1)  # running, so out of the queue
+            queued = [asyncio.create_task(batcher.submit(w)) for w in works[:2]]
+            await wait_until(lambda: batcher.queue_depth == 2)
+            with pytest.raises(QueueFull) as exc:  # a third would hold 3 x 1,048 > 2,620 bytes
+                await batcher.submit(works[2])
+            model.gate.set()
+            results = await asyncio.gather(blocker, *queued)
+            # Drained: the bytes are free again, the same request is taken.
+            later = await batcher.submit(works[2])
+        finally:
+            await stop(batcher, model)
+        return model, works, results, later, exc.value, size
+
+    model, works, results, later, err, size = asyncio.run(main())
+    assert f"{2 * size:,} input bytes queued" in str(err) and "max_queued_bytes 2,620" in str(err)
+    for w, r in zip(works[:2], results[1:]):
+        assert_matches_alone(w, r)
+    assert_matches_alone(works[2], later)
+    assert len(model.runs_with(works[2])) == 1  # computed once: when it was taken, not when shed
+
+
+def test_request_larger_than_the_byte_bound_is_taken_by_an_empty_queue_alone():
+    async def main():
+        model = Model()
+        big = [make_work(2, 8, 8) for _ in range(2)]
+        batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0, max_queued_bytes=100))
+        try:
+            model.gate.clear()
+            blocker = asyncio.create_task(batcher.submit(make_work()))
+            await wait_until(lambda: len(model.calls) == 1)
+            first = asyncio.create_task(batcher.submit(big[0]))  # an empty queue takes it
+            await wait_until(lambda: batcher.queue_depth == 1)
+            with pytest.raises(QueueFull, match="max_queued_bytes 100"):
+                await batcher.submit(big[1])
+            model.gate.set()
+            await blocker
+            return await first
+        finally:
+            await stop(batcher, model)
+
+    result = asyncio.run(main())
+    assert result.output.shape == (2, 8, 16)
+
+
+# -- a merged batch's attention matrix ------------------------------------------------------
+
+
+def test_merged_batch_stays_within_the_attention_bound():
+    """Four queued requests of 1 x 4 x 6 scores each: without a bound they run as one batch;
+    with max_batch_scores 48 no run holds more than two of them."""
+
+    async def run(policy):
+        model = Model()
+        batcher = await started(model, policy)
+        works = [make_work(1, 4, 6) for _ in range(4)]
+        try:
+            blocker, tasks = await queue_while_busy(batcher, model, works)
+            await blocker
+            results = await asyncio.gather(*tasks)
+        finally:
+            await stop(batcher, model)
+        return model, works, results
+
+    model, works, results = asyncio.run(run(BatchPolicy(max_queue_delay_s=0.0, max_batch_scores=48)))
+    for w, r in zip(works, results):
+        assert_matches_alone(w, r)
+    runs = model.calls[1:]  # after the blocker
+    assert [c.rows for c in runs] == [2, 2]
+    assert all(c.feeds["mask"].size <= 48 for c in runs)  # rows x Lq x Lk
+
+    unbounded, _, _ = asyncio.run(run(BatchPolicy(max_queue_delay_s=0.0)))
+    assert [c.rows for c in unbounded.calls[1:]] == [4]
+
+
+def test_server_limits_reach_each_model(model_repository):
+    from server.config import ServerConfig
+    from server.engine import choose_device
+    from server.metrics import Metrics
+    from server.models import ModelRegistry
+
+    config = ServerConfig(model_repository=model_repository, max_queued_bytes=12345, max_message_bytes=2 << 20,
+                          max_attention_bytes=1 << 20, metrics_port=-1)
+    registry = ModelRegistry.load(config, choose_device("cpu"), Metrics())
+    model = registry.loaded["self_attention"]  # 8 heads
+    assert model.batcher.policy.max_queued_bytes == 12345
+    assert model.batcher.policy.max_batch_scores == (1 << 20) // (4 * 8)
+    assert model.limits.max_response_bytes == 2 << 20
+    assert model.limits.max_attention_bytes == 1 << 20
+
+
+# -- answers that could not be sent ---------------------------------------------------------
+
+
+def _spec(num_heads=8, dim=512) -> ModelSpec:
+    return ModelSpec(name="m", version=1, version_dir=Path("."), platform="onnxruntime_onnx", query_dim=dim,
+                     kv_dim=dim, out_dim=dim, num_heads=num_heads, inputs=(), outputs=(TensorSpec("output", "FP32", ()),),
+                     max_batch_size=32, max_queue_delay_ms=1.0, max_q_len=4096, max_kv_len=4096)
+
+
+def test_decode_refuses_a_response_over_the_message_limit_before_allocating():
+    spec = _spec()
+    limits = codec.Limits(4096, 4096, 1 << 40, max_response_bytes=1 << 20)
+    request = infer_request("m", raw=True, query=np.zeros((1, 200, 512), np.float32),
+                            key=np.zeros((1, 200, 512), np.float32), value=np.zeros((1, 200, 512), np.float32))
+    # output 1 x 200 x 512 x 4 = 409,600 bytes; attn_probs 1 x 8 x 200 x 200 x 4 = 1,280,000 bytes
+    with pytest.raises(ValueError) as exc:
+        codec.decode(request, spec, limits)
+    message = str(exc.value)
+    assert "output 409,600 + attn_probs 1,280,000" in message and "1,048,576-byte message limit" in message
+    request.outputs.add(name="output")
+    assert codec.decode(request, spec, limits).outputs == ("output",)
+    del request.outputs[:]
+    request.outputs.add(name="attn_probs")
+    with pytest.raises(ValueError, match="attn_probs 1,280,000"):
+        codec.decode(request, spec, limits)
+
+
+@pytest.fixture(scope="module")
+def small_server(model_repository):
+    """Messages of 1 MiB at most, both ways. (A call gRPC refuses for its size never reaches a
+    handler, so draining waits for it until the short grace period ends.)"""
+    proc = ServerProcess(model_repository, "--max-message-bytes", str(1 << 20), "--grace-period-s", "2")
+    yield proc
+    assert proc.stop() == 0
+
+
+def test_response_too_large_to_send_is_invalid_argument_and_output_alone_is_served(small_server, eager_modules):
+    """attn_probs of 1 x 2 x 400 x 400 floats is 1.28 MB: over the 1 MiB message limit."""
+    x = random_inputs(np.random.default_rng(0), 1, 400, 400, 32, 32)
+    with small_server.channel() as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.ModelInfer(infer_request("cross_attention", **x), timeout=60)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "attn_probs 1,280,000" in exc.value.details() and "1,048,576-byte message limit" in exc.value.details()
+        got = outputs_of(stub.ModelInfer(infer_request("cross_attention", outputs=("output",), **x), timeout=60))
+    want = eager(eager_modules["cross_attention"], **x)
+    assert float(np.max(np.abs(got["output"] - want["output"]))) <= 1e-5
+
+
+def test_message_size_limits_hold_on_both_sides(small_server):
+    data = np.zeros((1, 200, 512), np.float32)  # three of these: 1.23 MB > 1 MiB
+    request = infer_request("self_attention", query=data, key=data, value=data)
+    assert request.ByteSize() > 1 << 20
+    # The server's receive limit holds against a client that raised its own.
+    with grpc.insecure_channel(small_server.address, options=[("grpc.max_send_message_length", 8 << 20)]) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.ModelInfer(request, timeout=60)
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # The project's client enforces its own limit before sending anything.
+    with InferenceClient(small_server.address, max_message_bytes=1 << 20, timeout_s=10) as client:
+        with pytest.raises(InferenceError) as exc:
+            client.infer("self_attention", data, data, data)
+        assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert client.health_check() == "SERVING"
