@@ -1,0 +1,208 @@
+"""`python -m bench`: the server under load vs in-process ONNX Runtime, measured in one run.
+
+    make bench                                    # both presets, concurrency 1, 8, 32, 64
+    .venv/bin/python -m bench --models self_attention --soak-s 300 -- --batches-in-flight 2
+
+1. In-process ONNX Runtime on the served graph (the server's own Engine and session options),
+   k requests merged per run for k in 1, 8, 32, 64: the ceiling.
+2. The server (a real `python -m server` process, extra flags after `--`), driven at each
+   concurrency by perf_analyzer (unmodified; `make bench-tools`) or, where it cannot run, by a
+   multi-process load generator.
+3. A table with the ratios the goals are stated in, and JSON + PNG under --output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import inprocess, loadgen, perf_analyzer
+from bench.inprocess import SHAPES
+from server.repository import read_model_spec
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+IN_PROCESS_BATCHES = (1, 8, 32, 64)
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class _Server:
+    def __init__(self, repository: Path, extra: list[str], workdir: Path) -> None:
+        self.ready_file = workdir / "ready.json"
+        self.log = open(workdir / "server.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server", "--model-repository", str(repository), "--host", "127.0.0.1",
+             "--port", "0", "--metrics-port", "-1", "--log-level", "WARNING", "--ready-file", str(self.ready_file),
+             *extra], cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not self.ready_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"bench: the server did not start; see {workdir / 'server.log'}")
+            time.sleep(0.05)
+        self.address = f"127.0.0.1:{json.loads(self.ready_file.read_text())['grpc_port']}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+
+def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    server_args: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, server_args = argv[:split], argv[split + 1:]
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--repository", type=Path, default=REPO_ROOT / "models", help="model repository (default: models)")
+    p.add_argument("--models", default="self_attention,cross_attention")
+    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--seconds", type=float, default=4.0, help="measurement window per level")
+    p.add_argument("--load-generator", choices=("auto", "perf_analyzer", "python"), default="auto")
+    p.add_argument("--soak-s", type=float, default=0.0, help="then run the first model at concurrency 32 "
+                   "this long, sampling the server's memory")
+    p.add_argument("--output", type=Path, default=REPO_ROOT / "bench" / "results")
+    return p.parse_args(argv), server_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, server_args = _parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    specs = {m: read_model_spec(args.repository / m) for m in models}
+    found = perf_analyzer.find() if args.load_generator != "python" else None
+    if args.load_generator == "perf_analyzer" and found is None:
+        raise SystemExit("bench: perf_analyzer is not installed or cannot run here: `make bench-tools`")
+    generator = "perf_analyzer" if found else "python (multi-process grpc.aio)"
+    load_before = os.getloadavg()
+    print(f"bench: {platform.node()}, {os.cpu_count()} cores, load {load_before[0]:.2f}; generator: {generator}; "
+          f"server flags: {' '.join(server_args) or '(defaults)'}", flush=True)
+
+    results: dict = {"generator": generator, "server_args": server_args, "cores": os.cpu_count(),
+                     "load_before": load_before, "models": {}}
+    for model in models:
+        print(f"in-process ONNX Runtime, {model} ...", flush=True)
+        results["models"][model] = {"shape": vars(SHAPES[model]), "in_process": inprocess.measure(
+            specs[model], SHAPES[model], IN_PROCESS_BATCHES, seconds=min(args.seconds, 3.0))}
+
+    with tempfile.TemporaryDirectory(prefix="attnserve-bench-") as tmp:
+        server = _Server(args.repository, server_args, Path(tmp))
+        try:
+            for model in models:
+                spec, shape = specs[model], SHAPES[model]
+                levels_out = results["models"][model]["server"] = {}
+                for c in levels:
+                    print(f"server, {model}, concurrency {c} ...", flush=True)
+                    if found:
+                        got = perf_analyzer.run(*found, server.address, model, (spec.query_dim, spec.kv_dim),
+                                                shape, c, args.seconds, Path(tmp))
+                    else:
+                        got = loadgen.run(server.address, model, (spec.query_dim, spec.kv_dim), shape, c, args.seconds)
+                    got["server_rss_mb"] = _rss_mb(server.proc.pid)
+                    levels_out[c] = got
+            if args.soak_s > 0:
+                results["soak"] = _soak(server, specs[models[0]], models[0], found, args.soak_s, Path(tmp))
+        finally:
+            server.stop()
+    results["load_after"] = os.getloadavg()
+
+    _print_table(results)
+    args.output.mkdir(parents=True, exist_ok=True)
+    (args.output / "bench.json").write_text(json.dumps(results, indent=2))
+    _plot(results, args.output / "bench.png")
+    print(f"wrote {args.output / 'bench.json'} and {args.output / 'bench.png'}")
+    return 0
+
+
+def _soak(server: _Server, spec, model: str, found, seconds: float, workdir: Path) -> dict:
+    """Concurrency 32 for `seconds`, in windows of 10 s, the server's RSS after each."""
+    samples = []
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        if found:
+            got = perf_analyzer.run(*found, server.address, model, (spec.query_dim, spec.kv_dim), SHAPES[model],
+                                    32, 5.0, workdir)
+        else:
+            got = loadgen.run(server.address, model, (spec.query_dim, spec.kv_dim), SHAPES[model], 32, 10.0)
+        samples.append({"t_s": round(time.monotonic() - started, 1), "rss_mb": _rss_mb(server.proc.pid),
+                        "requests_per_s": got["requests_per_s"]})
+        print(f"  soak t={samples[-1]['t_s']:.0f}s rss={samples[-1]['rss_mb']:.1f} MB "
+              f"{got['requests_per_s']:.0f} req/s", flush=True)
+    rss = [s["rss_mb"] for s in samples]
+    return {"seconds": seconds, "samples": samples, "rss_first_mb": rss[0], "rss_last_mb": rss[-1], "rss_max_mb": max(rss)}
+
+
+def _print_table(results: dict) -> None:
+    for model, data in results["models"].items():
+        inproc = data["in_process"]
+        b1_ms = inproc[1]["ms_per_call"]
+        b32 = inproc[32]["requests_per_s"]
+        print(f"\n{model}: request = {data['shape']}")
+        print("  in-process ONNX Runtime (requests merged per run): " + ", ".join(
+            f"{k}: {v['requests_per_s']:,.0f}/s ({v['ms_per_call']:.2f} ms)" for k, v in inproc.items()))
+        print(f"  {'conc':>4} {'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'÷ in-proc b32':>13} "
+              f"{'p50 ÷ b1 call':>13} {'p99/p50':>7} {'RSS MB':>7}")
+        for c, s in data["server"].items():
+            print(f"  {c:>4} {s['requests_per_s']:>8,.0f} {s['p50_ms']:>7.2f} {s['p99_ms']:>7.2f} "
+                  f"{s['requests_per_s'] / b32:>13.2f} {s['p50_ms'] / b1_ms:>13.2f} {s['p99_ms'] / s['p50_ms']:>7.2f} "
+                  f"{s['server_rss_mb']:>7.0f}")
+        servers = data["server"]
+        if 32 in servers:
+            s = servers[32]
+            print(f"  goal c32 throughput >= 0.40 x in-process b32: {s['requests_per_s'] / b32:.2f} "
+                  f"{'met' if s['requests_per_s'] / b32 >= 0.40 else 'NOT met'}; "
+                  f"p99 < 3 x p50: {s['p99_ms'] / s['p50_ms']:.2f} {'met' if s['p99_ms'] < 3 * s['p50_ms'] else 'NOT met'}")
+        if 1 in servers:
+            ratio = servers[1]["p50_ms"] / b1_ms
+            print(f"  goal c1 p50 <= 3 x in-process b1 call: {ratio:.2f} {'met' if ratio <= 3 else 'NOT met'}")
+    if "soak" in results:
+        soak = results["soak"]
+        print(f"\nsoak {soak['seconds']:.0f}s at concurrency 32: RSS first {soak['rss_first_mb']:.1f} MB, "
+              f"last {soak['rss_last_mb']:.1f} MB, max {soak['rss_max_mb']:.1f} MB")
+    print(f"\nload average before {results['load_before'][0]:.2f}, after {results['load_after'][0]:.2f}")
+
+
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(results["models"])
+    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8), squeeze=False)
+    for col, model in enumerate(models):
+        data = results["models"][model]
+        levels = list(data["server"])
+        thr = [data["server"][c]["requests_per_s"] for c in levels]
+        ax = axes[0][col]
+        ax.plot(levels, thr, "o-", label="server")
+        ax.axhline(data["in_process"][32]["requests_per_s"], ls="--", color="gray", label="in-process, 32 per run")
+        ax.axhline(0.4 * data["in_process"][32]["requests_per_s"], ls=":", color="red", label="goal: 0.40 x")
+        ax.set(title=f"{model}: throughput", xlabel="concurrency", ylabel="requests/s", xscale="log")
+        ax.legend()
+        ax = axes[1][col]
+        ax.plot(levels, [data["server"][c]["p50_ms"] for c in levels], "o-", label="p50")
+        ax.plot(levels, [data["server"][c]["p99_ms"] for c in levels], "s-", label="p99")
+        ax.set(title=f"{model}: latency", xlabel="concurrency", ylabel="ms", xscale="log", yscale="log")
+        ax.legend()
+    fig.suptitle(f"attnserve vs in-process ONNX Runtime ({results['cores']} cores, {results['generator']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

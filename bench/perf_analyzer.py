@@ -1,0 +1,67 @@
+"""Driving the server with NVIDIA's perf_analyzer, unmodified, and reading its CSV.
+
+`make bench-tools` installs it: the binary ships in tritonclient 2.45's manylinux wheel (later
+releases moved it to a `perf-analyzer` wheel that needs glibc 2.38); it links libcudart.so.12
+(pip package nvidia-cuda-runtime-cu12; no GPU is needed) and libb64 (Debian's libb64-0d).
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from bench.inprocess import Shape
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCH_VENV = REPO_ROOT / ".venv-bench"
+
+
+def find() -> tuple[Path, dict[str, str]] | None:
+    """The perf_analyzer binary and the environment it runs in, or None if not installed."""
+    binary = BENCH_VENV / "bin" / "perf_analyzer"
+    if not binary.exists():
+        found = shutil.which("perf_analyzer")
+        if found is None:
+            return None
+        binary = Path(found)
+    libs = glob.glob(str(BENCH_VENV / "lib" / "python3*" / "site-packages" / "nvidia" / "cuda_runtime" / "lib"))
+    env = dict(os.environ)
+    if libs:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
+    probe = subprocess.run([str(binary), "--version"], env=env, capture_output=True, text=True)
+    if probe.returncode != 0:
+        return None
+    return binary, env
+
+
+def run(binary: Path, env: dict[str, str], address: str, model: str, spec_dims: tuple[int, int], shape: Shape,
+        concurrency: int, seconds: float, workdir: Path) -> dict[str, float]:
+    """One concurrency level; returns requests/s and p50/p90/p99 latency in ms."""
+    q_dim, kv_dim = spec_dims
+    report = workdir / f"pa-{model}-c{concurrency}.csv"
+    args = [
+        str(binary), "-m", model, "-i", "grpc", "-u", address,
+        "--shape", f"query:{shape.batch},{shape.q_len},{q_dim}",
+        "--shape", f"key:{shape.batch},{shape.k_len},{kv_dim}",
+        "--shape", f"value:{shape.batch},{shape.k_len},{kv_dim}",
+        "--shape", f"mask:{shape.batch},{shape.q_len},{shape.k_len}",
+        "--concurrency-range", f"{concurrency}:{concurrency}",
+        "--measurement-interval", str(int(seconds * 1000)),
+        "--stability-percentage", "50", "--max-trials", "10",  # a shared 2-core machine is noisy
+        "-f", str(report),
+    ]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=seconds * 12 + 60)
+    if done.returncode != 0 or not report.exists():
+        raise RuntimeError(f"perf_analyzer failed ({done.returncode}): {done.stdout[-2000:]} {done.stderr[-2000:]}")
+    with open(report, newline="") as f:
+        row = next(csv.DictReader(f))
+    return {
+        "requests_per_s": float(row["Inferences/Second"]),
+        "p50_ms": float(row["p50 latency"]) / 1000,
+        "p90_ms": float(row["p90 latency"]) / 1000,
+        "p99_ms": float(row["p99 latency"]) / 1000,
+    }

@@ -1,0 +1,29 @@
+"""The benchmark runs end to end (briefly): a real server, the fallback load generator, a real
+in-process ONNX Runtime measurement, JSON and PNG out. Its figures are not asserted on: speed is
+reported by `make bench`, not judged by unit tests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.server_process import REPO_ROOT
+
+
+def test_bench_runs_and_writes_its_report(model_repository, tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--repository", str(model_repository), "--models", "cross_attention",
+         "--concurrency", "1,2", "--seconds", "0.5", "--load-generator", "python", "--output", str(tmp_path)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "bench.json").read_text())
+    data = report["models"]["cross_attention"]
+    assert set(data["in_process"]) == {"1", "8", "32", "64"}
+    assert set(data["server"]) == {"1", "2"}
+    for level in data["server"].values():
+        assert level["requests_per_s"] > 0 and level["errors"] == 0
+        assert 0 < level["p50_ms"] <= level["p99_ms"]
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "goal c32 throughput" not in done.stdout  # no level 32 was run: no verdict printed for it
+    assert "÷ in-proc b32" in done.stdout
