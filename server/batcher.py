@@ -52,7 +52,12 @@ class BatcherClosed(Exception):
 
 
 class BatchFailed(Exception):
-    """The run of the batch this request was in raised; the cause is chained."""
+    """The run of the batch this request was in raised; the cause is chained. `public` is what
+    a client may be told: no ONNX Runtime internals."""
+
+    def __init__(self, message: str, public: str) -> None:
+        super().__init__(message)
+        self.public = public
 
 
 @dataclass(slots=True)
@@ -328,8 +333,10 @@ class Batcher:
             logger.exception("model %s: batch of %d requests failed", self.name, len(batch))
             for p in batch:
                 if not p.future.done():
-                    failure = BatchFailed(f"model {self.name}: the batch this request was in failed: "
-                                          f"{type(err).__name__}: {err}")
+                    failure = BatchFailed(
+                        f"model {self.name}: the batch this request was in failed: {type(err).__name__}: {err}",
+                        public=f"model {self.name}: the batch this request was in failed "
+                               f"({type(err).__name__}; the server log has the traceback)")
                     failure.__cause__ = err
                     failure._logged = True  # the traceback is above, once for the batch
                     p.future.set_exception(failure)

@@ -43,7 +43,9 @@ def status_for(err: BaseException) -> tuple[grpc.StatusCode, str]:
             return _STATUS[cls], str(err)
     if not getattr(err, "_logged", False):
         logger.error("internal error: %s", err, exc_info=err)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
+    # Clients learn that it failed and where to look, not the internals (paths, library text).
+    public = getattr(err, "public", None) or f"internal error ({type(err).__name__}); the server log has the details"
+    return grpc.StatusCode.INTERNAL, public
 
 
 _DATA_TYPES = {"FP32": pb.TYPE_FP32, "BOOL": pb.TYPE_BOOL}
