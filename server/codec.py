@@ -8,6 +8,7 @@ join a batch. Raw contents are wrapped with np.frombuffer, without a copy.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,7 +76,7 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> De
     for index, tensor in enumerate(inputs):
         shape = shapes[tensor.name]
         dtype = _DTYPES[tensor.datatype]
-        count = int(np.prod(shape))
+        count = math.prod(shape)
         if raw:
             if tensor.HasField("contents"):
                 raise ValueError(f"input {tensor.name!r}: has typed contents and raw_input_contents; use one")
