@@ -51,6 +51,7 @@ class _Admission(grpc.aio.ServerInterceptor):
         self.draining = False
         self._arriving: dict[int, float] = {}  # call number -> time.monotonic() its headers came
         self._running = 0
+        self.streams = 0  # ModelStreamInfer calls running: open for long, not requests on the way
         self._changed = asyncio.Event()
         self._calls = itertools.count()
         self._access_log = access_log
@@ -87,12 +88,14 @@ class _Admission(grpc.aio.ServerInterceptor):
 
         async def stream(request_iterator, context):
             self._started(call)
+            self.streams += 1
             try:
                 if not admitted:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another replica")
                 async for response in inner_stream(request_iterator, context):
                     yield response
             finally:
+                self.streams -= 1
                 self._finished()
 
         return grpc.stream_stream_rpc_method_handler(stream, handler.request_deserializer, handler.response_serializer)
@@ -197,7 +200,7 @@ class Server:
     def _requests_arriving(self) -> int:
         """Inference calls the server has received (headers or message) that have not reached a
         batcher yet: the batchers wait a little for them instead of running each one alone."""
-        return self._admission.in_flight - self.registry.requests_inside()
+        return max(self._admission.in_flight - self._admission.streams - self.registry.requests_inside(), 0)
 
     def _write_ready_file(self, path: Path) -> None:
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
