@@ -8,7 +8,6 @@ attnserve_queue_depth; every one is labelled by model.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -84,7 +83,8 @@ class Metrics:
         self.queue_depth = Gauge("attnserve_queue_depth", "Requests waiting in the model's queue.",
                                  ["model"], registry=self.registry)
         self.statistics: dict[str, ModelStatistics] = {}
-        self._lock = threading.Lock()  # statistics are read by the RPC, written by the loop
+        # `statistics` is written and read on the event loop thread only (batcher callbacks,
+        # the servicer): no lock on the request path.
         self._http = None
 
     def observer(self, model: str) -> "ModelObserver":
@@ -97,8 +97,7 @@ class Metrics:
             self.request_duration.labels(model).observe(duration_s)
         stats = self.statistics.get(model)
         if stats is not None:
-            with self._lock:
-                (stats.success if code == "OK" else stats.fail).add(duration_s)
+            (stats.success if code == "OK" else stats.fail).add(duration_s)
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP endpoint on a daemon thread; returns the bound port."""
@@ -116,7 +115,6 @@ class ModelObserver:
     """The batcher's view of Metrics, bound to one model's labels."""
 
     def __init__(self, metrics: Metrics, model: str) -> None:
-        self._metrics = metrics
         self._stats = metrics.statistics[model]
         self._queue_duration = metrics.queue_duration.labels(model)
         self._compute_duration = metrics.compute_duration.labels(model)
@@ -132,17 +130,16 @@ class ModelObserver:
             self._queue_duration.observe(waited)
         if stats.failed:
             return
-        with self._metrics._lock:
-            s = self._stats
-            s.last_inference_ms = int(time.time() * 1000)
-            s.inference_count += stats.rows
-            s.execution_count += 1
-            for waited in stats.queue_s:  # per request, as Triton counts them
-                s.queue.add(waited)
-                s.compute_input.add(stats.merge_s)
-                s.compute_infer.add(stats.run_s)
-                s.compute_output.add(stats.split_s)
-            s.batches.setdefault(stats.rows, BatchDurations()).add(stats)
+        s = self._stats
+        s.last_inference_ms = int(time.time() * 1000)
+        s.inference_count += stats.rows
+        s.execution_count += 1
+        for waited in stats.queue_s:  # per request, as Triton counts them
+            s.queue.add(waited)
+            s.compute_input.add(stats.merge_s)
+            s.compute_infer.add(stats.run_s)
+            s.compute_output.add(stats.split_s)
+        s.batches.setdefault(stats.rows, BatchDurations()).add(stats)
 
     def on_queue_depth(self, depth: int) -> None:
         self._queue_depth.set(depth)
