@@ -6,8 +6,6 @@ Used by `python -m server` and by the tests alike:
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import json
 import logging
 import os
@@ -16,15 +14,16 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc as pb_grpc
 from server.config import ServerConfig
 from server.engine import choose_device
+from server.gate import Admission, CallGate, HandlerTable
 from server.metrics import Metrics
 from server.models import ModelRegistry
-from server.security import MalformedMessageGuard, auth_interceptors, server_credentials
+from server.security import bearer_token, server_credentials
 from server.service import InferenceServicer
 
 logger = logging.getLogger(__name__)
@@ -33,113 +32,19 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 _INFER_METHODS = frozenset(f"/{SERVICE_NAME}/{m}" for m in ("ModelInfer", "ModelStreamInfer"))
 
 
-class _Admission(grpc.aio.ServerInterceptor):
-    """Tracks inference RPCs from the moment their headers arrive, before their message does.
-
-    A call admitted before SIGTERM is served even if its bytes are still arriving when draining
-    starts (grpc's own stop(grace) would cancel it); a call that starts after is refused with
-    UNAVAILABLE, so the client retries on another replica.
-
-    gRPC never runs the handler of a call whose message does not arrive (client gone, deadline
-    hit on the way), so "arriving" calls are forgotten after ARRIVAL_TIMEOUT_S; calls whose
-    handler runs are counted until it returns, whatever happens."""
-
-    ARRIVAL_TIMEOUT_S = 10.0
-    _PRUNE_EVERY = 1024
-
-    def __init__(self, access_log: bool) -> None:
-        self.draining = False
-        self._arriving: dict[int, float] = {}  # call number -> time.monotonic() its headers came
-        self._running = 0
-        self.streams = 0  # ModelStreamInfer calls running: open for long, not requests on the way
-        self._changed = asyncio.Event()
-        self._calls = itertools.count()
-        self._access_log = access_log
-
-    @property
-    def in_flight(self) -> int:
-        return self._running + len(self._arriving)
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if self._access_log:
-            logger.info("rpc %s", details.method)
-        if handler is None or details.method not in _INFER_METHODS:
-            return handler
-        admitted = not self.draining
-        call = next(self._calls)
-        self._arriving[call] = time.monotonic()
-        if call % self._PRUNE_EVERY == 0:
-            self._forget_stale_arrivals()
-        if handler.unary_unary is not None:
-            inner_unary = handler.unary_unary
-
-            async def unary(request, context):
-                self._started(call)
-                try:
-                    if not admitted:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another replica")
-                    return await inner_unary(request, context)
-                finally:
-                    self._finished()
-
-            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
-        inner_stream = handler.stream_stream
-
-        async def stream(request_iterator, context):
-            self._started(call)
-            self.streams += 1
-            try:
-                if not admitted:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another replica")
-                async for response in inner_stream(request_iterator, context):
-                    yield response
-            finally:
-                self.streams -= 1
-                self._finished()
-
-        return grpc.stream_stream_rpc_method_handler(stream, handler.request_deserializer, handler.response_serializer)
-
-    def _started(self, call: int) -> None:
-        self._arriving.pop(call, None)
-        self._running += 1
-
-    def _finished(self) -> None:
-        self._running -= 1
-        self._changed.set()
-
-    def _forget_stale_arrivals(self) -> None:
-        too_old = time.monotonic() - self.ARRIVAL_TIMEOUT_S
-        for call in [c for c, t in self._arriving.items() if t < too_old]:
-            del self._arriving[call]
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """True once no admitted call is running or arriving; False if timeout_s passes first."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._forget_stale_arrivals()
-            if self.in_flight == 0:
-                return True
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            self._changed.clear()
-            try:  # wake on each finished call, and poll for arrivals that never come
-                await asyncio.wait_for(self._changed.wait(), min(remaining, 0.05))
-            except TimeoutError:
-                pass
-
-
 class Server:
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, servicer_class: type[InferenceServicer] = InferenceServicer) -> None:
+        """servicer_class: the inference service's implementation (bench.floor swaps in one
+        that answers without computing, to measure this stack's own cost)."""
         self.config = config
+        self._servicer_class = servicer_class
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.metrics = Metrics()
         self.registry: ModelRegistry | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
-        self._admission = _Admission(config.access_log)
+        self._admission = Admission()
 
     async def start(self) -> int:
         """Load the models, bind, serve. Returns the bound gRPC port.
@@ -147,14 +52,14 @@ class Server:
         cfg = self.config
         # TLS files and the token are checked before anything slow: a bad one fails at once.
         credentials = server_credentials(cfg)
-        auth = auth_interceptors(cfg)
+        token = bearer_token(cfg)
         device = choose_device(cfg.device)
         if device.why_not_cuda:
             logger.warning("device auto: serving on CPU because %s", device.why_not_cuda)
         # Creating sessions blocks for a while; nothing else is running yet.
         self.registry = ModelRegistry.load(cfg, device, self.metrics, arrivals=self._requests_arriving)
         self.registry.start()
-        servicer = InferenceServicer(self.registry, self.metrics)
+        servicer = self._servicer_class(self.registry, self.metrics)
         self._servicer = servicer
 
         options = [
@@ -162,15 +67,16 @@ class Server:
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
         ]
-        # Unauthenticated calls stop before admission; the guard sits inside it (a message that
-        # does not parse is answered INVALID_ARGUMENT by a call admission saw start and finish).
-        self._grpc = grpc.aio.server(interceptors=[*auth, self._admission, MalformedMessageGuard()],
-                                     options=options)
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, self._grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self._grpc)
+        # Every method is served through the gate (token, draining, parsing; see server.gate).
+        table = HandlerTable()
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, table)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, table)
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)),
+            table)
+        self._grpc = grpc.aio.server(options=options)
+        self._grpc.add_generic_rpc_handlers((CallGate(table.handlers, self._admission, _INFER_METHODS, token,
+                                                      cfg.access_log),))
         address = f"{cfg.host}:{cfg.port}"
         self.port = (self._grpc.add_secure_port(address, credentials) if credentials is not None
                      else self._grpc.add_insecure_port(address))

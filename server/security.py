@@ -1,7 +1,8 @@
 """Callers the server does not trust: TLS, mutual TLS, bearer tokens, messages that do not parse.
 
     credentials = server_credentials(config)  # None: plaintext
-    interceptors = [*auth_interceptors(config), <admission>, MalformedMessageGuard()]
+    token = bearer_token(config)  # None: no token asked for; used by server.gate per call
+    handler = tolerant_handler(handler)  # parses its own message: garbage -> INVALID_ARGUMENT
 
 TLS is served when --tls-cert and --tls-key are given; with --tls-client-ca too, every client
 must present a certificate that chains to it (mutual TLS). Files are read and checked once, at
@@ -10,12 +11,12 @@ says which file and why) instead of a failure at the first handshake.
 
 With --auth-token-file every call must carry `authorization: Bearer <token>`; the value is
 compared in constant time (hmac.compare_digest) and anything else is refused with
-UNAUTHENTICATED before the call's handler, or any later interceptor, sees it. The standard
-health service and server reflection stay open, so load balancers and probes need no secret.
-Neither the token nor any metadata value is ever logged.
+UNAUTHENTICATED before the call's handler sees it (server.gate asks BearerToken when the
+headers arrive). The standard health service and server reflection stay open, so load balancers
+and probes need no secret. Neither the token nor any metadata value is ever logged.
 
-MalformedMessageGuard answers a message that does not parse as its RPC's request type with
-INVALID_ARGUMENT (gRPC's own answer is UNKNOWN, with a traceback logged per message).
+tolerant_handler() makes a handler answer a message that does not parse as its RPC's request
+type with INVALID_ARGUMENT (gRPC's own answer is UNKNOWN, with a traceback logged per message).
 """
 
 from __future__ import annotations
@@ -112,16 +113,16 @@ def read_token(path: Path) -> bytes:
     return token
 
 
-def auth_interceptors(config: ServerConfig) -> list[grpc.aio.ServerInterceptor]:
-    """[BearerTokenInterceptor] when --auth-token-file is set, else []."""
+def bearer_token(config: ServerConfig) -> BearerToken | None:
+    """The token check when --auth-token-file is set, else None."""
     if config.auth_token_file is None:
-        return []
-    interceptor = BearerTokenInterceptor(read_token(config.auth_token_file))
+        return None
+    check = BearerToken(read_token(config.auth_token_file))
     logger.info("bearer-token authentication on (token from %s); open without it: %s",
                 config.auth_token_file, ", ".join(p.strip("/") for p in OPEN_METHOD_PREFIXES))
     if config.tls_cert is None and not _is_loopback(config.host):
         logger.warning("bearer tokens will cross the network in plaintext: serve TLS (--tls-cert, --tls-key)")
-    return [interceptor]
+    return check
 
 
 def _is_loopback(host: str) -> bool:
@@ -131,13 +132,13 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+class BearerToken:
     """Admits a call only with exactly one `authorization: Bearer <token>` header whose token
     equals the configured one (constant-time comparison); OPEN_METHOD_PREFIXES need none.
 
-    A refused call never reaches the next interceptor or its handler: it is answered
-    UNAUTHENTICATED by a handler that reads no message (a request-streaming handler runs as soon
-    as the headers arrive, so the body, however large, is never parsed)."""
+    A refused call never reaches its handler: `refusal` answers UNAUTHENTICATED from a handler
+    that reads no message (a request-streaming handler runs as soon as the headers arrive, so
+    the body, however large, is never parsed)."""
 
     def __init__(self, token: bytes, open_prefixes: tuple[str, ...] = OPEN_METHOD_PREFIXES) -> None:
         if not token:
@@ -151,12 +152,10 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def __repr__(self) -> str:  # never show the token
         return f"{type(self).__name__}(refused={self.refused})"
 
-    async def intercept_service(self, continuation, details):
-        if details.method.startswith(self._open) or self._authorized(details.invocation_metadata):
-            return await continuation(details)
-        return self._refusal(details.method)
+    def admits(self, method: str, metadata: Any) -> bool:
+        return method.startswith(self._open) or self.authorized(metadata)
 
-    def _authorized(self, metadata: Any) -> bool:
+    def authorized(self, metadata: Any) -> bool:
         values = [value for key, value in (metadata or ()) if key == "authorization"]
         if len(values) != 1:
             return False
@@ -168,7 +167,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         matches = hmac.compare_digest(credential.strip(), self._token)
         return matches and scheme.lower() == b"bearer"
 
-    def _refusal(self, method: str) -> grpc.RpcMethodHandler:
+    def refusal(self, method: str) -> grpc.RpcMethodHandler:
         async def refuse(request_iterator, context):
             self._note_refusal(method, context.peer())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -217,25 +216,13 @@ async def _checked(requests, context):
         yield request
 
 
-class MalformedMessageGuard(grpc.aio.ServerInterceptor):
-    """A message that does not parse as its RPC's request type is answered INVALID_ARGUMENT by
-    the handler's own call (so the call counts as started and finished for draining), instead
-    of gRPC's UNKNOWN and a logged traceback. Place it after the admission interceptor."""
-
-    def __init__(self) -> None:
-        # The wrapped handler depends on the registered one alone: build it once per method,
-        # not on every call (this sits on the request path).
-        self._wrapped: dict[tuple[str, int], grpc.RpcMethodHandler] = {}
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None or handler.request_deserializer is None:
-            return handler
-        key = (details.method, id(handler))
-        wrapped = self._wrapped.get(key)
-        if wrapped is None:
-            wrapped = self._wrapped[key] = _guard(handler)
-        return wrapped
+def tolerant_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """The same handler, parsing its own messages: one that does not parse is answered
+    INVALID_ARGUMENT by the handler's own call (so the call counts as started and finished for
+    draining), instead of gRPC's UNKNOWN and a logged traceback. Build once per method."""
+    if handler.request_deserializer is None:
+        return handler
+    return _guard(handler)
 
 
 def _guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

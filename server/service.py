@@ -131,7 +131,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     # -- inference ---------------------------------------------------------------------------
 
     async def _infer(self, request: pb.ModelInferRequest, time_remaining: float | None) -> pb.ModelInferResponse:
-        # Draining is decided per call when its headers arrive (app._Admission), not here: a
+        # Draining is decided per call when its headers arrive (server.gate), not here: a
         # call admitted before SIGTERM is served even if its message arrives after.
         model = self._registry.get(request.model_name, request.model_version)
         decoded = codec.decode(request, model.spec, model.limits)

@@ -26,7 +26,7 @@ from client.options import RetryPolicy, TlsConfig
 from proto import inference_pb2 as pb
 from proto import inference_pb2_grpc as pb_grpc
 from server.config import ServerConfig, load_config
-from server.security import BearerTokenInterceptor, SecurityError, auth_interceptors, read_token, server_credentials
+from server.security import BearerToken, SecurityError, bearer_token, read_token, server_credentials
 from tests.oip import eager, infer_request, random_inputs
 from tests.server_process import REPO_ROOT, ServerProcess
 from tests.tls_certs import Pki, make_pki
@@ -189,7 +189,7 @@ def test_bearer_scheme_is_case_insensitive_and_token_is_exact(tls_server):
 
 
 def test_refused_calls_never_reach_a_handler(tls_server):
-    """Neither the servicer (request counters) nor the admission interceptor (access log) sees
+    """Neither the servicer (request counters) nor the gate's access log sees
     a refused call; a large unauthenticated message is refused without being read."""
     x = _cross(5)
     metrics_url = f"http://127.0.0.1:{tls_server.metrics_port}/metrics"
@@ -331,12 +331,12 @@ def test_bad_tls_and_token_files_are_clear_startup_errors(pki, tmp_path):
     spaced.write_text("two words\n")
     for path, why in ((missing, "cannot read"), (empty, "empty"), (spaced, "one word")):
         with pytest.raises(SecurityError, match=why):
-            auth_interceptors(ServerConfig(auth_token_file=path))
-    assert auth_interceptors(ServerConfig()) == []
+            bearer_token(ServerConfig(auth_token_file=path))
+    assert bearer_token(ServerConfig()) is None
     good = tmp_path / "good"
     good.write_text("\n\tabc.DEF-123_~+/=\r\n")
     assert read_token(good) == b"abc.DEF-123_~+/="
-    assert "abc" not in repr(auth_interceptors(ServerConfig(auth_token_file=good))[0])
+    assert "abc" not in repr(bearer_token(ServerConfig(auth_token_file=good)))
 
 
 def test_server_with_unreadable_tls_file_exits_3_before_loading_models(model_repository, tmp_path):
@@ -349,7 +349,7 @@ def test_server_with_unreadable_tls_file_exits_3_before_loading_models(model_rep
     assert "ready on" not in done.stderr  # no model was loaded
 
 
-def test_interceptor_compares_in_constant_time(monkeypatch):
+def test_token_is_compared_in_constant_time(monkeypatch):
     """The token is checked with hmac.compare_digest, even when the scheme is wrong."""
     import hmac
 
@@ -363,8 +363,8 @@ def test_interceptor_compares_in_constant_time(monkeypatch):
         return real(a, b)
 
     monkeypatch.setattr(security.hmac, "compare_digest", spy)
-    interceptor = BearerTokenInterceptor(b"secret")
-    assert interceptor._authorized((("authorization", "Bearer secret"),))
-    assert not interceptor._authorized((("authorization", "Basic secret"),))
-    assert not interceptor._authorized((("authorization", "Bearer nope"),))
+    check = BearerToken(b"secret")
+    assert check.authorized((("authorization", "Bearer secret"),))
+    assert not check.authorized((("authorization", "Basic secret"),))
+    assert not check.authorized((("authorization", "Bearer nope"),))
     assert len(seen) == 3 and all(b == b"secret" for _, b in seen)
