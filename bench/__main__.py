@@ -7,8 +7,11 @@
    k requests merged per run for k in 1, 8, 32, 64: the ceiling.
 2. The server (a real `python -m server` process, extra flags after `--`), driven at each
    concurrency by perf_analyzer (unmodified; `make bench-tools`) or, where it cannot run, by a
-   multi-process load generator.
-3. A table with the ratios the goals are stated in, and JSON + PNG under --output.
+   multi-process load generator: one ModelInfer call per request, and (perf_analyzer only)
+   requests as messages of ModelStreamInfer streams.
+3. The floor: `python -m bench.floor`, the same server stack answering without a model (decode,
+   zeros, encode), driven the same way: what gRPC and Python cost per call on this machine.
+4. A table with the ratios the goals are stated in, and JSON + PNG under --output.
 """
 
 from __future__ import annotations
@@ -40,17 +43,17 @@ def _rss_mb(pid: int) -> float:
 
 
 class _Server:
-    def __init__(self, repository: Path, extra: list[str], workdir: Path) -> None:
-        self.ready_file = workdir / "ready.json"
-        self.log = open(workdir / "server.log", "wb")
+    def __init__(self, repository: Path, extra: list[str], workdir: Path, module: str = "server") -> None:
+        self.ready_file = workdir / f"ready-{module}.json"
+        self.log = open(workdir / f"{module}.log", "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "--model-repository", str(repository), "--host", "127.0.0.1",
+            [sys.executable, "-m", module, "--model-repository", str(repository), "--host", "127.0.0.1",
              "--port", "0", "--metrics-port", "-1", "--log-level", "WARNING", "--ready-file", str(self.ready_file),
              *extra], cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while not self.ready_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"bench: the server did not start; see {workdir / 'server.log'}")
+                raise SystemExit(f"bench: {module} did not start; see {workdir / f'{module}.log'}")
             time.sleep(0.05)
         self.address = f"127.0.0.1:{json.loads(self.ready_file.read_text())['grpc_port']}"
 
@@ -72,6 +75,8 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--seconds", type=float, default=4.0, help="measurement window per level")
     p.add_argument("--load-generator", choices=("auto", "perf_analyzer", "python"), default="auto")
+    p.add_argument("--no-floor", action="store_true", help="skip the floor (bench.floor, no model)")
+    p.add_argument("--no-streaming", action="store_true", help="skip ModelStreamInfer (perf_analyzer --streaming)")
     p.add_argument("--soak-s", type=float, default=0.0, help="then run the first model at concurrency 32 "
                    "this long, sampling the server's memory")
     p.add_argument("--output", type=Path, default=REPO_ROOT / "bench" / "results")
@@ -98,25 +103,43 @@ def main(argv: list[str] | None = None) -> int:
         results["models"][model] = {"shape": vars(SHAPES[model]), "in_process": inprocess.measure(
             specs[model], SHAPES[model], IN_PROCESS_BATCHES, seconds=min(args.seconds, 3.0))}
 
+    def drive(server: _Server, model: str, c: int, workdir: Path, streaming: bool = False) -> dict:
+        spec, shape = specs[model], SHAPES[model]
+        if found:
+            got = perf_analyzer.run(*found, server.address, model, (spec.query_dim, spec.kv_dim), shape, c,
+                                    args.seconds, workdir, spec.version, streaming=streaming)
+        else:
+            got = loadgen.run(server.address, model, (spec.query_dim, spec.kv_dim), shape, c, args.seconds)
+        got["server_rss_mb"] = _rss_mb(server.proc.pid)
+        return got
+
+    streaming = bool(found) and not args.no_streaming
     with tempfile.TemporaryDirectory(prefix="attnserve-bench-") as tmp:
         server = _Server(args.repository, server_args, Path(tmp))
         try:
             for model in models:
-                spec, shape = specs[model], SHAPES[model]
-                levels_out = results["models"][model]["server"] = {}
+                data = results["models"][model]
+                data["server"], data["server_streaming"] = {}, {}
                 for c in levels:
                     print(f"server, {model}, concurrency {c} ...", flush=True)
-                    if found:
-                        got = perf_analyzer.run(*found, server.address, model, (spec.query_dim, spec.kv_dim),
-                                                shape, c, args.seconds, Path(tmp))
-                    else:
-                        got = loadgen.run(server.address, model, (spec.query_dim, spec.kv_dim), shape, c, args.seconds)
-                    got["server_rss_mb"] = _rss_mb(server.proc.pid)
-                    levels_out[c] = got
+                    data["server"][c] = drive(server, model, c, Path(tmp))
+                    if streaming:
+                        print(f"server, {model}, concurrency {c}, ModelStreamInfer ...", flush=True)
+                        data["server_streaming"][c] = drive(server, model, c, Path(tmp), streaming=True)
             if args.soak_s > 0:
                 results["soak"] = _soak(server, specs[models[0]], models[0], found, args.soak_s, Path(tmp))
         finally:
             server.stop()
+        if not args.no_floor:
+            floor = _Server(args.repository, server_args, Path(tmp), module="bench.floor")
+            try:
+                for model in models:
+                    results["models"][model]["floor"] = {}
+                    for c in levels:
+                        print(f"floor (no model), {model}, concurrency {c} ...", flush=True)
+                        results["models"][model]["floor"][c] = drive(floor, model, c, Path(tmp))
+            finally:
+                floor.stop()
     results["load_after"] = os.getloadavg()
 
     _print_table(results)
@@ -134,7 +157,7 @@ def _soak(server: _Server, spec, model: str, found, seconds: float, workdir: Pat
     while time.monotonic() - started < seconds:
         if found:
             got = perf_analyzer.run(*found, server.address, model, (spec.query_dim, spec.kv_dim), SHAPES[model],
-                                    32, 5.0, workdir)
+                                    32, 5.0, workdir, spec.version)
         else:
             got = loadgen.run(server.address, model, (spec.query_dim, spec.kv_dim), SHAPES[model], 32, 10.0)
         samples.append({"t_s": round(time.monotonic() - started, 1), "rss_mb": _rss_mb(server.proc.pid),
@@ -150,24 +173,38 @@ def _print_table(results: dict) -> None:
         inproc = data["in_process"]
         b1_ms = inproc[1]["ms_per_call"]
         b32 = inproc[32]["requests_per_s"]
+        floor = data.get("floor", {})
         print(f"\n{model}: request = {data['shape']}")
         print("  in-process ONNX Runtime (requests merged per run): " + ", ".join(
             f"{k}: {v['requests_per_s']:,.0f}/s ({v['ms_per_call']:.2f} ms)" for k, v in inproc.items()))
-        print(f"  {'conc':>4} {'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'÷ in-proc b32':>13} "
-              f"{'p50 ÷ b1 call':>13} {'p99/p50':>7} {'RSS MB':>7}")
-        for c, s in data["server"].items():
-            print(f"  {c:>4} {s['requests_per_s']:>8,.0f} {s['p50_ms']:>7.2f} {s['p99_ms']:>7.2f} "
-                  f"{s['requests_per_s'] / b32:>13.2f} {s['p50_ms'] / b1_ms:>13.2f} {s['p99_ms'] / s['p50_ms']:>7.2f} "
-                  f"{s['server_rss_mb']:>7.0f}")
+        blocks = [("ModelInfer", data["server"])]
+        if data.get("server_streaming"):
+            blocks.append(("ModelStreamInfer", data["server_streaming"]))
+        if floor:
+            blocks.append(("floor: same stack, no model (bench.floor), ModelInfer", floor))
+        for title, rows in blocks:
+            print(f"  {title}")
+            print(f"  {'conc':>4} {'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'÷ in-proc b32':>13} "
+                  f"{'p50 ÷ b1 call':>13} {'p99/p50':>7} {'RSS MB':>7}")
+            for c, s in rows.items():
+                print(f"  {c:>4} {s['requests_per_s']:>8,.0f} {s['p50_ms']:>7.2f} {s['p99_ms']:>7.2f} "
+                      f"{s['requests_per_s'] / b32:>13.2f} {s['p50_ms'] / b1_ms:>13.2f} "
+                      f"{s['p99_ms'] / s['p50_ms']:>7.2f} {s['server_rss_mb']:>7.0f}")
         servers = data["server"]
         if 32 in servers:
             s = servers[32]
             print(f"  goal c32 throughput >= 0.40 x in-process b32: {s['requests_per_s'] / b32:.2f} "
                   f"{'met' if s['requests_per_s'] / b32 >= 0.40 else 'NOT met'}; "
                   f"p99 < 3 x p50: {s['p99_ms'] / s['p50_ms']:.2f} {'met' if s['p99_ms'] < 3 * s['p50_ms'] else 'NOT met'}")
+            if 32 in floor:
+                print(f"    the floor (no model at all) reaches {floor[32]['requests_per_s'] / b32:.2f} x; "
+                      f"the server has {s['requests_per_s'] / floor[32]['requests_per_s']:.2f} x the floor's throughput")
         if 1 in servers:
             ratio = servers[1]["p50_ms"] / b1_ms
             print(f"  goal c1 p50 <= 3 x in-process b1 call: {ratio:.2f} {'met' if ratio <= 3 else 'NOT met'}")
+            if 1 in floor:
+                print(f"    the floor's p50 alone is {floor[1]['p50_ms'] / b1_ms:.2f} x the b1 call; the server adds "
+                      f"{servers[1]['p50_ms'] - floor[1]['p50_ms']:.2f} ms to it (the b1 call: {b1_ms:.2f} ms)")
     if "soak" in results:
         soak = results["soak"]
         print(f"\nsoak {soak['seconds']:.0f}s at concurrency 32: RSS first {soak['rss_first_mb']:.1f} MB, "
@@ -188,7 +225,11 @@ def _plot(results: dict, path: Path) -> None:
         levels = list(data["server"])
         thr = [data["server"][c]["requests_per_s"] for c in levels]
         ax = axes[0][col]
-        ax.plot(levels, thr, "o-", label="server")
+        ax.plot(levels, thr, "o-", label="server, ModelInfer")
+        for key, style, label in (("server_streaming", "^-", "server, ModelStreamInfer"),
+                                  ("floor", "x--", "floor: same stack, no model")):
+            if data.get(key):
+                ax.plot(list(data[key]), [v["requests_per_s"] for v in data[key].values()], style, label=label)
         ax.axhline(data["in_process"][32]["requests_per_s"], ls="--", color="gray", label="in-process, 32 per run")
         ax.axhline(0.4 * data["in_process"][32]["requests_per_s"], ls=":", color="red", label="goal: 0.40 x")
         ax.set(title=f"{model}: throughput", xlabel="concurrency", ylabel="requests/s", xscale="log")
@@ -196,6 +237,8 @@ def _plot(results: dict, path: Path) -> None:
         ax = axes[1][col]
         ax.plot(levels, [data["server"][c]["p50_ms"] for c in levels], "o-", label="p50")
         ax.plot(levels, [data["server"][c]["p99_ms"] for c in levels], "s-", label="p99")
+        if data.get("floor"):
+            ax.plot(list(data["floor"]), [v["p50_ms"] for v in data["floor"].values()], "x--", label="floor p50")
         ax.set(title=f"{model}: latency", xlabel="concurrency", ylabel="ms", xscale="log", yscale="log")
         ax.legend()
     fig.suptitle(f"attnserve vs in-process ONNX Runtime ({results['cores']} cores, {results['generator']})")

@@ -39,12 +39,17 @@ def find() -> tuple[Path, dict[str, str]] | None:
 
 
 def run(binary: Path, env: dict[str, str], address: str, model: str, spec_dims: tuple[int, int], shape: Shape,
-        concurrency: int, seconds: float, workdir: Path) -> dict[str, float]:
-    """One concurrency level; returns requests/s and p50/p90/p99 latency in ms."""
+        concurrency: int, seconds: float, workdir: Path, version: int, streaming: bool = False) -> dict[str, float]:
+    """One concurrency level; returns requests/s and p50/p90/p99 latency in ms. `streaming`:
+    requests as messages of ModelStreamInfer streams (perf_analyzer's --streaming) instead of
+    one ModelInfer call each."""
     q_dim, kv_dim = spec_dims
-    report = workdir / f"pa-{model}-c{concurrency}.csv"
+    report = workdir / f"pa-{model}-c{concurrency}{'-stream' if streaming else ''}.csv"
     args = [
-        str(binary), "-m", model, "-i", "grpc", "-u", address,
+        # The version named: with it perf_analyzer reads the model's statistics by name and
+        # version (bench.floor computes nothing, so its statistics never show a run).
+        str(binary), "-m", model, "-x", str(version), "-i", "grpc", "-u", address,
+        *(["--streaming"] if streaming else []),
         "--shape", f"query:{shape.batch},{shape.q_len},{q_dim}",
         "--shape", f"key:{shape.batch},{shape.k_len},{kv_dim}",
         "--shape", f"value:{shape.batch},{shape.k_len},{kv_dim}",

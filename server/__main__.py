@@ -18,12 +18,12 @@ logger = logging.getLogger("server")
 EXIT_CANNOT_START = 3
 
 
-async def serve(config: ServerConfig) -> int:
+async def serve(config: ServerConfig, servicer_class=None) -> int:
     from server.app import Server
     from server.engine import DeviceUnavailable
     from server.repository import ModelLoadError
 
-    server = Server(config)
+    server = Server(config) if servicer_class is None else Server(config, servicer_class)
     try:
         await server.start()
     except (DeviceUnavailable, ModelLoadError, RuntimeError, OSError) as err:
@@ -39,10 +39,10 @@ async def serve(config: ServerConfig) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, servicer_class=None) -> int:
     config = load_config(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(config))
+    return asyncio.run(serve(config, servicer_class))
 
 
 if __name__ == "__main__":

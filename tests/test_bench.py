@@ -21,9 +21,11 @@ def test_bench_runs_and_writes_its_report(model_repository, tmp_path):
     data = report["models"]["cross_attention"]
     assert set(data["in_process"]) == {"1", "8", "32", "64"}
     assert set(data["server"]) == {"1", "2"}
-    for level in data["server"].values():
+    assert set(data["floor"]) == {"1", "2"}  # the same stack without a model, same levels
+    for level in [*data["server"].values(), *data["floor"].values()]:
         assert level["requests_per_s"] > 0 and level["errors"] == 0
         assert 0 < level["p50_ms"] <= level["p99_ms"]
+    assert data["server_streaming"] == {}  # perf_analyzer alone drives ModelStreamInfer
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "goal c32 throughput" not in done.stdout  # no level 32 was run: no verdict printed for it
-    assert "÷ in-proc b32" in done.stdout
+    assert "÷ in-proc b32" in done.stdout and "floor: same stack, no model" in done.stdout
