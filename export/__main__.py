@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="state_dict (.pt/.pth, either seed class or ours) or .safetensors; "
                         f"without one, deterministic demo weights (seed {DEMO_SEED})")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default: 18)")
+    p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
+                   help="arithmetic inside the graphs; fp16 is for GPUs (inputs and outputs stay fp32)")
     dims = p.add_argument_group("dims (override the preset; read from --checkpoint when omitted)")
     dims.add_argument("--query-dim", type=int, help="query width (seed 000 d_model, seed 002 input_dim)")
     dims.add_argument("--kv-dim", type=int, help="key/value width (default: query width)")
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             ("max_q_len", args.max_q_len), ("max_kv_len", args.max_kv_len)) if v is not None})
         _config, module, weights = _resolve(args)
         result = export_model(module, args.repository, name, weights, version=args.version,
-                              opset=args.opset or DEFAULT_OPSET, serving=serving)
+                              opset=args.opset or DEFAULT_OPSET, serving=serving, precision=args.precision)
     except ParityError as err:
         print(f"export: parity check failed: {err}", file=sys.stderr)
         return EXIT_PARITY

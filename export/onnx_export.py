@@ -7,6 +7,7 @@ silently fixed during tracing is caught) and with masks that include a fully mas
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import shutil
@@ -29,6 +30,13 @@ logger = logging.getLogger(__name__)
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
 PARITY_TOLERANCE = 1e-5
+# fp16 graphs: ~3 significant digits per value, over sums of up to d_model products.
+PARITY_TOLERANCE_FP16 = 2e-3
+# The seeds fill masked scores with -1e10, which overflows to -inf in fp16, so a fully masked
+# row would become NaN (softmax of all -inf). The most negative finite fp16 keeps every masked
+# key at probability 0 beside a real one and a fully masked row uniform, as the seeds' fill does.
+FP16_MASK_FILL = float(torch.finfo(torch.float16).min)
+PRECISIONS = ("fp32", "fp16")
 DEFAULT_OPSET = 18
 # (batch, lq, lk) at which parity is proven; each runs without a mask and with one.
 PARITY_SHAPES = tuple((b, lq, lk) for b in (1, 7) for lq, lk in ((1, 1), (1, 77), (300, 1), (300, 77)))
@@ -75,16 +83,34 @@ class ExportResult:
 
 
 class _Graph(nn.Module):
-    """The served signature: (query, key, value, mask (b, lq, lk) bool) -> output[, attn_probs]."""
+    """The served signature: (query, key, value, mask (b, lq, lk) bool) -> output[, attn_probs].
 
-    def __init__(self, attention: MultiHeadAttention, with_probs: bool) -> None:
+    Tensors cross the graph's edge in fp32 whatever its precision: an fp16 graph casts inside
+    (on a GPU the casts are noise), so clients and the server see one contract."""
+
+    def __init__(self, attention: MultiHeadAttention, with_probs: bool, precision: str = "fp32") -> None:
         super().__init__()
+        if precision == "fp16":
+            attention = half_precision(attention)
         self.attention = attention
         self.with_probs = with_probs
+        self.half = precision == "fp16"
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor):
+        if self.half:
+            query, key, value = query.half(), key.half(), value.half()
         output, attn_probs = self.attention(query, key, value, mask=mask)
+        if self.half:
+            output, attn_probs = output.float(), attn_probs.float()
         return (output, attn_probs) if self.with_probs else output
+
+
+def half_precision(module: MultiHeadAttention) -> MultiHeadAttention:
+    """An fp16 copy of `module` whose mask fill stays finite in fp16 (FP16_MASK_FILL)."""
+    config = dataclasses.replace(module.config, mask_fill=max(module.config.mask_fill, FP16_MASK_FILL))
+    half = MultiHeadAttention(config)
+    half.load_state_dict(module.state_dict())
+    return half.half().eval()
 
 
 def _example_sizes(config: AttentionConfig) -> tuple[int, int, int]:
@@ -116,7 +142,7 @@ def _random_mask(b: int, lq: int, lk: int, generator: torch.Generator) -> Tensor
     return mask
 
 
-def trace(module: MultiHeadAttention, path: Path, with_probs: bool, opset: int) -> None:
+def trace(module: MultiHeadAttention, path: Path, with_probs: bool, opset: int, precision: str = "fp32") -> None:
     config = module.config
     b, lq, lk = _example_sizes(config)
     generator = torch.Generator().manual_seed(0)
@@ -129,7 +155,7 @@ def trace(module: MultiHeadAttention, path: Path, with_probs: bool, opset: int) 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's own deprecation chatter
         torch.onnx.export(
-            _Graph(module, with_probs).eval(),
+            _Graph(module, with_probs, precision).eval(),
             (query, key, value, mask),
             str(path),
             dynamo=True,
@@ -173,10 +199,10 @@ def _check_graph_signature(path: Path, config: AttentionConfig, with_probs: bool
                 raise ExportError(f"{path.name}: {v.name} axis {axis} should be {want}, got {dim}")
 
 
-def check_parity(module: MultiHeadAttention, graphs: dict[str, Path]) -> dict[str, Any]:
-    """Run ONNX Runtime on each written graph against eager PyTorch; return the figures.
-
-    Raises ParityError if any max abs error exceeds PARITY_TOLERANCE."""
+def check_parity(module: MultiHeadAttention, graphs: dict[str, Path], tolerance: float = PARITY_TOLERANCE
+                 ) -> dict[str, Any]:
+    """Run ONNX Runtime on each written graph against eager PyTorch (fp32, the seeds' -1e10
+    fill); return the figures. Raises ParityError if any max abs error exceeds `tolerance`."""
     import onnxruntime as ort
 
     config = module.config
@@ -209,7 +235,7 @@ def check_parity(module: MultiHeadAttention, graphs: dict[str, Path]) -> dict[st
         if kind == "output_only":
             del worst[kind]["attn_probs"]
     report = {
-        "tolerance": PARITY_TOLERANCE,
+        "tolerance": tolerance,
         "max_abs_error": worst,
         "shapes": [list(s) for s in PARITY_SHAPES],
         "cases": len(cases),
@@ -217,10 +243,10 @@ def check_parity(module: MultiHeadAttention, graphs: dict[str, Path]) -> dict[st
         "torch": torch.__version__,
     }
     failures = [f"{kind}.{out} {err:.3g}" for kind, errs in worst.items() for out, err in errs.items()
-                if not err <= PARITY_TOLERANCE]  # `not <=` also catches NaN
+                if not err <= tolerance]  # `not <=` also catches NaN
     if failures:
         raise ParityError(
-            f"ONNX Runtime differs from eager PyTorch beyond {PARITY_TOLERANCE:g}: "
+            f"ONNX Runtime differs from eager PyTorch beyond {tolerance:g}: "
             f"{', '.join(failures)}; nothing was written"
         )
     return report
@@ -258,11 +284,16 @@ def export_model(
     version: int | None = None,
     opset: int = DEFAULT_OPSET,
     serving: ServingDefaults = ServingDefaults(),
+    precision: str = "fp32",
 ) -> ExportResult:
     """Trace both graphs into a temporary directory, prove parity, then move it into place.
+    precision "fp16": the graphs compute in half precision (for GPUs), parity within
+    PARITY_TOLERANCE_FP16 of the fp32 module; their inputs and outputs stay fp32.
 
     A version directory appears whole (one rename) or not at all; config.json is replaced
     atomically after it. Raises ExportError/ParityError without touching existing versions."""
+    if precision not in PRECISIONS:
+        raise ExportError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     module = module.eval()  # dropout off, in the eager reference as in the graph
     config = module.config
     model_dir = Path(repository) / name
@@ -286,13 +317,17 @@ def export_model(
     staging = Path(tempfile.mkdtemp(prefix=f".export-{version}-", dir=model_dir))
     try:
         graphs = {"all_outputs": staging / repo.GRAPH_ALL_OUTPUTS, "output_only": staging / repo.GRAPH_OUTPUT_ONLY}
-        trace(module, graphs["all_outputs"], with_probs=True, opset=opset)
-        trace(module, graphs["output_only"], with_probs=False, opset=opset)
-        parity = check_parity(module, graphs)
+        trace(module, graphs["all_outputs"], with_probs=True, opset=opset, precision=precision)
+        trace(module, graphs["output_only"], with_probs=False, opset=opset, precision=precision)
+        parity = check_parity(module, graphs,
+                              tolerance=PARITY_TOLERANCE_FP16 if precision == "fp16" else PARITY_TOLERANCE)
         record = {
             "version": version,
             "exported_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "opset": opset,
+            "precision": precision,
+            # What masked scores are filled with inside the graphs (fp16 keeps it finite).
+            "graph_mask_fill": max(config.mask_fill, FP16_MASK_FILL) if precision == "fp16" else config.mask_fill,
             "attention": config.to_dict(),
             "weights": weights,
             "parity": parity,
