@@ -28,6 +28,7 @@ from pathlib import Path
 
 from bench import inprocess, loadgen, perf_analyzer
 from bench.inprocess import SHAPES
+from server.engine import DeviceUnavailable, choose_device
 from server.repository import read_model_spec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +76,8 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--seconds", type=float, default=4.0, help="measurement window per level")
     p.add_argument("--load-generator", choices=("auto", "perf_analyzer", "python"), default="auto")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="ONNX Runtime's device, in process and in the server (--device is passed on)")
     p.add_argument("--no-floor", action="store_true", help="skip the floor (bench.floor, no model)")
     p.add_argument("--no-streaming", action="store_true", help="skip ModelStreamInfer (perf_analyzer --streaming)")
     p.add_argument("--soak-s", type=float, default=0.0, help="then run the first model at concurrency 32 "
@@ -85,6 +88,11 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, server_args = _parse_args(argv)
+    server_args = ["--device", args.device, *server_args]
+    try:
+        providers = choose_device(args.device).providers
+    except DeviceUnavailable as err:
+        raise SystemExit(f"bench: --device cuda: {err}") from None
     models = [m for m in args.models.split(",") if m]
     levels = [int(c) for c in args.concurrency.split(",")]
     specs = {m: read_model_spec(args.repository / m) for m in models}
@@ -97,11 +105,12 @@ def main(argv: list[str] | None = None) -> int:
           f"server flags: {' '.join(server_args) or '(defaults)'}", flush=True)
 
     results: dict = {"generator": generator, "server_args": server_args, "cores": os.cpu_count(),
+                     "providers": list(providers),
                      "load_before": load_before, "models": {}}
     for model in models:
         print(f"in-process ONNX Runtime, {model} ...", flush=True)
         results["models"][model] = {"shape": vars(SHAPES[model]), "in_process": inprocess.measure(
-            specs[model], SHAPES[model], IN_PROCESS_BATCHES, seconds=min(args.seconds, 3.0))}
+            specs[model], SHAPES[model], IN_PROCESS_BATCHES, seconds=min(args.seconds, 3.0), providers=providers)}
 
     def drive(server: _Server, model: str, c: int, workdir: Path, streaming: bool = False) -> dict:
         spec, shape = specs[model], SHAPES[model]

@@ -37,12 +37,13 @@ def feeds(spec: ModelSpec, shape: Shape, requests: int, rng: np.random.Generator
 
 
 def measure(spec: ModelSpec, shape: Shape, batches: tuple[int, ...], seconds: float,
-            want_probs: bool = True) -> dict[int, dict[str, float]]:
+            want_probs: bool = True, providers: tuple[str, ...] = ("CPUExecutionProvider",)
+            ) -> dict[int, dict[str, float]]:
     """For each k in `batches`: k requests merged into one run, as the server's batcher does.
     Returns {k: {"requests_per_s", "ms_per_call"}}. ONNX Runtime's own defaults (one intra-op
     thread per core, spinning on): the best a caller in-process gets, not the server's choices."""
     graph = spec.graph_all_outputs if want_probs else spec.graph_output_only
-    session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(graph), providers=list(providers))
     rng = np.random.default_rng(0)
     results = {}
     for k in batches:

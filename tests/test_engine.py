@@ -1,0 +1,36 @@
+"""The ONNX Runtime engine's two ways to run: plain session.run (CPU) and I/O binding (what
+CUDA uses, taken here on the CPU provider so CI proves the code path without a GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from server.engine import Engine, choose_device
+from server.repository import read_model_spec
+
+
+@pytest.mark.parametrize("model", ["self_attention", "cross_attention"])
+def test_io_binding_gives_the_plain_runs_answers(model_repository, model):
+    spec = read_model_spec(model_repository / model)
+    plain = Engine(spec, choose_device("cpu"))
+    bound = Engine(spec, choose_device("cpu"), io_binding=True)
+    assert not plain._io_binding and bound._io_binding  # CPU default: plain runs
+    rng = np.random.default_rng(5)
+    b, lq, lk = 3, 11, 6
+    mask = rng.random((b, lq, lk)) < 0.7
+    mask[0, 0] = False  # a fully masked row
+    feeds = {"query": rng.standard_normal((b, lq, spec.query_dim), dtype=np.float32),
+             "key": rng.standard_normal((b, lk, spec.kv_dim), dtype=np.float32),
+             "value": rng.standard_normal((b, lk, spec.kv_dim), dtype=np.float32),
+             "mask": mask}
+    for want_probs in (True, False):
+        want_out, want_probs_arr = plain.run(feeds, want_probs)
+        got_out, got_probs = bound.run(feeds, want_probs)
+        assert got_out.shape == (b, lq, spec.out_dim) and got_out.dtype == np.float32
+        np.testing.assert_array_equal(got_out, want_out)
+        if want_probs:
+            assert got_probs.shape == (b, spec.num_heads, lq, lk)
+            np.testing.assert_array_equal(got_probs, want_probs_arr)
+        else:
+            assert got_probs is None and want_probs_arr is None
