@@ -204,15 +204,24 @@ def _tolerant(deserializer):
     return parse
 
 
+class MalformedMessage(Exception):
+    """A message of a request stream did not parse; raised where the handler reads it, so the
+    handler's answers to the messages before it still go out, then the stream ends."""
+
+    def __init__(self, malformed: _Malformed) -> None:
+        super().__init__(str(malformed.error))
+        self.malformed = malformed
+
+
 async def _refuse_malformed(context, malformed: _Malformed) -> None:
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"the request message does not parse: {type(malformed.error).__name__}: {malformed.error}")
 
 
-async def _checked(requests, context):
+async def _checked(requests):
     async for request in requests:
         if isinstance(request, _Malformed):
-            await _refuse_malformed(context, request)
+            raise MalformedMessage(request)
         yield request
 
 
@@ -256,18 +265,27 @@ def _guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         inner = handler.stream_unary
 
         async def stream_unary(requests, context):
-            return await inner(_checked(requests, context), context)
+            try:
+                return await inner(_checked(requests), context)
+            except MalformedMessage as err:
+                await _refuse_malformed(context, err.malformed)
 
         return handler._replace(request_deserializer=parse, stream_unary=stream_unary)
     if handler.stream_stream is not None:
         inner = handler.stream_stream
         if inspect.isasyncgenfunction(inner):
             async def stream_stream(requests, context):
-                async for response in inner(_checked(requests, context), context):
-                    yield response
+                try:
+                    async for response in inner(_checked(requests), context):
+                        yield response
+                except MalformedMessage as err:
+                    await _refuse_malformed(context, err.malformed)
         elif inspect.iscoroutinefunction(inner):
             async def stream_stream(requests, context):
-                return await inner(_checked(requests, context), context)
+                try:
+                    return await inner(_checked(requests), context)
+                except MalformedMessage as err:
+                    await _refuse_malformed(context, err.malformed)
         else:
             return handler
         return handler._replace(request_deserializer=parse, stream_stream=stream_stream)

@@ -23,6 +23,8 @@ from server.repository import TensorSpec
 logger = logging.getLogger(__name__)
 
 SERVER_NAME = "attnserve"
+# Requests of one ModelStreamInfer stream in the server at once; reading pauses beyond it.
+STREAM_WINDOW = 64
 EXTENSIONS = ("model_configuration", "statistics")
 
 
@@ -160,17 +162,42 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                                        time.monotonic() - started)
 
     async def ModelStreamInfer(self, request_iterator, context):
-        """Requests answered in order; an error answers that request and the stream goes on."""
-        async for request in request_iterator:
-            started = time.monotonic()
-            try:
-                response = await self._infer(request, context.time_remaining())
-                code = grpc.StatusCode.OK
-                yield pb.ModelStreamInferResponse(infer_response=response)
-            except Exception as err:
-                code, details = status_for(err)
-                yield pb.ModelStreamInferResponse(
-                    error_message=f"{code.name}: {details}",
-                    infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id))
+        """Requests are read and submitted as they arrive, so the requests of one stream batch
+        together (up to STREAM_WINDOW in the server at once); answers go back in request order.
+        An error answers its request and the stream goes on; a message that does not parse
+        ends the stream with INVALID_ARGUMENT after the answers before it."""
+        answers: asyncio.Queue[asyncio.Future | None] = asyncio.Queue(maxsize=STREAM_WINDOW)
+        reader = asyncio.create_task(self._read_stream(request_iterator, context, answers))
+        try:
+            while (answer := await answers.get()) is not None:
+                yield await answer
+            await reader  # raises what ended the reading, if anything did
+        finally:
+            reader.cancel()
+            while not answers.empty():
+                pending = answers.get_nowait()
+                if pending is not None:
+                    pending.cancel()
+
+    async def _read_stream(self, request_iterator, context, answers: asyncio.Queue) -> None:
+        try:
+            async for request in request_iterator:
+                await answers.put(asyncio.ensure_future(self._stream_answer(request, context)))
+        finally:
+            await answers.put(None)
+
+    async def _stream_answer(self, request: pb.ModelInferRequest, context) -> pb.ModelStreamInferResponse:
+        started = time.monotonic()
+        code = grpc.StatusCode.CANCELLED  # unless it ends otherwise: the stream went away
+        try:
+            response = await self._infer(request, context.time_remaining())
+            code = grpc.StatusCode.OK
+            return pb.ModelStreamInferResponse(infer_response=response)
+        except Exception as err:
+            code, details = status_for(err)
+            return pb.ModelStreamInferResponse(
+                error_message=f"{code.name}: {details}",
+                infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id))
+        finally:
             self._metrics.request_done(self._metric_label(request.model_name), code.name,
                                        time.monotonic() - started)

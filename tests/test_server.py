@@ -265,3 +265,40 @@ def test_metrics_contract(server, stub):
         assert re.search(rf'^{name}{{[^}}]*model="cross_attention"', text, re.M), name
     assert _metric(server, "attnserve_requests_total", "cross_attention", 'code="OK"') >= 1
     assert _metric(server, "attnserve_requests_total", "cross_attention", 'code="INVALID_ARGUMENT"') >= 1
+
+
+def test_one_stream_batches_its_requests_and_answers_in_order(stub, eager_modules):
+    """Requests of one ModelStreamInfer stream are submitted as they arrive, so they share
+    ONNX Runtime runs; the answers still come back in request order."""
+    rng = np.random.default_rng(12)
+    xs = [_inputs("cross_attention", rng, 1, 16, 9) for _ in range(24)]
+
+    def executions() -> int:
+        stats = stub.ModelStatistics(pb.ModelStatisticsRequest(name="cross_attention"), timeout=10)
+        return stats.model_stats[0].execution_count
+
+    before = executions()
+    responses = list(stub.ModelStreamInfer(
+        iter([infer_request("cross_attention", request_id=str(i), **x) for i, x in enumerate(xs)]), timeout=60))
+    runs = executions() - before
+    assert [r.infer_response.id for r in responses] == [str(i) for i in range(24)]
+    for x, r in zip(xs, responses):
+        assert not r.error_message
+        _assert_close(outputs_of(r.infer_response), eager(eager_modules["cross_attention"], **x))
+    assert runs < 24, "the stream's requests never shared a run"
+
+
+def test_a_stream_message_that_does_not_parse_ends_it_after_the_answers_before_it(server):
+    rng = np.random.default_rng(13)
+    good = infer_request("cross_attention", request_id="first",
+                         **_inputs("cross_attention", rng, 1, 4, 5)).SerializeToString()
+    with server.channel() as channel:
+        call = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                     response_deserializer=pb.ModelStreamInferResponse.FromString)
+        answers = call(iter([good, b"\xff\xff not a request", good]), timeout=30)
+        first = next(answers)
+        assert first.infer_response.id == "first" and not first.error_message
+        with pytest.raises(grpc.RpcError) as caught:
+            next(answers)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not parse" in caught.value.details()
