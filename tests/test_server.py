@@ -302,3 +302,21 @@ def test_a_stream_message_that_does_not_parse_ends_it_after_the_answers_before_i
             next(answers)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "does not parse" in caught.value.details()
+
+
+def test_a_stream_cancelled_midway_leaves_the_server_well(server, stub, eager_modules):
+    rng = np.random.default_rng(14)
+    x = _inputs("cross_attention", rng, 1, 64, 33)
+    request = infer_request("cross_attention", **x)
+    log_before = len(server.log())
+    with server.channel() as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter([request] * 200), timeout=60)
+        assert not next(call).error_message
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as caught:
+            for _ in call:
+                pass
+        assert caught.value.code() == grpc.StatusCode.CANCELLED
+    _assert_close(outputs_of(stub.ModelInfer(request, timeout=30)), eager(eager_modules["cross_attention"], **x))
+    new_log = server.log()[log_before:]
+    assert "Traceback" not in new_log and "never retrieved" not in new_log, new_log[-3000:]
