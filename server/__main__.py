@@ -18,7 +18,7 @@ logger = logging.getLogger("server")
 EXIT_CANNOT_START = 3
 
 
-async def serve(config: ServerConfig, servicer_class=None) -> int:
+async def serve(config: ServerConfig, servicer_class: type | None = None) -> int:
     from server.app import Server
     from server.engine import DeviceUnavailable
     from server.repository import ModelLoadError
@@ -39,7 +39,7 @@ async def serve(config: ServerConfig, servicer_class=None) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None, servicer_class=None) -> int:
+def main(argv: list[str] | None = None, servicer_class: type | None = None) -> int:
     config = load_config(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return asyncio.run(serve(config, servicer_class))
