@@ -48,12 +48,12 @@ export: $(STAMP)
 	  if ls -d $(MODELS)/$$preset/[0-9]* >/dev/null 2>&1; then \
 	    echo "$(MODELS)/$$preset exists; not exporting"; \
 	  else \
-	    $(PY) -m export --preset $$preset --repository $(MODELS) || exit $$?; \
+	    $(VENV)/bin/attnserve export --preset $$preset --repository $(MODELS) || exit $$?; \
 	  fi; \
 	done
 
 serve: export
-	exec $(PY) -m server --model-repository $(MODELS)
+	exec $(VENV)/bin/attnserve serve --model-repository $(MODELS)
 
 # The benchmark (bench/): server vs in-process ONNX Runtime; figures in bench/results/.
 BENCH_VENV := .venv-bench
@@ -73,7 +73,7 @@ $(BENCH_VENV)/.installed:
 
 # Regenerate the checked-in gRPC stubs from proto/inference.proto.
 proto: $(STAMP)
-	$(PY) -m proto.generate
+	$(PY) -m attnserve.proto.generate
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) $(BENCH_VENV) .pytest_cache

@@ -5,7 +5,7 @@
 
 1. In-process ONNX Runtime on the served graph (the server's own Engine and session options),
    k requests merged per run for k in 1, 8, 32, 64: the ceiling.
-2. The server (a real `python -m server` process, extra flags after `--`), driven at each
+2. The server (a real `attnserve serve` process, extra flags after `--`), driven at each
    concurrency by perf_analyzer (unmodified; `make bench-tools`) or, where it cannot run, by a
    multi-process load generator: one ModelInfer call per request, and (perf_analyzer only)
    requests as messages of ModelStreamInfer streams.
@@ -28,8 +28,8 @@ from pathlib import Path
 
 from bench import inprocess, loadgen, perf_analyzer
 from bench.inprocess import SHAPES
-from server.engine import DeviceUnavailable, choose_device
-from server.repository import read_model_spec
+from attnserve.server.engine import DeviceUnavailable, choose_device
+from attnserve.server.repository import read_model_spec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 IN_PROCESS_BATCHES = (1, 8, 32, 64)
@@ -44,7 +44,7 @@ def _rss_mb(pid: int) -> float:
 
 
 class _Server:
-    def __init__(self, repository: Path, extra: list[str], workdir: Path, module: str = "server") -> None:
+    def __init__(self, repository: Path, extra: list[str], workdir: Path, module: str = "attnserve.server") -> None:
         self.ready_file = workdir / f"ready-{module}.json"
         self.log = open(workdir / f"{module}.log", "wb")
         self.proc = subprocess.Popen(

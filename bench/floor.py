@@ -1,6 +1,6 @@
 """`python -m bench.floor [server flags]`: the server's own stack, answering without a model.
 
-The same process, flags, gRPC server, gate, servicer and codec as `python -m server`, but each
+The same process, flags, gRPC server, gate, servicer and codec as `attnserve serve`, but each
 ModelInfer request, once decoded and checked as usual, is answered with zeros of the right
 shapes: no batcher, no ONNX Runtime. What a load generator measures against it is the cost of
 gRPC and of Python per call on this machine, the floor under any model served through this
@@ -13,11 +13,11 @@ import sys
 
 import numpy as np
 
-from proto import inference_pb2 as pb
-from server import codec
-from server.__main__ import main
-from server.batcher import Result
-from server.service import InferenceServicer
+from attnserve.proto import inference_pb2 as pb
+from attnserve.server import codec
+from attnserve.server.__main__ import main
+from attnserve.server.batcher import Result
+from attnserve.server.service import InferenceServicer
 
 
 class FloorServicer(InferenceServicer):

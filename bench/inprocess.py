@@ -9,7 +9,7 @@ import numpy as np
 
 import onnxruntime as ort
 
-from server.repository import ModelSpec
+from attnserve.server.repository import ModelSpec
 
 
 @dataclass(frozen=True)

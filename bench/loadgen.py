@@ -20,8 +20,8 @@ def _worker(address: str, model: str, dims: tuple[int, int], shape: Shape, in_fl
             seconds: float, queue: multiprocessing.Queue) -> None:
     import grpc
 
-    from proto import inference_pb2 as pb
-    from proto import inference_pb2_grpc as pb_grpc
+    from attnserve.proto import inference_pb2 as pb
+    from attnserve.proto import inference_pb2_grpc as pb_grpc
 
     q_dim, kv_dim = dims
     rng = np.random.default_rng()

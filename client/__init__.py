@@ -1,18 +1,18 @@
 """The attnserve client: numpy in, numpy out, over the Open Inference Protocol (KServe V2) gRPC.
 
-    from client import InferenceClient
+    from attnserve.client import InferenceClient
     with InferenceClient("127.0.0.1:8001") as c:
         out = c.infer("self_attention", q, k, v, mask=m, outputs=("output", "attn_probs"))
 
-`AsyncInferenceClient` is the same API for asyncio; `python -m client` is the CLI (health,
+`AsyncInferenceClient` is the same API for asyncio; `attnserve` is the CLI (health,
 models, infer, batch). Every failure the server reports is an `InferenceError(code, details)`.
 """
 
-from client.aio import AsyncInferenceClient
-from client.client import InferenceClient
-from client.codec import InferResult, ModelMetadata, ModelStatistics, ServerMetadata, TensorMetadata
-from client.errors import InferenceError
-from client.options import ClientOptions, RetryPolicy, TlsConfig
+from attnserve.client.aio import AsyncInferenceClient
+from attnserve.client.client import InferenceClient
+from attnserve.client.codec import InferResult, ModelMetadata, ModelStatistics, ServerMetadata, TensorMetadata
+from attnserve.client.errors import InferenceError
+from attnserve.client.options import ClientOptions, RetryPolicy, TlsConfig
 
 __all__ = [
     "AsyncInferenceClient",

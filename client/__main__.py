@@ -1,13 +1,13 @@
-"""`python -m client`: health, model metadata, one inference, or a resumable batch job.
+"""`attnserve`: health, model metadata, one inference, or a resumable batch job.
 
-    python -m client health --url 127.0.0.1:8001
-    python -m client models --model self_attention
-    python -m client infer --model cross_attention --input in.npz --outputs output,attn_probs \\
+    attnserve health --url 127.0.0.1:8001
+    attnserve models --model self_attention
+    attnserve infer --model cross_attention --input in.npz --outputs output,attn_probs \\
         --output out.npz --plot heads.png
-    python -m client batch --url 127.0.0.1:8001,127.0.0.1:8002 --model self_attention \\
+    attnserve batch --url 127.0.0.1:8001,127.0.0.1:8002 --model self_attention \\
         --input in.npz --output out.npz --concurrency 4 --batch-size 16
 
-The connection flags (--url, --timeout, TLS, token) go before or after the command. --url
+The connection flags (--url, --timeout, TLS, token) follow the command. --url
 defaults to $ATTNSERVE_URL, else localhost:8001. Exit status: 0 done, 1 the server refused or
 is not healthy, 2 bad arguments, 130 interrupted.
 """
@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from client.batch import DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, BatchError, BatchJob, run_batch
-from client.client import InferenceClient
-from client.codec import OUTPUT_NAMES
-from client.errors import InferenceError
-from client.options import (
+from attnserve.client.batch import DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, BatchError, BatchJob, run_batch
+from attnserve.client.client import InferenceClient
+from attnserve.contract import OUTPUT_NAMES
+from attnserve.client.errors import InferenceError
+from attnserve.client.options import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_URL,
     GRPC_SCHEMES,
@@ -39,7 +39,7 @@ from client.options import (
     parse_addresses,
 )
 
-logger = logging.getLogger("client")
+logger = logging.getLogger("attnserve.client")
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -84,8 +84,8 @@ def _connection_flags(parser: argparse.ArgumentParser, *, suppress: bool) -> Non
     group.add_argument("-v", "--verbose", action="store_true", default=default(False), help="log progress (INFO)")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m client", description=__doc__.split("\n")[0],
+def _parser(prog: str = "attnserve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _connection_flags(parser, suppress=False)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -256,7 +256,7 @@ def _infer(args: argparse.Namespace, options: ClientOptions) -> int:
             print(f"{name}: {array.dtype} {list(array.shape)}")
             print(np.array2string(array, precision=5, threshold=20, edgeitems=2))
     if args.plot is not None:
-        from client.plot import plot_attention
+        from attnserve.client.plot import plot_attention
 
         try:
             plot_attention(result["attn_probs"], args.plot, item=args.plot_item,
@@ -288,8 +288,8 @@ def _batch(args: argparse.Namespace, options: ClientOptions) -> int:
 COMMANDS = {"health": _health, "models": _models, "infer": _infer, "batch": _batch}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "attnserve") -> int:
+    args = _parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

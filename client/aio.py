@@ -17,11 +17,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import codec
-from client.errors import InferenceError
-from client.options import DEFAULT_URL, ClientOptions, open_channel
-from proto import inference_pb2 as pb
-from proto import inference_pb2_grpc as pb_grpc
+from attnserve.client import codec
+from attnserve.client.errors import InferenceError
+from attnserve.client.options import DEFAULT_URL, ClientOptions, open_channel
+from attnserve.proto import inference_pb2 as pb
+from attnserve.proto import inference_pb2_grpc as pb_grpc
 
 
 class AsyncInferenceClient:

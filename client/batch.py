@@ -1,4 +1,4 @@
-"""The resumable batch job behind `python -m client batch`.
+"""The resumable batch job behind `attnserve batch`.
 
     run_batch(BatchJob(model="self_attention", input_path=Path("in.npz"), output_path=Path("out.npz")),
               ClientOptions(url="127.0.0.1:8001,127.0.0.1:8002"))
@@ -52,12 +52,13 @@ from typing import IO, Any
 import grpc
 import numpy as np
 
-from client import npzio
-from client.aio import AsyncInferenceClient
-from client.client import InferenceClient
-from client.codec import OUTPUT_NAMES, ModelMetadata
-from client.errors import InferenceError
-from client.options import ClientOptions
+from attnserve.client import npzio
+from attnserve.client.aio import AsyncInferenceClient
+from attnserve.client.client import InferenceClient
+from attnserve.client.codec import ModelMetadata
+from attnserve.contract import OUTPUT_NAMES
+from attnserve.client.errors import InferenceError
+from attnserve.client.options import ClientOptions
 
 logger = logging.getLogger(__name__)
 

@@ -20,13 +20,13 @@ from typing import Any
 import grpc
 import numpy as np
 
-from client.errors import InferenceError
-from proto import inference_pb2 as pb
+from attnserve.client.errors import InferenceError
+from attnserve.contract import DATATYPES as DATATYPES_BY_TENSOR
+from attnserve.contract import INPUT_NAMES, OUTPUT_NAMES
+from attnserve.proto import inference_pb2 as pb
 
-INPUT_NAMES = ("query", "key", "value", "mask")
-OUTPUT_NAMES = ("output", "attn_probs")
 # The tensor contract's output datatypes; any other output must still carry a known datatype.
-OUTPUT_DATATYPES = {"output": "FP32", "attn_probs": "FP32"}
+OUTPUT_DATATYPES = {name: DATATYPES_BY_TENSOR[name] for name in OUTPUT_NAMES}
 
 # V2 datatype -> (little-endian numpy dtype, InferTensorContents field or None when raw-only).
 DATATYPES: dict[str, tuple[np.dtype, str | None]] = {

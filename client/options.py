@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from client.errors import InferenceError
+from attnserve.client.errors import InferenceError
 
 logger = logging.getLogger(__name__)
 

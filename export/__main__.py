@@ -1,8 +1,8 @@
-"""`python -m export`: write an attention model into the model repository, parity proven first.
+"""`attnserve export`: write an attention model into the model repository, parity proven first.
 
-    python -m export --preset self_attention
-    python -m export --preset cross_attention --checkpoint seed002.pt
-    python -m export --name my_attn --heads 4 --checkpoint weights.safetensors
+    attnserve export --preset self_attention
+    attnserve export --preset cross_attention --checkpoint seed002.pt
+    attnserve export --name my_attn --heads 4 --checkpoint weights.safetensors
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import logging
 import sys
 from pathlib import Path
 
-from export.config import PRESET_ARGS, PRESETS, AttentionConfig
+from attnserve.export.config import PRESET_ARGS, PRESETS, AttentionConfig
 
 DEMO_SEED = 0
 EXIT_BAD_ARGUMENTS = 2
 EXIT_PARITY = 1
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str = "attnserve export") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m export",
+        prog=prog,
         description="Export multi-head attention to ONNX (dynamic batch, q_len, k_len) into a model "
         "repository, after proving ONNX Runtime matches eager PyTorch within 1e-5.",
     )
@@ -63,7 +63,7 @@ def _dim_overrides(args: argparse.Namespace) -> dict:
 
 def _resolve(args: argparse.Namespace):
     """(config, module, weights' source) from the preset, the dim flags and the checkpoint."""
-    from export import checkpoint as ckpt
+    from attnserve.export import checkpoint as ckpt
 
     overrides = _dim_overrides(args)
     preset = PRESET_ARGS[args.preset] if args.preset else None
@@ -100,8 +100,8 @@ def _print_report(result) -> None:
         print(f"  {graph:<12} max abs error: {figures}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+def main(argv: list[str] | None = None, prog: str = "attnserve export") -> int:
+    parser = _parser(prog)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     if not name.replace("_", "").replace("-", "").replace(".", "").isalnum():
         parser.error(f"--name {name!r}: use letters, digits, '_', '-' and '.'")
     try:
-        from export.checkpoint import CheckpointError
-        from export.onnx_export import DEFAULT_OPSET, ExportError, ParityError, ServingDefaults, export_model
+        from attnserve.export.checkpoint import CheckpointError
+        from attnserve.export.onnx_export import DEFAULT_OPSET, ExportError, ParityError, ServingDefaults, export_model
 
         serving = ServingDefaults(**{k: v for k, v in (
             ("max_batch_size", args.max_batch_size), ("max_queue_delay_ms", args.max_queue_delay_ms),

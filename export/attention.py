@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from export.config import AttentionConfig
+from attnserve.export.config import AttentionConfig
 
 
 def _is_exporting() -> bool:

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from export.attention import MultiHeadAttention
-from export.config import AttentionConfig
+from attnserve.export.attention import MultiHeadAttention
+from attnserve.export.config import AttentionConfig
 
 FORMAT = "attnserve.attention/1"
 PROJECTIONS = ("to_q", "to_k", "to_v", "to_out")

@@ -13,9 +13,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from attnserve.contract import MASK_FILL
+
 # The seeds fill masked scores with -1e10 before the softmax (not -inf): a fully masked row
-# then becomes a uniform distribution over its keys instead of NaN.
-SEED_MASK_FILL = -1e10
+# then becomes a uniform distribution over its keys instead of NaN (attnserve.contract).
+SEED_MASK_FILL = MASK_FILL
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from export.attention import MultiHeadAttention
-from export.config import AttentionConfig
-from server import repository as repo
+from attnserve.export.attention import MultiHeadAttention
+from attnserve.export.config import AttentionConfig
+from attnserve import contract
+from attnserve.contract import ServingDefaults
+from attnserve.files import fsync_dir, read_json, write_json_atomic
 
 logger = logging.getLogger(__name__)
 # The exporter warns once per torchvision op it cannot register; we export none of them.
@@ -40,13 +42,8 @@ PRECISIONS = ("fp32", "fp16")
 DEFAULT_OPSET = 18
 # (batch, lq, lk) at which parity is proven; each runs without a mask and with one.
 PARITY_SHAPES = tuple((b, lq, lk) for b in (1, 7) for lq, lk in ((1, 1), (1, 77), (300, 1), (300, 77)))
-# Dynamic axes, named as in the shape vocabulary of export/config.py.
-_DYNAMIC_AXES = {
-    "query": {0: "batch", 1: "q_len"},
-    "key": {0: "batch", 1: "k_len"},
-    "value": {0: "batch", 1: "k_len"},
-    "mask": {0: "batch", 1: "q_len", 2: "k_len"},
-}
+# Dynamic axes of the inputs, named as the contract names them (batch, q_len, k_len).
+_DYNAMIC_AXES = contract.dynamic_axes(contract.INPUT_NAMES)
 
 
 class ExportError(RuntimeError):
@@ -55,23 +52,6 @@ class ExportError(RuntimeError):
 
 class ParityError(ExportError):
     """ONNX Runtime and eager PyTorch disagree beyond the tolerance: nothing was written."""
-
-
-@dataclass(frozen=True)
-class ServingDefaults:
-    """What the server reads from config.json for this model; each can be overridden by a flag."""
-
-    max_batch_size: int = 32  # sequences (rows) merged into one ONNX Runtime run
-    max_queue_delay_ms: float = 1.0  # longest a request waits for company while the model is busy
-    max_q_len: int = 4096
-    max_kv_len: int = 4096
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_q_len", "max_kv_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_queue_delay_ms < 0:
-            raise ValueError(f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms}")
 
 
 @dataclass
@@ -148,10 +128,9 @@ def trace(module: MultiHeadAttention, path: Path, with_probs: bool, opset: int, 
     generator = torch.Generator().manual_seed(0)
     query, key, value = _random_inputs(config, b, lq, lk, generator)
     mask = torch.ones(b, lq, lk, dtype=torch.bool)
-    batch, q_len, k_len = (torch.export.Dim(n) for n in ("batch", "q_len", "k_len"))
-    dims = {"batch": batch, "q_len": q_len, "k_len": k_len}
+    dims = {n: torch.export.Dim(n) for n in (contract.BATCH, contract.Q_LEN, contract.K_LEN)}
     dynamic_shapes = {name: {axis: dims[d] for axis, d in axes.items()} for name, axes in _DYNAMIC_AXES.items()}
-    output_names = ["output", "attn_probs"] if with_probs else ["output"]
+    output_names = list(contract.OUTPUT_NAMES) if with_probs else ["output"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's own deprecation chatter
         torch.onnx.export(
@@ -160,7 +139,7 @@ def trace(module: MultiHeadAttention, path: Path, with_probs: bool, opset: int, 
             str(path),
             dynamo=True,
             external_data=False,  # one self-contained file per graph, no model.onnx.data
-            input_names=list(repo.INPUT_NAMES),
+            input_names=list(contract.INPUT_NAMES),
             output_names=output_names,
             dynamic_shapes=dynamic_shapes,
             opset_version=opset,
@@ -174,17 +153,13 @@ def _check_graph_signature(path: Path, config: AttentionConfig, with_probs: bool
     import onnx
 
     graph = onnx.load(str(path), load_external_data=False).graph
-    expected = {
-        "query": ("batch", "q_len", config.query_dim),
-        "key": ("batch", "k_len", config.kv_dim),
-        "value": ("batch", "k_len", config.kv_dim),
-        "mask": ("batch", "q_len", "k_len"),
-        "output": ("batch", "q_len", config.out_dim),
-        "attn_probs": ("batch", config.num_heads, "q_len", "k_len"),
-    }
+    widths = {"query_dim": config.query_dim, "kv_dim": config.kv_dim, "out_dim": config.out_dim,
+              "num_heads": config.num_heads}
+    # The contract's symbolic shapes with this model's widths: a str is a dynamic dim, an int fixed.
+    expected = {name: tuple(widths.get(d, d) for d in dims) for name, dims in contract.SYMBOLIC_SHAPES.items()}
     values = list(graph.input) + list(graph.output)
     names = [v.name for v in values]
-    wanted = list(repo.INPUT_NAMES) + (list(repo.OUTPUT_NAMES) if with_probs else ["output"])
+    wanted = list(contract.INPUT_NAMES) + (list(contract.OUTPUT_NAMES) if with_probs else ["output"])
     if names != wanted:
         raise ExportError(f"{path.name}: expected tensors {wanted}, the graph has {names}")
     for v in values:
@@ -260,12 +235,12 @@ def next_version(model_dir: Path) -> int:
 def model_config(name: str, config: AttentionConfig, serving: ServingDefaults) -> dict[str, Any]:
     return {
         "name": name,
-        "platform": repo.PLATFORM,
+        "platform": contract.PLATFORM,
         "attention": config.to_dict(),
-        **repo.tensor_contract(config.query_dim, config.kv_dim, config.out_dim, config.num_heads),
-        "graphs": {"all_outputs": repo.GRAPH_ALL_OUTPUTS, "output_only": repo.GRAPH_OUTPUT_ONLY},
-        "batching": {"max_batch_size": serving.max_batch_size, "max_queue_delay_ms": serving.max_queue_delay_ms},
-        "limits": {"max_q_len": serving.max_q_len, "max_kv_len": serving.max_kv_len},
+        **contract.tensor_contract(config.query_dim, config.kv_dim, config.out_dim, config.num_heads),
+        "graphs": {"all_outputs": contract.GRAPH_ALL_OUTPUTS, "output_only": contract.GRAPH_OUTPUT_ONLY},
+        "batching": serving.batching(),
+        "limits": serving.limits(),
     }
 
 
@@ -298,9 +273,9 @@ def export_model(
     config = module.config
     model_dir = Path(repository) / name
     new_config = model_config(name, config, serving)
-    config_path = model_dir / repo.CONFIG_FILE
+    config_path = model_dir / contract.CONFIG_FILE
     if config_path.exists():
-        existing = repo.read_json(config_path)
+        existing = read_json(config_path)
         if not _same_interface(existing, new_config):
             raise ExportError(
                 f"{config_path} describes a model with other dims ({existing.get('attention')}); "
@@ -316,7 +291,7 @@ def export_model(
     model_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".export-{version}-", dir=model_dir))
     try:
-        graphs = {"all_outputs": staging / repo.GRAPH_ALL_OUTPUTS, "output_only": staging / repo.GRAPH_OUTPUT_ONLY}
+        graphs = {"all_outputs": staging / contract.GRAPH_ALL_OUTPUTS, "output_only": staging / contract.GRAPH_OUTPUT_ONLY}
         trace(module, graphs["all_outputs"], with_probs=True, opset=opset, precision=precision)
         trace(module, graphs["output_only"], with_probs=False, opset=opset, precision=precision)
         parity = check_parity(module, graphs,
@@ -332,12 +307,13 @@ def export_model(
             "weights": weights,
             "parity": parity,
         }
-        repo.write_json_atomic(staging / repo.EXPORT_FILE, record)
+        write_json_atomic(staging / contract.EXPORT_FILE, record)
         staging.chmod(0o755)  # mkdtemp makes it 0700; servers may run as another user
         staging.rename(target)  # atomic: the version appears whole
+        fsync_dir(model_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    repo.write_json_atomic(config_path, new_config | {"last_export": record})
+    write_json_atomic(config_path, new_config | {"last_export": record})
     logger.info("wrote %s (parity %s)", target, parity["max_abs_error"])
     return ExportResult(name=name, version=version, model_dir=model_dir, parity=parity)

@@ -1,7 +1,7 @@
 """Open Inference Protocol (KServe V2) gRPC definitions for attnserve.
 
-``proto/inference.proto`` is the hand-written source; ``inference_pb2``,
+``inference.proto`` is the hand-written source; ``inference_pb2``,
 ``inference_pb2.pyi`` and ``inference_pb2_grpc`` are generated from it and
-checked in (regenerate with ``python -m proto.generate``). Import them as
-``from proto import inference_pb2, inference_pb2_grpc``.
+checked in (regenerate with ``python -m attnserve.proto.generate``). Import them as
+``from attnserve.proto import inference_pb2, inference_pb2_grpc``.
 """

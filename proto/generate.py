@@ -1,11 +1,10 @@
 """Regenerate the checked-in gRPC stubs from ``proto/inference.proto``.
 
-    python -m proto.generate           # rewrite proto/inference_pb2{.py,.pyi,_grpc.py}
-    python -m proto.generate --check   # exit 1 if the checked-in stubs are stale
+    python -m attnserve.proto.generate           # rewrite proto/inference_pb2{.py,.pyi,_grpc.py}
+    python -m attnserve.proto.generate --check   # exit 1 if the checked-in stubs are stale
 
-The .proto is compiled with the repository root as the include path (``-I .``),
-so its descriptor name is ``proto/inference.proto`` and the service stub
-imports ``from proto import inference_pb2``.
+The .proto is compiled as ``attnserve/proto/inference.proto`` (the path the installed
+package gives it), so the service stub imports ``from attnserve.proto import inference_pb2``.
 
 This is the only module that imports ``grpc_tools`` (grpcio-tools, a dev
 dependency); the server and client only need the generated files.
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import re
 import shutil
 import sys
 import tempfile
@@ -27,21 +25,12 @@ PROTO_FILE = PACKAGE_DIR / "inference.proto"
 # The generated files, in the order generate() returns them.
 GENERATED = ("inference_pb2.py", "inference_pb2.pyi", "inference_pb2_grpc.py")
 
-# protoc's grpc plugin writes the import of the messages module from the path
-# of the .proto relative to the include root. With `-I .` that is already
-# `from proto import inference_pb2 as ...`; should a different include root
-# ever yield the flat form, rewrite it so the package import still works.
-_FLAT_IMPORT = re.compile(r"^import inference_pb2 as (\w+)$", re.MULTILINE)
-_PACKAGE_IMPORT = "from proto import inference_pb2 as "
-
-
-def _fix_grpc_import(text: str) -> str:
-    text = _FLAT_IMPORT.sub(lambda m: _PACKAGE_IMPORT + m.group(1), text)
-    if _PACKAGE_IMPORT not in text:
-        raise RuntimeError(
-            "inference_pb2_grpc.py does not import `from proto import inference_pb2`"
-        )
-    return text
+# The stubs are compiled as the installed package sees them: the .proto is laid out as
+# attnserve/proto/inference.proto under a temporary include root, so its descriptor is named
+# "attnserve/proto/inference.proto", the messages module is attnserve.proto.inference_pb2, and
+# the service stub imports `from attnserve.proto import inference_pb2`.
+PACKAGE_PATH = Path("attnserve") / "proto"
+_PACKAGE_IMPORT = "from attnserve.proto import inference_pb2 as "
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -54,30 +43,32 @@ def generate(out_dir: Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="attnserve-proto-") as tmp:
+        root = Path(tmp) / "src"
+        source = root / PACKAGE_PATH / PROTO_FILE.name
+        source.parent.mkdir(parents=True)
+        shutil.copyfile(PROTO_FILE, source)
+        built = Path(tmp) / "out"
+        built.mkdir()
         args = [
             "grpc_tools.protoc",
-            f"-I{REPO_ROOT}",
-            f"--python_out={tmp}",
-            f"--pyi_out={tmp}",
-            f"--grpc_python_out={tmp}",
-            str(PROTO_FILE),
+            f"-I{root}",
+            f"--python_out={built}",
+            f"--pyi_out={built}",
+            f"--grpc_python_out={built}",
+            str(source),
         ]
         rc = protoc.main(args)
         if rc != 0:
             raise RuntimeError(f"protoc failed with exit status {rc}: {' '.join(args)}")
-        # protoc places the outputs under the .proto's directory relative to -I.
-        produced = Path(tmp) / PROTO_FILE.parent.relative_to(REPO_ROOT)
         paths = []
         for name in GENERATED:
-            src = produced / name
+            src = built / PACKAGE_PATH / name
             if not src.is_file():
                 raise RuntimeError(f"protoc did not produce {name}")
+            if name == "inference_pb2_grpc.py" and _PACKAGE_IMPORT not in src.read_text(encoding="utf-8"):
+                raise RuntimeError(f"inference_pb2_grpc.py does not import `{_PACKAGE_IMPORT.strip()}`")
             dst = out_dir / name
-            if name == "inference_pb2_grpc.py":
-                text = _fix_grpc_import(src.read_text(encoding="utf-8"))
-                dst.write_bytes(text.encode("utf-8"))
-            else:
-                shutil.copyfile(src, dst)
+            shutil.copyfile(src, dst)
             paths.append(dst)
     return paths
 
@@ -113,14 +104,14 @@ def check() -> int:
         print("generated stubs are out of date with proto/inference.proto:", file=sys.stderr)
         for line in stale:
             print(f"  {line}", file=sys.stderr)
-        print("run `python -m proto.generate` (or `make proto`) to update them", file=sys.stderr)
+        print("run `python -m attnserve.proto.generate` (or `make proto`) to update them", file=sys.stderr)
         return 1
     print("proto stubs are up to date")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m proto.generate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m attnserve.proto.generate", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--check",
         action="store_true",

@@ -1,3 +1,5 @@
 """The inference server: Open Inference Protocol over gRPC, dynamic batching, ONNX Runtime."""
 
-__version__ = "0.1.0"
+from attnserve import __version__  # one version for the distribution
+
+__all__ = ["__version__"]

@@ -1,4 +1,4 @@
-"""`python -m server`: flags and ATTNSERVE_* environment -> ServerConfig -> Server.
+"""`attnserve serve`: flags and ATTNSERVE_* environment -> ServerConfig -> Server.
 
 Exits 0 after a clean drain on SIGTERM/SIGINT; 2 on a bad flag; 3 when it cannot start
 (--device cuda without CUDA, a port in use, no model repository).
@@ -11,17 +11,17 @@ import logging
 import signal
 import sys
 
-from server.config import ServerConfig, load_config
+from attnserve.server.config import ServerConfig, load_config
 
-logger = logging.getLogger("server")
+logger = logging.getLogger("attnserve.server")
 
 EXIT_CANNOT_START = 3
 
 
 async def serve(config: ServerConfig, servicer_class: type | None = None) -> int:
-    from server.app import Server
-    from server.engine import DeviceUnavailable
-    from server.repository import ModelLoadError
+    from attnserve.server.app import Server
+    from attnserve.server.engine import DeviceUnavailable
+    from attnserve.server.repository import ModelLoadError
 
     server = Server(config) if servicer_class is None else Server(config, servicer_class)
     try:
@@ -39,8 +39,9 @@ async def serve(config: ServerConfig, servicer_class: type | None = None) -> int
     return 0
 
 
-def main(argv: list[str] | None = None, servicer_class: type | None = None) -> int:
-    config = load_config(argv)
+def main(argv: list[str] | None = None, servicer_class: type | None = None,
+         prog: str = "attnserve serve") -> int:
+    config = load_config(argv, prog=prog)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return asyncio.run(serve(config, servicer_class))
 

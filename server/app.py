@@ -1,6 +1,6 @@
 """Server(config): the gRPC server with health, reflection, metrics, and a draining stop.
 
-Used by `python -m server` and by the tests alike:
+Used by `attnserve serve` and by the tests alike:
     server = Server(config); port = await server.start(); ...; await server.stop(grace_s)
 """
 
@@ -16,15 +16,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from proto import inference_pb2 as pb
-from proto import inference_pb2_grpc as pb_grpc
-from server.config import ServerConfig
-from server.engine import choose_device
-from server.gate import Admission, CallGate, HandlerTable
-from server.metrics import Metrics
-from server.models import ModelRegistry
-from server.security import bearer_token, server_credentials
-from server.service import InferenceServicer
+from attnserve.proto import inference_pb2 as pb
+from attnserve.proto import inference_pb2_grpc as pb_grpc
+from attnserve.server.config import ServerConfig
+from attnserve.server.engine import choose_device
+from attnserve.server.gate import Admission, CallGate, HandlerTable
+from attnserve.server.metrics import Metrics
+from attnserve.server.models import ModelRegistry
+from attnserve.server.security import bearer_token, server_credentials
+from attnserve.server.service import InferenceServicer
 
 logger = logging.getLogger(__name__)
 

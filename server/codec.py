@@ -13,15 +13,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from proto import inference_pb2 as pb
-from server.batcher import Result, Work
-from server.repository import INPUT_NAMES, OUTPUT_NAMES, ModelSpec
+from attnserve.proto import inference_pb2 as pb
+from attnserve.server.batcher import Result, Work
+from attnserve.contract import DATATYPES, INPUT_NAMES, OUTPUT_NAMES, REQUIRED_INPUTS
+from attnserve.server.repository import ModelSpec
 
 # Little-endian on the wire, whatever this machine is.
 _DTYPES = {"FP32": np.dtype("<f4"), "BOOL": np.dtype("?")}
-_EXPECTED_DATATYPE = {"query": "FP32", "key": "FP32", "value": "FP32", "mask": "BOOL"}
+_EXPECTED_DATATYPE = {name: DATATYPES[name] for name in INPUT_NAMES}
 _TYPED_FIELD = {"FP32": "fp32_contents", "BOOL": "bool_contents"}
-_REQUIRED = ("query", "key", "value")
+_REQUIRED = REQUIRED_INPUTS
 
 
 @dataclass(frozen=True)

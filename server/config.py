@@ -82,7 +82,7 @@ class ServerConfig:
 
 # Flag help, one line each; the README's configuration table is this list.
 _HELP: dict[str, str] = {
-    "model_repository": "model repository written by `python -m export`",
+    "model_repository": "model repository written by `attnserve export`",
     "host": "address to bind",
     "port": "gRPC port (0 = any free port)",
     "metrics_port": "Prometheus metrics HTTP port (0 = any free port, -1 = off)",
@@ -146,9 +146,9 @@ def _converter(f: dataclasses.Field) -> Any:
     return str
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "attnserve serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m server",
+        prog=prog,
         description="Serve attention models over the Open Inference Protocol (KServe V2) on gRPC. "
         f"Every flag can also be set by its environment variable ({ENV_PREFIX}<FLAG>).",
     )
@@ -165,9 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_config(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
+def load_config(argv: list[str] | None = None, environ: Mapping[str, str] | None = None,
+                prog: str = "attnserve serve") -> ServerConfig:
     """Flags, then ATTNSERVE_* variables, then defaults. Raises SystemExit(2) on bad values."""
-    parser = build_parser()
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}

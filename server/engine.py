@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from server.repository import ModelSpec
+from attnserve.server.repository import ModelSpec
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Mapping
 
 import grpc
 
-from server.security import BearerToken, tolerant_handler
+from attnserve.server.security import BearerToken, tolerant_handler
 
 logger = logging.getLogger(__name__)
 

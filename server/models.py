@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from server.batcher import Batcher, BatchPolicy
-from server.codec import Limits
-from server.config import ServerConfig
-from server.engine import DeviceChoice, Engine
-from server.metrics import Metrics
-from server.repository import ModelLoadError, ModelSpec, model_names, read_model_spec
+from attnserve.server.batcher import Batcher, BatchPolicy
+from attnserve.server.codec import Limits
+from attnserve.server.config import ServerConfig
+from attnserve.server.engine import DeviceChoice, Engine
+from attnserve.server.metrics import Metrics
+from attnserve.server.repository import ModelLoadError, ModelSpec, model_names, read_model_spec
 
 logger = logging.getLogger(__name__)
 

@@ -1,92 +1,29 @@
-"""The model repository on disk: its layout, and reading it. Knows nothing of gRPC or torch.
+"""Reading the model repository (its layout: attnserve.contract). Knows nothing of gRPC or torch.
 
-    <repository>/<name>/config.json               the model: dims, tensors, batching, limits
-    <repository>/<name>/<version>/model.onnx      graph with outputs `output` and `attn_probs`
-    <repository>/<name>/<version>/model_output_only.onnx   graph with `output` alone
-    <repository>/<name>/<version>/export.json     that version's parity figures and weights' source
-
-`python -m export` writes it (a version directory appears whole, by rename); the server reads it.
+`attnserve export` writes it (a version directory appears whole, by rename); the server reads it
+here, checks config.json against the tensor contract, and chooses the version to serve.
 Directories whose names are not integers (such as an export's temporary directory) are ignored.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CONFIG_FILE = "config.json"
-EXPORT_FILE = "export.json"
-GRAPH_ALL_OUTPUTS = "model.onnx"
-GRAPH_OUTPUT_ONLY = "model_output_only.onnx"
-PLATFORM = "onnxruntime_onnx"
-
-# Tensor contract (float32 unless said): names are part of the public API.
-INPUT_NAMES = ("query", "key", "value", "mask")
-OUTPUT_NAMES = ("output", "attn_probs")
-
-
-def versions(model_dir: Path) -> list[int]:
-    """The model's complete versions, ascending: integer directories holding the full graph."""
-    found = []
-    if model_dir.is_dir():
-        for entry in model_dir.iterdir():
-            if entry.is_dir() and entry.name.isdigit() and (entry / GRAPH_ALL_OUTPUTS).exists():
-                found.append(int(entry.name))
-    return sorted(found)
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write to a temporary file beside `path`, fsync, then rename over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; servers may run as another user
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def tensor_contract(query_dim: int, kv_dim: int, out_dim: int, num_heads: int) -> dict[str, list[dict[str, Any]]]:
-    """The inputs and outputs every model serves; -1 marks a variable dim (batch, lq, lk)."""
-    return {
-        "inputs": [
-            {"name": "query", "datatype": "FP32", "shape": [-1, -1, query_dim]},
-            {"name": "key", "datatype": "FP32", "shape": [-1, -1, kv_dim]},
-            {"name": "value", "datatype": "FP32", "shape": [-1, -1, kv_dim]},
-            # Optional: without it every key is attended. False = masked.
-            {"name": "mask", "datatype": "BOOL", "shape": [-1, -1, -1], "optional": True},
-        ],
-        "outputs": [
-            {"name": "output", "datatype": "FP32", "shape": [-1, -1, out_dim]},
-            {"name": "attn_probs", "datatype": "FP32", "shape": [-1, num_heads, -1, -1]},
-        ],
-    }
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    datatype: str  # Open Inference Protocol datatype: FP32, BOOL
-    shape: tuple[int, ...]  # -1 = variable
-    optional: bool = False
+from attnserve.contract import (
+    CONFIG_FILE,
+    GRAPH_ALL_OUTPUTS,
+    GRAPH_OUTPUT_ONLY,
+    INPUT_NAMES,
+    OUTPUT_NAMES,
+    PLATFORM,
+    ServingDefaults,
+    TensorSpec,
+    versions,
+)
+from attnserve.contract import model_names as _model_names
+from attnserve.files import read_json
 
 
 @dataclass(frozen=True)
@@ -118,6 +55,9 @@ class ModelSpec:
         return self.version_dir / GRAPH_OUTPUT_ONLY
 
 
+DEFAULTS = ServingDefaults()
+
+
 class ModelLoadError(Exception):
     """A model in the repository that cannot be served; the message says why."""
 
@@ -126,7 +66,7 @@ def model_names(root: Path) -> list[str]:
     """Sub-directories holding a config.json, sorted."""
     if not root.is_dir():
         raise ModelLoadError(f"model repository {root} is not a directory")
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and (p / CONFIG_FILE).exists())
+    return _model_names(root)
 
 
 def read_model_spec(model_dir: Path, pinned_version: int | None = None) -> ModelSpec:
@@ -163,9 +103,9 @@ def read_model_spec(model_dir: Path, pinned_version: int | None = None) -> Model
         num_heads=int(attention["num_heads"]),
         inputs=inputs,
         outputs=outputs,
-        max_batch_size=int(batching.get("max_batch_size", 32)),
-        max_queue_delay_ms=float(batching.get("max_queue_delay_ms", 1.0)),
-        max_q_len=int(limits.get("max_q_len", 4096)),
-        max_kv_len=int(limits.get("max_kv_len", 4096)),
+        max_batch_size=int(batching.get("max_batch_size", DEFAULTS.max_batch_size)),
+        max_queue_delay_ms=float(batching.get("max_queue_delay_ms", DEFAULTS.max_queue_delay_ms)),
+        max_q_len=int(limits.get("max_q_len", DEFAULTS.max_q_len)),
+        max_kv_len=int(limits.get("max_kv_len", DEFAULTS.max_kv_len)),
         available_versions=available,
     )

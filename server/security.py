@@ -32,7 +32,7 @@ from typing import Any
 
 import grpc
 
-from server.config import ServerConfig
+from attnserve.server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -12,13 +12,13 @@ import time
 
 import grpc
 
-from proto import inference_pb2 as pb
-from proto import inference_pb2_grpc as pb_grpc
-from server import __version__, codec
-from server.batcher import BatcherClosed, DeadlineExpired, QueueFull
-from server.metrics import Metrics
-from server.models import ModelNotFound, ModelRegistry, ModelUnavailable
-from server.repository import TensorSpec
+from attnserve.proto import inference_pb2 as pb
+from attnserve.proto import inference_pb2_grpc as pb_grpc
+from attnserve.server import __version__, codec
+from attnserve.server.batcher import BatcherClosed, DeadlineExpired, QueueFull
+from attnserve.server.metrics import Metrics
+from attnserve.server.models import ModelNotFound, ModelRegistry, ModelUnavailable
+from attnserve.contract import TensorSpec
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ PRESET_NAMES = ("self_attention", "cross_attention")
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory) -> Path:
     """Both presets exported once per session with the demo weights (seed 0), as `make serve` does."""
-    from export import checkpoint
-    from export.config import PRESETS
-    from export.onnx_export import export_model
+    from attnserve.export import checkpoint
+    from attnserve.export.config import PRESETS
+    from attnserve.export.onnx_export import export_model
 
     root = tmp_path_factory.mktemp("models")
     for name in PRESET_NAMES:
@@ -28,8 +28,8 @@ def model_repository(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def eager_modules():
     """The eager PyTorch modules behind `model_repository`, by model name."""
-    from export import checkpoint
-    from export.config import PRESETS
+    from attnserve.export import checkpoint
+    from attnserve.export.config import PRESETS
 
     return {name: checkpoint.demo_module(PRESETS[name], seed=0) for name in PRESET_NAMES}
 

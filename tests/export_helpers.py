@@ -1,4 +1,4 @@
-"""Helpers for the export tests: running `python -m export`, running the written graphs, masks."""
+"""Helpers for the export tests: running `attnserve export`, running the written graphs, masks."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ EXPORT_TIMEOUT_S = 180
 
 
 def export_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "export", *args]
+    return [sys.executable, "-m", "attnserve", "export", *args]
 
 
 def run_export(*args: str, timeout: float = EXPORT_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """`python -m export ARGS` from the repository root, as a user would run it."""
+    """`attnserve export ARGS` from the repository root, as a user would run it."""
     return subprocess.run(export_command(*args), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -36,7 +36,7 @@ def finish_export(proc: subprocess.Popen, timeout: float = EXPORT_TIMEOUT_S) -> 
     except subprocess.TimeoutExpired:
         proc.kill()
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"python -m export ran past {timeout}s; stderr:\n{stderr}") from None
+        raise AssertionError(f"attnserve export ran past {timeout}s; stderr:\n{stderr}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 

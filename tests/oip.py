@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from proto import inference_pb2 as pb
+from attnserve.proto import inference_pb2 as pb
 
 _DATATYPE = {np.dtype(np.float32): "FP32", np.dtype(np.bool_): "BOOL"}
 _TYPED_FIELD = {"FP32": "fp32_contents", "BOOL": "bool_contents"}

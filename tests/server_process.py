@@ -1,4 +1,4 @@
-"""A real `python -m server` process on a free loopback port, for end-to-end tests."""
+"""A real `attnserve serve` process on a free loopback port, for end-to-end tests."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class ServerProcess:
         self.ready_file = self._workdir / "ready.json"
         self.log_path = self._workdir / "server.log"
         args = [
-            sys.executable, "-m", "server",
+            sys.executable, "-m", "attnserve", "serve",
             "--model-repository", str(model_repository),
             "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
             "--ready-file", str(self.ready_file),

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from export.attention import MultiHeadAttention
-from export.checkpoint import build_module, canonical_state_dict
-from export.config import PRESETS, AttentionConfig
+from attnserve.export.attention import MultiHeadAttention
+from attnserve.export.checkpoint import build_module, canonical_state_dict
+from attnserve.export.config import PRESETS, AttentionConfig
 from tests.seed_reference import Seed000MultiHeadAttention, Seed002Multiheadattention, trained_like_
 
 # The seeds' own arithmetic is reproduced op for op, so anything above float32 noise is a defect.

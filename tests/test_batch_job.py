@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from client import InferenceClient
-from client.batch import BatchError, BatchJob, run_batch
-from client.options import ClientOptions, RetryPolicy
+from attnserve.client import InferenceClient
+from attnserve.client.batch import BatchError, BatchJob, run_batch
+from attnserve.client.options import ClientOptions, RetryPolicy
 from tests.server_process import REPO_ROOT, ServerProcess
 
 TOLERANCE = 1e-5
@@ -65,7 +65,7 @@ def inference_count(address: str, model: str) -> int:
 
 
 def cli(*args: str, wait: bool = True, **kw):
-    command = [sys.executable, "-m", "client", "batch", *args]
+    command = [sys.executable, "-m", "attnserve", "batch", *args]
     if not wait:
         return subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, **kw)

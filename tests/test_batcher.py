@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from server.batcher import (
+from attnserve.server.batcher import (
     BatchFailed,
     BatcherClosed,
     Batcher,
@@ -687,8 +687,8 @@ def test_policy_rejects_out_of_range_values():
 
 
 def test_batcher_over_real_onnx_runtime_engine(model_repository):
-    from server.engine import Engine, choose_device
-    from server.repository import read_model_spec
+    from attnserve.server.engine import Engine, choose_device
+    from attnserve.server.repository import read_model_spec
 
     spec = read_model_spec(model_repository / "cross_attention")
     engine = Engine(spec, choose_device("cpu"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from export.attention import MultiHeadAttention
-from export.checkpoint import (
+from attnserve.export.attention import MultiHeadAttention
+from attnserve.export.checkpoint import (
     CheckpointError,
     build_module,
     canonical_state_dict,
@@ -14,7 +14,7 @@ from export.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from export.config import PRESETS, AttentionConfig
+from attnserve.export.config import PRESETS, AttentionConfig
 from tests.seed_reference import Seed000MultiHeadAttention, Seed002Multiheadattention, trained_like_
 
 OUR_NAMES = {f"{p}.{t}" for p in ("to_q", "to_k", "to_v", "to_out") for t in ("weight", "bias")}

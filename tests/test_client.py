@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from client import AsyncInferenceClient, InferenceClient, InferenceError, RetryPolicy
+from attnserve.client import AsyncInferenceClient, InferenceClient, InferenceError, RetryPolicy
 from tests.server_process import ServerProcess
 
 TOLERANCE = 1e-5

@@ -1,4 +1,4 @@
-"""`python -m client` health / models / infer against a real server (the batch command: test_batch_job.py)."""
+"""`attnserve` health / models / infer against a real server (the batch command: test_batch_job.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from client.__main__ import main
+from attnserve.client.__main__ import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

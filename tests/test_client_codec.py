@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client import codec, npzio
-from client.batch import Shard, check_parts, plan_chunks, BatchError
-from client.errors import InferenceError
-from client.options import ClientOptions, RetryPolicy, TlsConfig, grpc_target, parse_addresses
-from proto import inference_pb2 as pb
+from attnserve.client import codec, npzio
+from attnserve.client.batch import Shard, check_parts, plan_chunks, BatchError
+from attnserve.client.errors import InferenceError
+from attnserve.client.options import ClientOptions, RetryPolicy, TlsConfig, grpc_target, parse_addresses
+from attnserve.proto import inference_pb2 as pb
 
 RNG = np.random.default_rng(0)
 

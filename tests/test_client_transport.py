@@ -18,9 +18,9 @@ import grpc
 import numpy as np
 import pytest
 
-from client import AsyncInferenceClient, InferenceClient, InferenceError, RetryPolicy, TlsConfig
-from proto import inference_pb2 as pb
-from proto import inference_pb2_grpc as pb_grpc
+from attnserve.client import AsyncInferenceClient, InferenceClient, InferenceError, RetryPolicy, TlsConfig
+from attnserve.proto import inference_pb2 as pb
+from attnserve.proto import inference_pb2_grpc as pb_grpc
 
 FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.02)
 

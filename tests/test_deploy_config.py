@@ -20,7 +20,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-from server.config import DEVICES, ServerConfig, env_name  # noqa: E402
+from attnserve.server.config import DEVICES, ServerConfig, env_name  # noqa: E402
 from tests.server_process import REPO_ROOT  # noqa: E402
 from tests.test_deploy_nginx import NGINX_CONF, UPSTREAM_CONF  # noqa: E402
 
@@ -156,7 +156,7 @@ def compose_env(service: str) -> dict[str, str]:
 
 def setting(env: dict[str, str], field: str):
     """What the server makes of env (as ServerConfig would), else the default."""
-    from server.config import load_config
+    from attnserve.server.config import load_config
 
     return getattr(load_config([], {k: v for k, v in env.items() if k.startswith("ATTNSERVE_")}), field)
 
@@ -197,7 +197,7 @@ def test_every_attnserve_variable_named_anywhere_is_a_server_setting():
 
 
 def test_every_value_given_to_the_server_is_one_it_accepts():
-    from server.config import load_config
+    from attnserve.server.config import load_config
 
     envs = {f"compose {s}": compose_env(s) for s in SERVER_SERVICES}
     for path, stages in DOCKERFILES.items():
@@ -356,7 +356,7 @@ def test_serving_image_has_no_torch_no_compilers_and_a_non_root_user(path):
     uid = user.split(":")[0]
     assert uid.isdigit() and int(uid) != 0, "a numeric non-root uid (Kubernetes runAsNonRoot can verify it)"
     assert not apt_installs(serve) & COMPILERS
-    assert serve.exec_form("ENTRYPOINT") == ["python", "-m", "server"]
+    assert serve.exec_form("ENTRYPOINT") == ["attnserve", "serve"]
     env = serve.env()
     repository = env["ATTNSERVE_MODEL_REPOSITORY"]
     assert any(f"mkdir -p {repository}" in run and f"chown {uid}" in run for run in serve.all("RUN"))
@@ -394,29 +394,28 @@ def test_cuda_image_swaps_onnxruntime_for_onnxruntime_gpu_on_a_cuda_runtime():
 
 
 def test_export_job_flags_exist():
-    help_text = subprocess.run([sys.executable, "-m", "export", "--help"], cwd=REPO_ROOT, capture_output=True,
+    help_text = subprocess.run([sys.executable, "-m", "attnserve", "export", "--help"], cwd=REPO_ROOT, capture_output=True,
                                text=True, check=True).stdout
     script = (DEPLOY / "export-models.sh").read_text()
-    calls = re.findall(r"-m export (.*)", script)
+    calls = re.findall(r"\" export (.*)", script)
     assert calls
     for call in calls:
         for flag in re.findall(r"--[a-z][a-z-]*", call):
-            assert re.search(rf"\s{flag}\b", help_text), f"python -m export has no {flag}"
+            assert re.search(rf"\s{flag}\b", help_text), f"attnserve export has no {flag}"
     presets = re.search(r"--preset \{([^}]*)\}", help_text).group(1).split(",")
     default = re.search(r'EXPORT_PRESETS:-([^}"]*)', script).group(1).split()
     assert set(default) == set(presets)
 
 
 def _run_export_job(repository: Path, tmp_path: Path) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
-    """deploy/export-models.sh with an interpreter that records `-m export` calls instead of
+    """deploy/export-models.sh with a command that records `attnserve export` calls instead of
     exporting (minutes of torch); everything else runs for real."""
     calls = tmp_path / "calls"
-    fake = tmp_path / "python"
-    fake.write_text(f'#!/bin/sh\nif [ "$1 $2" = "-m export" ]; then shift 2; echo "$*" >> {calls}; exit 0; fi\n'
-                    f'exec {sys.executable} "$@"\n')
+    fake = tmp_path / "attnserve"
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = "export" ]; then shift; echo "$*" >> {calls}; exit 0; fi\nexit 64\n')
     fake.chmod(0o755)
     result = subprocess.run(["sh", str(DEPLOY / "export-models.sh")], cwd=REPO_ROOT, capture_output=True, text=True,
-                            timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake),
+                            timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "ATTNSERVE": str(fake),
                                              "ATTNSERVE_MODEL_REPOSITORY": str(repository)})
     recorded = [line.split() for line in calls.read_text().splitlines()] if calls.exists() else []
     return result, recorded

@@ -150,7 +150,7 @@ def nginx(replicas, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(nginx):
-    from client import InferenceClient
+    from attnserve.client import InferenceClient
 
     with InferenceClient(nginx.address, timeout_s=30.0) as c:
         yield c
@@ -158,7 +158,7 @@ def client(nginx):
 
 def successes(replica: ServerProcess) -> int:
     """Inference requests a replica answered successfully (its own ModelStatistics)."""
-    from client import InferenceClient
+    from attnserve.client import InferenceClient
 
     with InferenceClient(replica.address, timeout_s=10.0) as c:
         return sum(s.success_count for s in c.model_statistics())

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server.engine import Engine, choose_device
-from server.repository import read_model_spec
+from attnserve.server.engine import Engine, choose_device
+from attnserve.server.repository import read_model_spec
 
 
 @pytest.mark.parametrize("model", ["self_attention", "cross_attention"])

@@ -13,12 +13,12 @@ import onnx
 import pytest
 import torch
 
-from export import onnx_export
-from export.__main__ import main as export_main
-from export.checkpoint import demo_module
-from export.config import PRESETS, AttentionConfig
-from export.onnx_export import ExportError, export_model
-from server import repository
+from attnserve.export import onnx_export
+from attnserve.export.__main__ import main as export_main
+from attnserve.export.checkpoint import demo_module
+from attnserve.export.config import PRESETS, AttentionConfig
+from attnserve.export.onnx_export import ExportError, export_model
+from attnserve.server import repository
 from tests.export_helpers import (
     copy_model,
     finish_export,
@@ -199,12 +199,12 @@ def test_export_with_other_dims_is_refused(model_repository, tmp_path):
     assert snapshot(repo_dir) == before
 
 
-# --- the seed classes end to end: their state_dicts through `python -m export`, then ORT -------------
+# --- the seed classes end to end: their state_dicts through `attnserve export`, then ORT -------------
 
 @pytest.fixture(scope="module")
 def seed_exports(tmp_path_factory):
     """Each seed class with trained-like weights, saved with torch.save(state_dict) and exported by
-    `python -m export` in a subprocess; the two exports run side by side to save wall time."""
+    `attnserve export` in a subprocess; the two exports run side by side to save wall time."""
     root = tmp_path_factory.mktemp("seed_exports")
     refs = {
         "self_attention": trained_like_(Seed000MultiHeadAttention(d_model=512, n_heads=8, dropout=0.1), seed=30).eval(),

@@ -1,4 +1,4 @@
-"""`python -m export` as a user runs it: exit status 2 with one line for our errors, and the
+"""`attnserve export` as a user runs it: exit status 2 with one line for our errors, and the
 parity figures printed on success."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import re
 import pytest
 import torch
 
-from export.attention import MultiHeadAttention
-from export.checkpoint import save_checkpoint
-from export.config import AttentionConfig
+from attnserve.export.attention import MultiHeadAttention
+from attnserve.export.checkpoint import save_checkpoint
+from attnserve.export.config import AttentionConfig
 from tests.export_helpers import (
     assert_one_error_line,
     finish_export,
@@ -29,8 +29,8 @@ from tests.seed_reference import Seed002Multiheadattention, trained_like_
 def _assert_argparse_error(result, fragment: str) -> None:
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
-    assert result.stderr.startswith("usage: python -m export")
-    assert f"python -m export: error: {fragment}" in result.stderr
+    assert result.stderr.startswith("usage: attnserve export")
+    assert f"attnserve export: error: {fragment}" in result.stderr
 
 
 def test_unknown_preset(tmp_path):
@@ -137,7 +137,7 @@ def test_success_prints_parity_figures(tmp_path):
 
 def test_dim_flags_on_a_preset_keep_derived_widths_following_query_dim():
     """--query-dim on a preset moves kv/out widths along, unless the preset (or a flag) set them."""
-    from export.__main__ import _parser, _resolve
+    from attnserve.export.__main__ import _parser, _resolve
 
     config = _resolve(_parser().parse_args(["--preset", "self_attention", "--query-dim", "64", "--heads", "4"]))[0]
     assert (config.query_dim, config.d_model, config.kv_dim, config.out_dim) == (64, 64, 64, 64)

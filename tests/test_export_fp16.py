@@ -12,10 +12,10 @@ import onnx
 import pytest
 import torch
 
-from export import checkpoint
-from export.config import PRESETS
-from export.onnx_export import FP16_MASK_FILL, PARITY_TOLERANCE_FP16, ExportError, export_model, half_precision
-from proto import inference_pb2_grpc as pb_grpc
+from attnserve.export import checkpoint
+from attnserve.export.config import PRESETS
+from attnserve.export.onnx_export import FP16_MASK_FILL, PARITY_TOLERANCE_FP16, ExportError, export_model, half_precision
+from attnserve.proto import inference_pb2_grpc as pb_grpc
 from tests.export_helpers import max_abs, ort_run, ort_session, random_mask, random_qkv, run_export
 from tests.oip import infer_request, outputs_of
 from tests.server_process import ServerProcess
@@ -23,7 +23,7 @@ from tests.server_process import ServerProcess
 
 @pytest.fixture(scope="module")
 def fp16_repository(tmp_path_factory):
-    """`python -m export --precision fp16` of the cross-attention preset (demo weights, seed 0)."""
+    """`attnserve export --precision fp16` of the cross-attention preset (demo weights, seed 0)."""
     root = tmp_path_factory.mktemp("fp16")
     done = run_export("--preset", "cross_attention", "--repository", str(root), "--precision", "fp16")
     assert done.returncode == 0, done.stderr

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
-from proto import inference_pb2 as pb
-from proto import inference_pb2_grpc as pb_grpc
-from server.repository import tensor_contract, write_json_atomic
+from attnserve.proto import inference_pb2 as pb
+from attnserve.proto import inference_pb2_grpc as pb_grpc
+from attnserve.contract import tensor_contract
+from attnserve.files import write_json_atomic
 from tests.oip import eager, infer_request, outputs_of, random_inputs
 from tests.server_process import ServerProcess
 

@@ -14,11 +14,12 @@ import grpc
 import numpy as np
 import pytest
 
-from client import InferenceClient, InferenceError
-from proto import inference_pb2_grpc as pb_grpc
-from server import codec
-from server.batcher import BatchPolicy, QueueFull
-from server.repository import ModelSpec, TensorSpec
+from attnserve.client import InferenceClient, InferenceError
+from attnserve.proto import inference_pb2_grpc as pb_grpc
+from attnserve.server import codec
+from attnserve.server.batcher import BatchPolicy, QueueFull
+from attnserve.contract import TensorSpec
+from attnserve.server.repository import ModelSpec
 from tests.oip import eager, infer_request, outputs_of, random_inputs
 from tests.server_process import ServerProcess
 from tests.test_batcher import Model, assert_matches_alone, make_work, queue_while_busy, started, stop, wait_until
@@ -110,10 +111,10 @@ def test_merged_batch_stays_within_the_attention_bound():
 
 
 def test_server_limits_reach_each_model(model_repository):
-    from server.config import ServerConfig
-    from server.engine import choose_device
-    from server.metrics import Metrics
-    from server.models import ModelRegistry
+    from attnserve.server.config import ServerConfig
+    from attnserve.server.engine import choose_device
+    from attnserve.server.metrics import Metrics
+    from attnserve.server.models import ModelRegistry
 
     config = ServerConfig(model_repository=model_repository, max_queued_bytes=12345, max_message_bytes=2 << 20,
                           max_attention_bytes=1 << 20, metrics_port=-1)

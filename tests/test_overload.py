@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
-from proto import inference_pb2_grpc as pb_grpc
+from attnserve.proto import inference_pb2_grpc as pb_grpc
 from tests.oip import eager, infer_request, outputs_of, random_inputs
 from tests.server_process import ServerProcess
 

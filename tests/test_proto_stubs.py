@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from google.protobuf import descriptor as _d
 
-from proto import inference_pb2 as pb
-from proto import inference_pb2_grpc as pb_grpc
+from attnserve.proto import inference_pb2 as pb
+from attnserve.proto import inference_pb2_grpc as pb_grpc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = REPO_ROOT / "proto"
@@ -34,17 +34,17 @@ def _label(field: _d.FieldDescriptor) -> str:
 
 def test_checked_in_stubs_match_fresh_generation(tmp_path):
     pytest.importorskip("grpc_tools", reason="grpcio-tools (dev extra) not installed")
-    from proto import generate
+    from attnserve.proto import generate
 
     fresh = generate.generate(tmp_path)
     assert [p.name for p in fresh] == list(generate.GENERATED)
     stale = [p.name for p in fresh if p.read_bytes() != (PROTO_DIR / p.name).read_bytes()]
-    assert not stale, f"stale stubs {stale}: run `python -m proto.generate`"
+    assert not stale, f"stale stubs {stale}: run `python -m attnserve.proto.generate`"
 
 
 def test_grpc_stub_uses_package_import():
     text = (PROTO_DIR / "inference_pb2_grpc.py").read_text(encoding="utf-8")
-    assert "from proto import inference_pb2 as " in text
+    assert "from attnserve.proto import inference_pb2 as " in text
     assert "\nimport inference_pb2" not in text
 
 
@@ -52,7 +52,7 @@ def test_stubs_import_without_grpc_tools():
     # The server must not need grpcio-tools at run time.
     code = (
         "import sys; sys.modules['grpc_tools'] = None\n"
-        "from proto import inference_pb2, inference_pb2_grpc\n"
+        "from attnserve.proto import inference_pb2, inference_pb2_grpc\n"
         "assert inference_pb2_grpc.GRPCInferenceServiceStub\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
@@ -65,7 +65,7 @@ def test_stubs_import_without_grpc_tools():
 
 def test_file_descriptor():
     assert pb.DESCRIPTOR.package == "inference"
-    assert pb.DESCRIPTOR.name == "proto/inference.proto"
+    assert pb.DESCRIPTOR.name == "attnserve/proto/inference.proto"
 
 
 SERVICE_RPCS = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from server.config import ServerConfig, env_name
+from attnserve.server.config import ServerConfig, env_name
 from tests.server_process import REPO_ROOT
 
 README = (REPO_ROOT / "README.md").read_text()
@@ -19,7 +19,7 @@ def test_every_setting_is_documented_and_every_documented_one_exists():
 
 
 def test_metric_names_match_the_code():
-    from server.metrics import Metrics
+    from attnserve.server.metrics import Metrics
 
     families = {m.name for m in Metrics().registry.collect()}
     documented = set(re.findall(r"`(attnserve_[a-z_]+)`", README))

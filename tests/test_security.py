@@ -3,7 +3,7 @@
 One server serves TLS and demands a token (health and reflection stay open); another demands
 client certificates (mutual TLS). Both are called with the project's client (sync, asyncio and
 the CLI) and with raw grpc. Startup errors for bad TLS or token files are checked in-process
-and once through `python -m server`.
+and once through `attnserve serve`.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from client import AsyncInferenceClient, InferenceClient, InferenceError
-from client.options import RetryPolicy, TlsConfig
-from proto import inference_pb2 as pb
-from proto import inference_pb2_grpc as pb_grpc
-from server.config import ServerConfig, load_config
-from server.security import BearerToken, SecurityError, bearer_token, read_token, server_credentials
+from attnserve.client import AsyncInferenceClient, InferenceClient, InferenceError
+from attnserve.client.options import RetryPolicy, TlsConfig
+from attnserve.proto import inference_pb2 as pb
+from attnserve.proto import inference_pb2_grpc as pb_grpc
+from attnserve.server.config import ServerConfig, load_config
+from attnserve.server.security import BearerToken, SecurityError, bearer_token, read_token, server_credentials
 from tests.oip import eager, infer_request, random_inputs
 from tests.server_process import REPO_ROOT, ServerProcess
 from tests.tls_certs import Pki, make_pki
@@ -130,18 +130,19 @@ def test_client_without_the_right_token_is_unauthenticated(tls_server, pki, toke
 
 
 def test_cli_with_tls_ca_and_token_file(tls_server, pki, token_file, tmp_path):
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "client", "--url", tls_server.address, "--tls-ca", str(pki.ca),
-                               "--retries", "0", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    def cli(command, *args):
+        return subprocess.run([sys.executable, "-m", "attnserve", command, "--url", tls_server.address,
+                               "--tls-ca", str(pki.ca), "--retries", "0", *args],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
 
-    done = cli("--token-file", str(token_file), "health", "--model", "cross_attention")
+    done = cli("health", "--token-file", str(token_file), "--model", "cross_attention")
     assert done.returncode == 0, done.stderr
     assert "health: SERVING" in done.stdout and "model cross_attention ready: true" in done.stdout
-    done = cli("--token-file", str(token_file), "models", "--model", "cross_attention")
+    done = cli("models", "--token-file", str(token_file), "--model", "cross_attention")
     assert done.returncode == 0 and "cross_attention" in done.stdout, done.stderr
     wrong = tmp_path / "wrong"
     wrong.write_text("not-the-token\n")
-    done = cli("--token-file", str(wrong), "models", "--model", "cross_attention")
+    done = cli("models", "--token-file", str(wrong), "--model", "cross_attention")
     assert done.returncode == 1 and "UNAUTHENTICATED" in done.stderr, (done.stdout, done.stderr)
     assert "not-the-token" not in done.stdout + done.stderr + tls_server.log()
 
@@ -260,7 +261,7 @@ def test_mtls_client_with_certificate_is_served(mtls_server, pki, eager_modules)
     with InferenceClient(mtls_server.address, tls=tls, timeout_s=20) as client:
         out = client.infer("cross_attention", x["query"], x["key"], x["value"], mask=x["mask"])
     _assert_output_close(out["output"], eager(eager_modules["cross_attention"], **x)["output"])
-    done = subprocess.run([sys.executable, "-m", "client", "health", "--url", mtls_server.address,
+    done = subprocess.run([sys.executable, "-m", "attnserve", "health", "--url", mtls_server.address,
                            "--tls-ca", str(pki.ca), "--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "health: SERVING" in done.stdout, done.stderr
@@ -340,7 +341,7 @@ def test_bad_tls_and_token_files_are_clear_startup_errors(pki, tmp_path):
 
 
 def test_server_with_unreadable_tls_file_exits_3_before_loading_models(model_repository, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "server", "--model-repository", str(model_repository),
+    done = subprocess.run([sys.executable, "-m", "attnserve", "serve", "--model-repository", str(model_repository),
                            "--port", "0", "--metrics-port", "-1", "--tls-cert", str(tmp_path / "nope.pem"),
                            "--tls-key", str(tmp_path / "nope.key")],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
@@ -353,7 +354,7 @@ def test_token_is_compared_in_constant_time(monkeypatch):
     """The token is checked with hmac.compare_digest, even when the scheme is wrong."""
     import hmac
 
-    import server.security as security
+    import attnserve.server.security as security
 
     seen = []
     real = hmac.compare_digest

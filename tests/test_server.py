@@ -12,8 +12,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from proto import inference_pb2 as pb
-from proto import inference_pb2_grpc as pb_grpc
+from attnserve.proto import inference_pb2 as pb
+from attnserve.proto import inference_pb2_grpc as pb_grpc
 from tests.oip import eager, infer_request, outputs_of, random_inputs
 
 TOLERANCE = 1e-5

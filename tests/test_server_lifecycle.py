@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
-from proto import inference_pb2 as pb
-from proto import inference_pb2_grpc as pb_grpc
-from server.config import ServerConfig, load_config
+from attnserve.proto import inference_pb2 as pb
+from attnserve.proto import inference_pb2_grpc as pb_grpc
+from attnserve.server.config import ServerConfig, load_config
 from tests.oip import eager, infer_request, outputs_of, random_inputs
 from tests.server_process import REPO_ROOT, ServerProcess
 
@@ -234,7 +234,7 @@ def test_missing_graph_is_reported(model_repository, tmp_path):
 
 
 def _run_server(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server", *args], cwd=REPO_ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "attnserve", "serve", *args], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=60)
 
 

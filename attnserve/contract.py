@@ -1,0 +1,149 @@
+"""The tensor contract every model serves, and the model repository's layout on disk.
+
+A leaf: the standard library only. export writes what this says, the server reads and checks it,
+the client builds requests from it, the tests hold all three to it.
+
+Shapes (the symbols are the graphs' dynamic axes):
+    query   (batch, q_len, query_dim)  FP32
+    key     (batch, k_len, kv_dim)     FP32
+    value   (batch, k_len, kv_dim)     FP32
+    mask    (batch, q_len, k_len)      BOOL, optional; True = attend, False = masked
+    output      (batch, q_len, out_dim)         FP32
+    attn_probs  (batch, heads, q_len, k_len)    FP32
+
+Masking is the seeds' own: a masked score (the seeds' `mask == 0`) is filled with MASK_FILL
+(-1e10, not -inf) before the softmax, so a row whose keys are all masked is a uniform
+distribution over them instead of NaN. Without a mask every key is attended.
+
+Layout:
+    <repository>/<name>/config.json                         dims, this contract, batching, limits
+    <repository>/<name>/<version>/model.onnx                outputs `output` and `attn_probs`
+    <repository>/<name>/<version>/model_output_only.onnx    `output` alone
+    <repository>/<name>/<version>/export.json               parity figures, weights' source
+A version is an integer directory holding model.onnx; anything else (an export's staging
+directory) is not a version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# -- tensors -----------------------------------------------------------------------------------
+
+BATCH, Q_LEN, K_LEN = "batch", "q_len", "k_len"  # the variable dims, by name
+VARIABLE = -1  # how a variable dim is written in shapes (config.json, model metadata)
+
+INPUT_NAMES = ("query", "key", "value", "mask")  # the order of the graphs' inputs
+REQUIRED_INPUTS = ("query", "key", "value")
+OPTIONAL_INPUTS = ("mask",)
+OUTPUT_NAMES = ("output", "attn_probs")
+DATATYPES = {"query": "FP32", "key": "FP32", "value": "FP32", "mask": "BOOL",
+             "output": "FP32", "attn_probs": "FP32"}
+
+# Symbolic shape of each tensor: a name is a variable dim, an int a fixed one.
+# "heads" and the widths are filled in per model by tensor_contract().
+SYMBOLIC_SHAPES: dict[str, tuple[str, ...]] = {
+    "query": (BATCH, Q_LEN, "query_dim"),
+    "key": (BATCH, K_LEN, "kv_dim"),
+    "value": (BATCH, K_LEN, "kv_dim"),
+    "mask": (BATCH, Q_LEN, K_LEN),
+    "output": (BATCH, Q_LEN, "out_dim"),
+    "attn_probs": (BATCH, "num_heads", Q_LEN, K_LEN),
+}
+_VARIABLE_DIMS = (BATCH, Q_LEN, K_LEN)
+
+# The seeds fill masked scores with -1e10 before the softmax; False in the mask = masked.
+MASK_FILL = -1e10
+MASKED = False
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    datatype: str  # Open Inference Protocol datatype: FP32, BOOL
+    shape: tuple[int, ...]  # VARIABLE (-1) for batch, q_len, k_len
+    optional: bool = False
+
+
+def tensor_specs(query_dim: int, kv_dim: int, out_dim: int, num_heads: int
+                 ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """(inputs, outputs) of a model with these widths, in contract order."""
+    widths = {"query_dim": query_dim, "kv_dim": kv_dim, "out_dim": out_dim, "num_heads": num_heads}
+
+    def spec(name: str) -> TensorSpec:
+        shape = tuple(VARIABLE if d in _VARIABLE_DIMS else widths[d] for d in SYMBOLIC_SHAPES[name])
+        return TensorSpec(name, DATATYPES[name], shape, name in OPTIONAL_INPUTS)
+
+    return tuple(spec(n) for n in INPUT_NAMES), tuple(spec(n) for n in OUTPUT_NAMES)
+
+
+def tensor_contract(query_dim: int, kv_dim: int, out_dim: int, num_heads: int) -> dict[str, list[dict[str, Any]]]:
+    """The contract as config.json records it: {"inputs": [...], "outputs": [...]}."""
+    inputs, outputs = tensor_specs(query_dim, kv_dim, out_dim, num_heads)
+
+    def entry(t: TensorSpec) -> dict[str, Any]:
+        d = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
+        return d | {"optional": True} if t.optional else d
+
+    return {"inputs": [entry(t) for t in inputs], "outputs": [entry(t) for t in outputs]}
+
+
+def dynamic_axes(names: tuple[str, ...] = INPUT_NAMES) -> dict[str, dict[int, str]]:
+    """{tensor: {axis: symbol}} for the variable dims of `names` (torch.onnx's dynamic_axes)."""
+    return {n: {i: d for i, d in enumerate(SYMBOLIC_SHAPES[n]) if d in _VARIABLE_DIMS} for n in names}
+
+
+# -- serving defaults (config.json's "batching" and "limits"; the server's flags override) ------
+
+
+@dataclass(frozen=True)
+class ServingDefaults:
+    max_batch_size: int = 32  # sequences (rows) merged into one ONNX Runtime run
+    max_queue_delay_ms: float = 1.0  # longest a request waits for company while the model is busy
+    max_q_len: int = 4096  # longest query accepted
+    max_kv_len: int = 4096  # longest key/value accepted
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_q_len", "max_kv_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        delay = self.max_queue_delay_ms
+        if not isinstance(delay, (int, float)) or isinstance(delay, bool) or not 0 <= delay < float("inf"):
+            raise ValueError(f"max_queue_delay_ms must be a number >= 0, got {delay!r}")
+
+    def batching(self) -> dict[str, Any]:
+        return {"max_batch_size": self.max_batch_size, "max_queue_delay_ms": self.max_queue_delay_ms}
+
+    def limits(self) -> dict[str, Any]:
+        return {"max_q_len": self.max_q_len, "max_kv_len": self.max_kv_len}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# -- the repository on disk ----------------------------------------------------------------------
+
+CONFIG_FILE = "config.json"
+EXPORT_FILE = "export.json"
+GRAPH_ALL_OUTPUTS = "model.onnx"
+GRAPH_OUTPUT_ONLY = "model_output_only.onnx"
+PLATFORM = "onnxruntime_onnx"
+
+
+def versions(model_dir: Path) -> list[int]:
+    """The model's complete versions, ascending: integer directories holding the full graph."""
+    found = []
+    model_dir = Path(model_dir)
+    if model_dir.is_dir():
+        for entry in model_dir.iterdir():
+            if entry.is_dir() and entry.name.isdigit() and (entry / GRAPH_ALL_OUTPUTS).exists():
+                found.append(int(entry.name))
+    return sorted(found)
+
+
+def model_names(root: Path) -> list[str]:
+    """The repository's models: sub-directories holding a config.json, sorted."""
+    return sorted(p.name for p in Path(root).iterdir() if p.is_dir() and (p / CONFIG_FILE).exists())
