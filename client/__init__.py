@@ -10,7 +10,14 @@ models, infer, batch). Every failure the server reports is an `InferenceError(co
 
 from attnserve.client.aio import AsyncInferenceClient
 from attnserve.client.client import InferenceClient
-from attnserve.client.codec import InferResult, ModelMetadata, ModelStatistics, ServerMetadata, TensorMetadata
+from attnserve.client.codec import (
+    InferResult,
+    ModelIndexEntry,
+    ModelMetadata,
+    ModelStatistics,
+    ServerMetadata,
+    TensorMetadata,
+)
 from attnserve.client.errors import InferenceError
 from attnserve.client.options import ClientOptions, RetryPolicy, TlsConfig
 
@@ -20,6 +27,7 @@ __all__ = [
     "InferResult",
     "InferenceClient",
     "InferenceError",
+    "ModelIndexEntry",
     "ModelMetadata",
     "ModelStatistics",
     "RetryPolicy",

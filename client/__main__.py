@@ -23,10 +23,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 
 from attnserve.client.batch import DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, BatchError, BatchJob, run_batch
 from attnserve.client.client import InferenceClient
+from attnserve.client.codec import ModelIndexEntry
 from attnserve.contract import OUTPUT_NAMES
 from attnserve.client.errors import InferenceError
 from attnserve.client.options import (
@@ -44,7 +46,6 @@ logger = logging.getLogger("attnserve.client")
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-DEFAULT_MODELS = ("self_attention", "cross_attention")
 URL_ENV = "ATTNSERVE_URL"
 
 
@@ -98,9 +99,9 @@ def _parser(prog: str = "attnserve") -> argparse.ArgumentParser:
     health = command("health", "server liveness, readiness, grpc.health.v1 status, and model readiness")
     health.add_argument("--model", action="append", metavar="NAME", help="model to check (repeatable; default: none)")
 
-    models = command("models", "metadata of each model (the protocol has no list call: names from --model)")
+    models = command("models", "the models the server serves (its repository index), with their tensors")
     models.add_argument("--model", action="append", metavar="NAME",
-                        help=f"model name (repeatable; default: {', '.join(DEFAULT_MODELS)})")
+                        help="only this model (repeatable; default: every model the server lists)")
     models.add_argument("--json", action="store_true", help="print JSON")
 
     infer = command("infer", "one inference from .npy/.npz files")
@@ -196,14 +197,44 @@ def _format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _model_index(client: InferenceClient, wanted: list[str] | None) -> list[ModelIndexEntry]:
+    """The server's repository index, or, from a server without one (UNIMPLEMENTED: a plain
+    KServe V2 server), the models named with --model as their ModelReady calls find them."""
+    try:
+        index = client.repository_index()
+    except InferenceError as err:
+        if err.code != grpc.StatusCode.UNIMPLEMENTED:
+            raise
+        if not wanted:
+            raise UsageError("the server has no RepositoryIndex (it cannot list its models): "
+                             "name them with --model") from None
+        return [ModelIndexEntry(name, "", "READY" if client.model_ready(name) else "UNAVAILABLE") for name in wanted]
+    if wanted:
+        known = {entry.name for entry in index}
+        unknown = [name for name in wanted if name not in known]
+        if unknown:
+            raise InferenceError(grpc.StatusCode.NOT_FOUND,
+                                 f"the server serves no model {unknown[0]!r}; it lists {sorted(known)}")
+        index = [entry for entry in index if entry.name in wanted]
+    return index
+
+
 def _models(args: argparse.Namespace, options: ClientOptions) -> int:
     with InferenceClient(options) as client:
-        found = [client.model_metadata(name) for name in args.model or DEFAULT_MODELS]
+        index = _model_index(client, args.model)
+        metadata = {entry.name: client.model_metadata(entry.name) for entry in index if entry.ready}
     if args.json:
-        print(json.dumps([m.to_dict() for m in found], indent=2))
+        print(json.dumps([entry.to_dict() | ({"metadata": metadata[entry.name].to_dict()}
+                                             if entry.name in metadata else {}) for entry in index], indent=2))
         return 0
-    for meta in found:
-        print(f"{meta.name}  versions {', '.join(meta.versions) or '-'}  platform {meta.platform}")
+    if not index:
+        print("the server lists no models")
+    for entry in index:
+        meta = metadata.get(entry.name)
+        if meta is None:
+            print(f"{entry.name}  {entry.state}" + (f": {entry.reason}" if entry.reason else ""))
+            continue
+        print(f"{meta.name}  {entry.state}  versions {', '.join(meta.versions) or '-'}  platform {meta.platform}")
         for kind, tensors in (("input", meta.inputs), ("output", meta.outputs)):
             for t in tensors:
                 print(f"  {kind:6} {t.name:10} {t.datatype:5} {list(t.shape)}")

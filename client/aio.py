@@ -91,6 +91,12 @@ class AsyncInferenceClient:
         request = pb.ModelMetadataRequest(name=model, version=version)
         return codec.parse_model_metadata(await self._call(self._stub.ModelMetadata, request, timeout_s))
 
+    async def repository_index(self, *, ready_only: bool = False,
+                               timeout_s: float | None = None) -> list[codec.ModelIndexEntry]:
+        """The models the server knows, with their state (Triton's RepositoryIndex)."""
+        request = pb.RepositoryIndexRequest(ready=ready_only)
+        return codec.parse_repository_index(await self._call(self._stub.RepositoryIndex, request, timeout_s))
+
     async def model_statistics(self, model: str = "", version: str = "", *,
                                timeout_s: float | None = None) -> list[codec.ModelStatistics]:
         request = pb.ModelStatisticsRequest(name=model, version=version)

@@ -106,6 +106,12 @@ class InferenceClient:
         request = pb.ModelMetadataRequest(name=model, version=version)
         return codec.parse_model_metadata(self._call(self._stub.ModelMetadata, request, timeout_s))
 
+    def repository_index(self, *, ready_only: bool = False,
+                         timeout_s: float | None = None) -> list[codec.ModelIndexEntry]:
+        """The models the server knows, with their state (Triton's RepositoryIndex)."""
+        request = pb.RepositoryIndexRequest(ready=ready_only)
+        return codec.parse_repository_index(self._call(self._stub.RepositoryIndex, request, timeout_s))
+
     def model_statistics(self, model: str = "", version: str = "", *,
                          timeout_s: float | None = None) -> list[codec.ModelStatistics]:
         """Cumulative counters of one model (or of every model when `model` is empty)."""

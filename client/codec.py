@@ -294,6 +294,27 @@ class ModelStatistics:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class ModelIndexEntry:
+    """One model of the server's repository (Triton's RepositoryIndex)."""
+
+    name: str
+    version: str  # the version served; "" when none is loaded
+    state: str  # READY or UNAVAILABLE
+    reason: str = ""  # why it is not ready
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "READY"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_repository_index(response: pb.RepositoryIndexResponse) -> list[ModelIndexEntry]:
+    return [ModelIndexEntry(m.name, m.version, m.state, m.reason) for m in response.models]
+
+
 def parse_server_metadata(response: pb.ServerMetadataResponse) -> ServerMetadata:
     return ServerMetadata(response.name, response.version, tuple(response.extensions))
 

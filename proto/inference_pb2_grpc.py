@@ -75,6 +75,11 @@ class GRPCInferenceServiceStub:
                 request_serializer=attnserve_dot_proto_dot_inference__pb2.ModelConfigRequest.SerializeToString,
                 response_deserializer=attnserve_dot_proto_dot_inference__pb2.ModelConfigResponse.FromString,
                 _registered_method=True)
+        self.RepositoryIndex = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryIndex',
+                request_serializer=attnserve_dot_proto_dot_inference__pb2.RepositoryIndexRequest.SerializeToString,
+                response_deserializer=attnserve_dot_proto_dot_inference__pb2.RepositoryIndexResponse.FromString,
+                _registered_method=True)
         self.ModelStatistics = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelStatistics',
                 request_serializer=attnserve_dot_proto_dot_inference__pb2.ModelStatisticsRequest.SerializeToString,
@@ -136,9 +141,17 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ModelStatistics(self, request, context):
+    def RepositoryIndex(self, request, context):
         """Triton extension: cumulative per-model statistics.
+        Triton's model repository extension: the models the server knows, with
+        their state (READY, UNAVAILABLE) and why a model is not ready.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelStatistics(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -185,6 +198,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelConfig,
                     request_deserializer=attnserve_dot_proto_dot_inference__pb2.ModelConfigRequest.FromString,
                     response_serializer=attnserve_dot_proto_dot_inference__pb2.ModelConfigResponse.SerializeToString,
+            ),
+            'RepositoryIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryIndex,
+                    request_deserializer=attnserve_dot_proto_dot_inference__pb2.RepositoryIndexRequest.FromString,
+                    response_serializer=attnserve_dot_proto_dot_inference__pb2.RepositoryIndexResponse.SerializeToString,
             ),
             'ModelStatistics': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelStatistics,
@@ -409,6 +427,33 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelConfig',
             attnserve_dot_proto_dot_inference__pb2.ModelConfigRequest.SerializeToString,
             attnserve_dot_proto_dot_inference__pb2.ModelConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryIndex',
+            attnserve_dot_proto_dot_inference__pb2.RepositoryIndexRequest.SerializeToString,
+            attnserve_dot_proto_dot_inference__pb2.RepositoryIndexResponse.FromString,
             options,
             channel_credentials,
             insecure,

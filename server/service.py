@@ -25,7 +25,9 @@ logger = logging.getLogger(__name__)
 SERVER_NAME = "attnserve"
 # Requests of one ModelStreamInfer stream in the server at once; reading pauses beyond it.
 STREAM_WINDOW = 64
-EXTENSIONS = ("model_configuration", "statistics")
+EXTENSIONS = ("model_configuration", "statistics")  # "model_repository" also means load/unload
+# Triton's model states, as RepositoryIndex reports them.
+READY, UNAVAILABLE = "READY", "UNAVAILABLE"
 
 
 # Every error the servicer can meet, mapped once. Anything else is INTERNAL, logged once.
@@ -107,6 +109,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             output=[pb.ModelOutput(name=t.name, data_type=_DATA_TYPES[t.datatype], dims=t.shape)
                     for t in spec.outputs])
         return pb.ModelConfigResponse(config=config)
+
+    async def RepositoryIndex(self, request, context):
+        """Every model of the repository: READY with its version, or UNAVAILABLE with the reason
+        it failed to load (`ready: true` asks for the ready ones only)."""
+        if request.repository_name:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"unknown repository {request.repository_name[:200]!r}: this server serves one, "
+                                "ask with an empty repository_name")
+        response = pb.RepositoryIndexResponse()
+        for name in sorted({*self._registry.loaded, *self._registry.failed}):
+            model = self._registry.loaded.get(name)
+            if model is not None:
+                response.models.add(name=name, version=str(model.spec.version), state=READY)
+            elif not request.ready:
+                response.models.add(name=name, state=UNAVAILABLE, reason=self._registry.failed[name])
+        return response
 
     async def ModelStatistics(self, request, context):
         names = [request.name] if request.name else sorted(self._registry.loaded)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 
 import numpy as np
 import pytest
 import torch
 
+from attnserve.client import InferenceClient
 from attnserve.client.__main__ import main
+from tests.server_process import ServerProcess
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -54,18 +57,43 @@ def test_health_of_nothing_listening_fails(capsys):
     assert "error: UNAVAILABLE" in capsys.readouterr().err
 
 
-def test_models_defaults_to_both_presets_and_url_comes_from_the_environment(server, capsys, monkeypatch):
+def test_models_lists_what_the_server_serves_and_url_comes_from_the_environment(server, capsys, monkeypatch):
     monkeypatch.setenv("ATTNSERVE_URL", server.address)
     assert main(["models", "--json"]) == 0
     models = json.loads(capsys.readouterr().out)
-    assert [m["name"] for m in models] == ["self_attention", "cross_attention"]
-    assert models[1]["outputs"][1] == {"name": "attn_probs", "datatype": "FP32", "shape": [-1, 2, -1, -1]}
+    assert [(m["name"], m["state"], m["version"]) for m in models] == [
+        ("cross_attention", "READY", "1"), ("self_attention", "READY", "1")]
+    assert models[0]["metadata"]["outputs"][1] == {"name": "attn_probs", "datatype": "FP32", "shape": [-1, 2, -1, -1]}
     assert main(["models", "--model", "cross_attention"]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("cross_attention  versions 1  platform onnxruntime_onnx")
+    assert text.startswith("cross_attention  READY  versions 1  platform onnxruntime_onnx")
     assert "input  query      FP32  [-1, -1, 32]" in text
+    assert "self_attention" not in text
     assert main(["models", "--model", "nope"]) == 1
     assert "error: NOT_FOUND" in capsys.readouterr().err
+
+
+def test_models_of_a_repository_without_the_presets(model_repository, tmp_path, capsys):
+    """A repository holding `my_attn` and a model that fails to load: both are listed, by the
+    server's own index (no built-in names), the failed one with its reason."""
+    shutil.copytree(model_repository / "cross_attention", tmp_path / "my_attn")
+    (tmp_path / "broken" / "1").mkdir(parents=True)
+    shutil.copy(model_repository / "cross_attention" / "config.json", tmp_path / "broken" / "config.json")
+    (tmp_path / "broken" / "1" / "model.onnx").write_bytes(b"not an onnx graph")
+    proc = ServerProcess(tmp_path)
+    try:
+        assert main(["models", "--url", proc.address]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].startswith("broken  UNAVAILABLE: ") and "model.onnx" in lines[0]
+        assert lines[1] == "my_attn  READY  versions 1  platform onnxruntime_onnx"
+        assert not any("self_attention" in line or "cross_attention" in line for line in lines)
+        assert main(["models", "--url", proc.address, "--json", "--model", "my_attn"]) == 0
+        (entry,) = json.loads(capsys.readouterr().out)
+        assert entry["name"] == "my_attn" and entry["metadata"]["inputs"][0]["shape"] == [-1, -1, 32]
+        with InferenceClient(proc.address) as client:
+            assert [m.name for m in client.repository_index(ready_only=True)] == ["my_attn"]
+    finally:
+        proc.stop()
 
 
 def test_infer_npz_to_npz_with_a_plot(server, eager_modules, tmp_path, capsys):

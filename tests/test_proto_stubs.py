@@ -79,6 +79,7 @@ SERVICE_RPCS = {
     "ModelStreamInfer": ("ModelInferRequest", "ModelStreamInferResponse", True, True),
     "ModelConfig": ("ModelConfigRequest", "ModelConfigResponse", False, False),
     "ModelStatistics": ("ModelStatisticsRequest", "ModelStatisticsResponse", False, False),
+    "RepositoryIndex": ("RepositoryIndexRequest", "RepositoryIndexResponse", False, False),
 }
 
 
@@ -215,6 +216,14 @@ WIRE_TABLE = [
     ("InferBatchStatistics", "compute_input", 2, MSG, OPTIONAL, "StatisticDuration"),
     ("InferBatchStatistics", "compute_infer", 3, MSG, OPTIONAL, "StatisticDuration"),
     ("InferBatchStatistics", "compute_output", 4, MSG, OPTIONAL, "StatisticDuration"),
+    # Triton's model repository extension (grpc_service.proto)
+    ("RepositoryIndexRequest", "repository_name", 1, STR, OPTIONAL, None),
+    ("RepositoryIndexRequest", "ready", 2, BOOL, OPTIONAL, None),
+    ("RepositoryIndexResponse", "models", 1, MSG, REPEATED, "RepositoryIndexResponse.ModelIndex"),
+    ("RepositoryIndexResponse.ModelIndex", "name", 1, STR, OPTIONAL, None),
+    ("RepositoryIndexResponse.ModelIndex", "version", 2, STR, OPTIONAL, None),
+    ("RepositoryIndexResponse.ModelIndex", "state", 3, STR, OPTIONAL, None),
+    ("RepositoryIndexResponse.ModelIndex", "reason", 4, STR, OPTIONAL, None),
 ]
 
 

@@ -58,6 +58,16 @@ def test_live_ready_and_metadata(stub):
             ("output", [-1, -1, q_dim]), ("attn_probs", [-1, heads, -1, -1])]
 
 
+def test_repository_index(stub):
+    index = stub.RepositoryIndex(pb.RepositoryIndexRequest())
+    assert [(m.name, m.version, m.state, m.reason) for m in index.models] == [
+        ("cross_attention", "1", "READY", ""), ("self_attention", "1", "READY", "")]
+    assert len(stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True)).models) == 2
+    with pytest.raises(grpc.RpcError) as exc:
+        stub.RepositoryIndex(pb.RepositoryIndexRequest(repository_name="elsewhere"))
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND and "unknown repository" in exc.value.details()
+
+
 def test_model_config_and_statistics(stub):
     config = stub.ModelConfig(pb.ModelConfigRequest(name="self_attention")).config
     assert config.name == "self_attention" and config.platform == "onnxruntime_onnx"
