@@ -564,3 +564,14 @@ def test_make_test_installs_nginx_first():
     assert "nginx" in test_prerequisites
     recipe = re.search(r"^nginx:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
     assert "apt-get update" in recipe and "apt-get install -y nginx" in recipe and "command -v nginx" in recipe
+
+
+def test_serving_containers_run_the_attnserve_command():
+    """The manifests say what the images run: `attnserve serve`, the serving image's entrypoint."""
+    from attnserve.cli import COMMANDS
+
+    entrypoint = DOCKERFILES["deploy/Dockerfile"]["serve"].exec_form("ENTRYPOINT")
+    assert entrypoint == DOCKERFILES["deploy/Dockerfile.cuda"]["serve"].exec_form("ENTRYPOINT")
+    assert entrypoint[0] == "attnserve" and entrypoint[1] in COMMANDS
+    for container in (_deployment_container(), _kserve_container()):
+        assert container["command"] == entrypoint, container["name"]
