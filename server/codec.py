@@ -85,6 +85,8 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> De
             if len(data) != count * dtype.itemsize:
                 raise ValueError(f"input {tensor.name!r}: shape {list(shape)} {tensor.datatype} needs "
                                  f"{count * dtype.itemsize} bytes, raw_input_contents has {len(data)}")
+            if tensor.datatype == "BOOL":
+                _check_bool_bytes(tensor.name, data)
             array = np.frombuffer(data, dtype=dtype).reshape(shape)
         else:
             values = getattr(tensor.contents, _TYPED_FIELD[tensor.datatype])
@@ -97,6 +99,15 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> De
     work = Work(arrays["query"], arrays["key"], arrays["value"], arrays.get("mask"),
                 want_probs="attn_probs" in outputs)
     return Decoded(work=work, outputs=outputs, raw=raw)
+
+
+def _check_bool_bytes(name: str, data: bytes) -> None:
+    """The protocol's BOOL is one byte, 1 = true, 0 = false: any other byte is not a BOOL (and
+    numpy would read it as some truth value of its own, silently)."""
+    octets = np.frombuffer(data, dtype=np.uint8)
+    if octets.size and octets.max() > 1:
+        first = int(np.argmax(octets > 1))
+        raise ValueError(f"input {name!r}: BOOL bytes must be 0 or 1; byte {first} is 0x{int(octets[first]):02X}")
 
 
 def _check_shapes(shapes: dict[str, tuple[int, ...]], spec: ModelSpec, limits: Limits) -> None:
