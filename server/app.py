@@ -22,6 +22,7 @@ from attnserve.server.config import ServerConfig
 from attnserve.server.engine import choose_device
 from attnserve.server.gate import Admission, CallGate, HandlerTable
 from attnserve.server.metrics import Metrics
+from attnserve.server.metrics_http import MetricsEndpoint
 from attnserve.server.models import ModelRegistry
 from attnserve.server.security import bearer_token, server_credentials
 from attnserve.server.service import InferenceServicer
@@ -41,6 +42,7 @@ class Server:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.metrics = Metrics()
+        self._metrics_endpoint = MetricsEndpoint(self.metrics.registry)
         self.registry: ModelRegistry | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
@@ -93,7 +95,11 @@ class Server:
         await self._health.set(SERVICE_NAME, overall)
 
         if cfg.metrics_port >= 0:
-            self.metrics_port = self.metrics.serve(cfg.host, cfg.metrics_port)
+            try:
+                self.metrics_port = await self._metrics_endpoint.start(cfg.host, cfg.metrics_port)
+            except OSError as err:
+                await self._grpc.stop(None)
+                raise OSError(f"metrics port {cfg.host}:{cfg.metrics_port}: {err.strerror or err}") from None
         logger.info("serving %d model(s) %s on %s:%d (metrics %s, max message %d bytes)%s",
                     len(self.registry.loaded), sorted(self.registry.loaded), cfg.host, self.port,
                     f"http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
@@ -132,6 +138,6 @@ class Server:
         remaining = grace_s - (time.monotonic() - started)
         if self._grpc is not None:
             await self._grpc.stop(max(remaining, 0.1))
-        self.metrics.close()
+        await self._metrics_endpoint.close()
         logger.info("stopped after %.2fs (%d call(s) were in flight when draining began)",
                     time.monotonic() - started, in_flight)

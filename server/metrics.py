@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 # `_created` series double the output and no dashboard reads them.
 disable_created_metrics()
@@ -85,7 +85,6 @@ class Metrics:
         self.statistics: dict[str, ModelStatistics] = {}
         # `statistics` is written and read on the event loop thread only (batcher callbacks,
         # the servicer): no lock on the request path.
-        self._http = None
 
     def observer(self, model: str) -> "ModelObserver":
         self.statistics.setdefault(model, ModelStatistics())
@@ -98,17 +97,6 @@ class Metrics:
         stats = self.statistics.get(model)
         if stats is not None:
             (stats.success if code == "OK" else stats.fail).add(duration_s)
-
-    def serve(self, host: str, port: int) -> int:
-        """Start the HTTP endpoint on a daemon thread; returns the bound port."""
-        self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return self._http.server_port
-
-    def close(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None
 
 
 class ModelObserver:
