@@ -7,6 +7,9 @@
 The data goes to a temporary file beside `path`, is flushed and fsynced, renamed over `path`,
 and the directory is fsynced so the rename itself survives a crash. On any error the temporary
 file is removed and `path` is left as it was. A leaf: the standard library only.
+
+Only a kill (kill -9, a power cut) can leave a temporary behind: `.<name>.<random>.tmp`, beside
+`path`. `remove_temporaries(directory)` clears them from a directory its caller owns.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from typing import Any, BinaryIO, Callable
 
 # mkstemp makes files 0600; servers and jobs may run as another user than the writer.
 DEFAULT_MODE = 0o644
+# Temporaries are `.<name>.<random>.tmp`: hidden, and never matched by a caller's own names.
+_TMP_PREFIX = "."
+_TMP_SUFFIX = ".tmp"
 
 
 def fsync_dir(directory: Path) -> None:
@@ -40,7 +46,7 @@ def write_atomic(path: Path, data: bytes | Callable[[BinaryIO], Any], mode: int 
     """Write `data` (bytes, or a function that writes into the open file) to `path` atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{path.name}.", suffix=_TMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             if isinstance(data, (bytes, bytearray, memoryview)):
@@ -56,6 +62,20 @@ def write_atomic(path: Path, data: bytes | Callable[[BinaryIO], Any], mode: int 
         raise
     fsync_dir(path.parent)
     return path
+
+
+def remove_temporaries(directory: Path) -> list[Path]:
+    """Remove the temporaries that killed writers left in `directory`; returns what was removed.
+
+    Only for a directory that no other process writes while this runs (the caller holds its
+    lock): a live writer's temporary would be pulled from under it.
+    """
+    removed = []
+    for tmp in Path(directory).glob(f"{_TMP_PREFIX}*{_TMP_SUFFIX}"):
+        if tmp.is_file():
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return sorted(removed)
 
 
 def write_json_atomic(path: Path, data: Any) -> Path:

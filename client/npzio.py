@@ -7,23 +7,24 @@ offset (the local file header's length says where the data starts). Compressed m
 
 Writing: `write_npz` streams each member from an iterable of chunks, writing the .npy header
 by hand for the final shape first; the zip is ZIP64 so members may exceed 4 GiB. The file
-appears whole or not at all (temporary file, fsync, rename, fsync of the directory).
+appears whole or not at all (`attnserve.files.write_atomic`).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import struct
-import tempfile
 import time
 import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from numpy.lib import format as npy_format
+
+from attnserve.files import write_atomic
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, 22 bytes we skip, name length, extra length
 _LOCAL_SIGNATURE = b"PK\x03\x04"
@@ -147,29 +148,13 @@ def _write_member(zf: zipfile.ZipFile, member: StreamedMember) -> None:
         raise ValueError(f"{member.name}: wrote {written} bytes of data for shape {member.shape}, expected {expected}")
 
 
-def fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_npz(path: str | Path, members: Sequence[StreamedMember], comment: bytes = b"") -> None:
-    """Write an .npz (stored, ZIP64) from streamed members, atomically."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w+b") as f:
-            with zipfile.ZipFile(f, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-                for member in members:
-                    _write_member(zf, member)
-                zf.comment = comment
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_directory(path.parent)
+    """Write an .npz (stored, ZIP64) from streamed members, atomically (`attnserve.files`)."""
+
+    def write(f: BinaryIO) -> None:
+        with zipfile.ZipFile(f, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for member in members:
+                _write_member(zf, member)
+            zf.comment = comment
+
+    write_atomic(Path(path), write)

@@ -1,0 +1,123 @@
+"""`run_batch`: the job from start to end, each step in its own module.
+
+    discover shards -> fingerprint -> complete already? -> lock the work directory -> manifest and
+    finished parts -> plan what is left -> preflight -> compute -> assemble -> remove the directory
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import IO
+
+from attnserve.client import npzio
+from attnserve.client.batch.assemble import assemble
+from attnserve.client.batch.fingerprint import Fingerprint, fingerprint
+from attnserve.client.batch.manifest import Manifest
+from attnserve.client.batch.plan import Chunk, check_parts, plan_chunks
+from attnserve.client.batch.preflight import preflight
+from attnserve.client.batch.progress import Progress
+from attnserve.client.batch.runner import Runner
+from attnserve.client.batch.shards import ItemShape, Shard, discover_shards, total_items
+from attnserve.client.batch.spec import BatchError, BatchJob, BatchSummary
+from attnserve.client.batch.workdir import WorkDir
+from attnserve.client.options import ClientOptions
+
+logger = logging.getLogger(__name__)
+
+
+def run_batch(job: BatchJob, options: ClientOptions, progress_stream: IO[str] | None = None) -> BatchSummary:
+    """Run (or resume) the job to the end; raises BatchError (with `.summary`) when it cannot finish.
+
+    `progress_stream`: where the progress bar goes when it is a TTY (the CLI passes stderr).
+    """
+    started = time.monotonic()
+    summary = BatchSummary()
+    try:
+        _run(job, options, progress_stream, summary)
+    except BatchError as err:
+        err.summary = summary
+        raise
+    finally:
+        summary.seconds = time.monotonic() - started
+    return summary
+
+
+def _run(job: BatchJob, options: ClientOptions, progress_stream: IO[str] | None, summary: BatchSummary) -> None:
+    shards, item = discover_shards(job.input_path)
+    summary.items = total = total_items(shards)
+    output = job.output_path.resolve()
+    if any(s.path.resolve() == output for s in shards):
+        raise BatchError(f"output {job.output_path} is one of the input shards; write it elsewhere")
+    identity = fingerprint(job, shards)
+    workdir = WorkDir(job.parts_dir)
+
+    if npzio.read_comment(job.output_path) == identity.key.encode():
+        logger.info("%s already holds this job's complete output", job.output_path)
+        summary.resumed = total
+        if workdir.exists():  # killed while cleaning up
+            workdir.lock()
+            workdir.remove()
+        return
+
+    new_workdir = not workdir.exists()
+    workdir.lock()
+    try:
+        manifest, done = _resume_point(workdir, identity)
+        summary.resumed = check_parts(shards, done)
+        chunks = plan_chunks(shards, done, job.batch_size)
+        if chunks:
+            _preflight(job, options, item, workdir, new_workdir, summary)
+        if manifest is None:
+            manifest = Manifest.start(identity, total, job.batch_size)
+            workdir.write_manifest(manifest)
+        logger.info("batch job: %d items, %d already done, %d chunks to compute", total, summary.resumed, len(chunks))
+        _compute(job, options, shards, workdir, manifest, chunks, progress_stream, summary)
+        assemble_started = time.monotonic()
+        assemble(job, workdir, total, identity.key)
+        workdir.remove()
+        logger.info("assembled %s in %.2f s", job.output_path, time.monotonic() - assemble_started)
+    finally:
+        workdir.unlock()
+
+
+def _resume_point(workdir: WorkDir, identity: Fingerprint) -> tuple[Manifest | None, list[tuple[int, int]]]:
+    """The locked work directory's manifest (None: a new job) and finished parts, refusing another job's."""
+    manifest = workdir.read_manifest()
+    done = workdir.parts()
+    if manifest is None and done:
+        raise BatchError(f"{workdir.path} holds parts but no manifest; delete it to start over")
+    if manifest is not None and manifest.key != identity.key:
+        theirs = manifest.fingerprint
+        raise BatchError(
+            f"{workdir.path} holds a job for other inputs, model or outputs "
+            f"(model {theirs.model!r}, outputs {list(theirs.outputs)}); rerun with those "
+            f"arguments, or delete {workdir.path} (or choose another --output) to start this one"
+        )
+    return manifest, done
+
+
+def _preflight(job: BatchJob, options: ClientOptions, item: ItemShape, workdir: WorkDir, new_workdir: bool,
+               summary: BatchSummary) -> None:
+    try:
+        preflight(job, options, item)
+    except BatchError:
+        summary.errors += 1
+        if new_workdir:
+            workdir.remove()  # nothing was written: leave no trace
+        raise
+
+
+def _compute(job: BatchJob, options: ClientOptions, shards: list[Shard], workdir: WorkDir, manifest: Manifest,
+             chunks: list[Chunk], progress_stream: IO[str] | None, summary: BatchSummary) -> None:
+    progress = Progress(summary.items, summary.resumed, progress_stream)
+    runner = Runner(job, options, shards, workdir, manifest, progress, summary)
+    started = time.monotonic()
+    try:
+        failure = asyncio.run(runner.compute(chunks)) if chunks else None
+    finally:
+        progress.close()
+    logger.info("computed %d items in %.2f s", summary.computed, time.monotonic() - started)
+    if failure is not None:
+        raise failure.to_error(workdir.path) from None

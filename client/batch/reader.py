@@ -1,0 +1,51 @@
+"""A chunk's input rows, copied out of its shard in a worker thread.
+
+Each shard is opened (memory-mapped when stored uncompressed; a compressed shard is loaded
+whole) when its first chunk is read and dropped after its last, so memory holds the chunks in
+flight plus the shards they come from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import numpy as np
+
+from attnserve.client import npzio
+from attnserve.client.batch.plan import Chunk
+from attnserve.client.batch.shards import Shard
+
+
+class ShardReader:
+    """Create it inside the event loop that reads (its locks belong to that loop)."""
+
+    def __init__(self, shards: list[Shard], chunks: list[Chunk]) -> None:
+        self._shards = shards
+        self._open: dict[int, dict[str, np.ndarray]] = {}
+        self._opening: dict[int, asyncio.Lock] = {}
+        self._chunks_left = Counter(chunk.shard_index for chunk in chunks)
+
+    async def read(self, chunk: Chunk) -> dict[str, np.ndarray]:
+        """query (n, lq, query_dim), key and value (n, lk, kv_dim), and mask (n, lq, lk) when the
+        shard has one, n = chunk.count; every chunk given at construction is read exactly once."""
+        shard = self._shards[chunk.shard_index]
+        try:
+            arrays = await self._arrays(chunk.shard_index)
+            lo, hi = chunk.start - shard.offset, chunk.stop - shard.offset
+            names = ("query", "key", "value", "mask") if shard.has_mask else ("query", "key", "value")
+            # Copy the rows out of the memory map in a worker thread: this is where the disk is read.
+            return await asyncio.to_thread(lambda: {name: np.ascontiguousarray(arrays[name][lo:hi]) for name in names})
+        finally:
+            self._release(chunk.shard_index)
+
+    async def _arrays(self, index: int) -> dict[str, np.ndarray]:
+        async with self._opening.setdefault(index, asyncio.Lock()):
+            if index not in self._open:
+                self._open[index] = await asyncio.to_thread(npzio.open_npz, self._shards[index].path)
+        return self._open[index]
+
+    def _release(self, index: int) -> None:
+        self._chunks_left[index] -= 1
+        if self._chunks_left[index] == 0:  # its last chunk is read: unmap it
+            self._open.pop(index, None)

@@ -1,0 +1,119 @@
+"""Sending the chunks: one event loop keeps `concurrency` requests in flight over one grpc.aio
+channel (round robin across the servers) without a thread per request.
+
+Requests start in input order from a sliding window: a chunk is read only when one of the
+`concurrency` slots frees. The loop only packs and unpacks bytes; reading rows and writing and
+fsyncing a part run in worker threads. The first chunk runs alone: its response names the model
+version that the manifest pins and every later request asks for, so a server that loads a new
+version mid-job cannot mix two models' outputs in one file. The first failure stops new chunks
+from starting; the ones in flight finish (and keep their parts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from attnserve.client.aio import AsyncInferenceClient
+from attnserve.client.batch.manifest import Manifest
+from attnserve.client.batch.plan import Chunk
+from attnserve.client.batch.progress import Progress
+from attnserve.client.batch.reader import ShardReader
+from attnserve.client.batch.shards import Shard
+from attnserve.client.batch.spec import BatchError, BatchJob, BatchSummary
+from attnserve.client.batch.workdir import WorkDir
+from attnserve.client.errors import InferenceError
+from attnserve.client.options import ClientOptions
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkFailure:
+    chunk: Chunk
+    error: Exception
+
+    def to_error(self, workdir: Path) -> BatchError:
+        where = f"items {self.chunk.start}..{self.chunk.stop - 1}"
+        return BatchError(f"request for {where} failed: {self.error}{_hint(self.error)}; finished parts are "
+                          f"kept in {workdir}: rerun the same command to resume")
+
+
+def _hint(err: Exception) -> str:
+    if isinstance(err, InferenceError):
+        if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return " (server queue full or message too large: lower --concurrency or --batch-size)"
+        if err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return " (raise --timeout, or lower --batch-size / --concurrency)"
+        if err.code == grpc.StatusCode.UNAVAILABLE:
+            return " (no server answered; retries exhausted)"
+    return ""
+
+
+class Runner:
+    def __init__(self, job: BatchJob, options: ClientOptions, shards: list[Shard], workdir: WorkDir,
+                 manifest: Manifest, progress: Progress, summary: BatchSummary) -> None:
+        self._job = job
+        self._options = options
+        self._shards = shards
+        self._workdir = workdir
+        self.manifest = manifest  # replaced by a pinned one (and rewritten) after the first response
+        self._progress = progress
+        self._summary = summary
+        self._failure: ChunkFailure | None = None
+
+    @property
+    def version(self) -> str:
+        """The version to ask for: the pinned one, else the one given (empty: the server's default)."""
+        return self.manifest.served_version or self._job.model_version
+
+    async def compute(self, chunks: list[Chunk]) -> ChunkFailure | None:
+        """Run every chunk, or stop launching at the first failure and return it."""
+        reader = ShardReader(self._shards, chunks)
+        async with AsyncInferenceClient(self._options) as client:
+            rest = iter(chunks)
+            if not self.manifest.pinned:
+                first = next(rest, None)
+                if first is not None:
+                    await self._guarded(client, reader, first)
+            slots = asyncio.Semaphore(self._job.concurrency)
+            in_flight: set[asyncio.Task] = set()
+            for chunk in rest:
+                await slots.acquire()  # the sliding window: start a chunk only when a slot frees
+                if self._failure is not None:
+                    slots.release()
+                    break
+                task = asyncio.create_task(self._guarded(client, reader, chunk))
+                in_flight.add(task)
+                task.add_done_callback(lambda t: (in_flight.discard(t), slots.release()))
+            if in_flight:
+                await asyncio.gather(*in_flight)
+            self._summary.retries = client.retry_count
+        return self._failure
+
+    async def _guarded(self, client: AsyncInferenceClient, reader: ShardReader, chunk: Chunk) -> None:
+        try:
+            await self._run_chunk(client, reader, chunk)
+        except Exception as err:  # recorded; the job stops launching chunks and reports the first
+            self._summary.errors += 1
+            if self._failure is None:
+                self._failure = ChunkFailure(chunk, err)
+
+    async def _run_chunk(self, client: AsyncInferenceClient, reader: ShardReader, chunk: Chunk) -> None:
+        inputs = await reader.read(chunk)
+        self._summary.requests += 1
+        result = await client.infer_result(
+            self._job.model, inputs["query"], inputs["key"], inputs["value"], inputs.get("mask"),
+            self._job.outputs, model_version=self.version, timeout_s=self._job.timeout_s,
+        )
+        if not self.manifest.pinned:  # the first chunk, run alone: pin before its part exists
+            self.manifest = self.manifest.pin(result.model_version)
+            await asyncio.to_thread(self._workdir.write_manifest, self.manifest)
+        elif result.model_version and self.version and result.model_version != self.version:
+            raise BatchError(f"the server answered with model version {result.model_version!r}, but this job "
+                             f"pinned version {self.version!r}")
+        await asyncio.to_thread(self._workdir.write_part, chunk.start, chunk.stop, result.outputs)
+        self._summary.computed += chunk.count
+        self._progress.advance(chunk.count)
+        self._progress.retries = client.retry_count

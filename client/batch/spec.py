@@ -1,0 +1,73 @@
+"""What a batch job is, what it reports and how it fails: the types the caller sees.
+
+    job = BatchJob(model="self_attention", input_path=Path("in.npz"), output_path=Path("out.npz"))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from attnserve.contract import OUTPUT_NAMES
+
+DEFAULT_BATCH_SIZE = 32  # the server's default max_batch_size: one request fills one run
+DEFAULT_CONCURRENCY = 4
+
+
+@dataclass(slots=True)
+class BatchSummary:
+    """How far a run got; counted as it goes and returned (or attached to the BatchError)."""
+
+    items: int = 0  # in the input
+    computed: int = 0  # sent to the server by this run
+    resumed: int = 0  # found finished (parts or a complete output) and not recomputed
+    seconds: float = 0.0
+    requests: int = 0
+    retries: int = 0
+    errors: int = 0
+
+    @property
+    def items_per_s(self) -> float:
+        return self.computed / self.seconds if self.seconds > 0 else 0.0
+
+    def line(self) -> str:
+        return (f"batch: {self.items} items ({self.computed} computed, {self.resumed} resumed) "
+                f"in {self.seconds:.2f} s, {self.items_per_s:.1f} items/s, {self.requests} requests, "
+                f"{self.retries} retries, {self.errors} errors")
+
+
+class BatchError(Exception):
+    """The job cannot go on; the message says why and what to do. Finished parts stay."""
+
+    summary: BatchSummary | None = None  # set by run_batch: how far the job got
+
+
+@dataclass(frozen=True)
+class BatchJob:
+    model: str
+    input_path: Path
+    output_path: Path
+    outputs: tuple[str, ...] = ("output",)
+    batch_size: int = DEFAULT_BATCH_SIZE  # items per request
+    concurrency: int = DEFAULT_CONCURRENCY  # requests in flight
+    model_version: str = ""  # empty: the server's default, pinned after the first response
+    timeout_s: float | None = None  # per request, retries included; None: the client's default
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_path", Path(self.input_path))
+        object.__setattr__(self, "output_path", Path(self.output_path))
+        object.__setattr__(self, "outputs", tuple(self.outputs))
+        if not self.model:
+            raise ValueError("model must not be empty")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        unknown = [name for name in self.outputs if name not in OUTPUT_NAMES]
+        if not self.outputs or unknown or len(set(self.outputs)) != len(self.outputs):
+            raise ValueError(f"outputs must be distinct names from {list(OUTPUT_NAMES)}, got {list(self.outputs)}")
+
+    @property
+    def parts_dir(self) -> Path:
+        """The work directory beside the output: `<output>.parts/`."""
+        return self.output_path.with_name(self.output_path.name + ".parts")
