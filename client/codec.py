@@ -22,7 +22,7 @@ import numpy as np
 
 from attnserve.client.errors import InferenceError
 from attnserve.contract import DATATYPES as DATATYPES_BY_TENSOR
-from attnserve.contract import INPUT_NAMES, OUTPUT_NAMES
+from attnserve.contract import OUTPUT_NAMES
 from attnserve.proto import inference_pb2 as pb
 
 # The tensor contract's output datatypes; any other output must still carry a known datatype.
