@@ -20,6 +20,7 @@ from attnserve.contract import (
     PLATFORM,
     ServingDefaults,
     TensorSpec,
+    tensor_specs,
     versions,
 )
 from attnserve.contract import model_names as _model_names
@@ -55,9 +56,6 @@ class ModelSpec:
         return self.version_dir / GRAPH_OUTPUT_ONLY
 
 
-DEFAULTS = ServingDefaults()
-
-
 class ModelLoadError(Exception):
     """A model in the repository that cannot be served; the message says why."""
 
@@ -70,19 +68,26 @@ def model_names(root: Path) -> list[str]:
 
 
 def read_model_spec(model_dir: Path, pinned_version: int | None = None) -> ModelSpec:
-    """Read config.json and choose the version: the pinned one, else the highest."""
+    """Read config.json, check it, and choose the version: the pinned one, else the highest.
+    Anything a server could not run with (a width or head count < 1, max_batch_size 0, a
+    negative queue delay, tensors that disagree with the dims) is a ModelLoadError naming the
+    field: that model is not ready, the others serve."""
+    where = model_dir / CONFIG_FILE
     try:
-        config = read_json(model_dir / CONFIG_FILE)
+        config = read_json(where)
         attention = config["attention"]
-        batching = config.get("batching", {})
-        limits = config.get("limits", {})
+        dims = {name: _positive_int(attention, name) for name in ("query_dim", "kv_dim", "out_dim", "num_heads")}
+        serving = ServingDefaults(**_section(config, "batching", ("max_batch_size", "max_queue_delay_ms")),
+                                  **_section(config, "limits", ("max_q_len", "max_kv_len")))
         inputs = tuple(TensorSpec(t["name"], t["datatype"], tuple(t["shape"]), bool(t.get("optional", False)))
                        for t in config["inputs"])
         outputs = tuple(TensorSpec(t["name"], t["datatype"], tuple(t["shape"])) for t in config["outputs"])
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ModelLoadError(f"{model_dir / CONFIG_FILE}: unreadable ({type(err).__name__}: {err})") from None
+        raise ModelLoadError(f"{where}: unreadable ({type(err).__name__}: {err})") from None
     if tuple(t.name for t in inputs) != INPUT_NAMES or tuple(t.name for t in outputs) != OUTPUT_NAMES:
-        raise ModelLoadError(f"{model_dir / CONFIG_FILE}: expected inputs {INPUT_NAMES} and outputs {OUTPUT_NAMES}")
+        raise ModelLoadError(f"{where}: expected inputs {INPUT_NAMES} and outputs {OUTPUT_NAMES}")
+    if (inputs, outputs) != tensor_specs(**dims):
+        raise ModelLoadError(f"{where}: its inputs and outputs disagree with its attention dims {dims}")
     available = tuple(versions(model_dir))
     if pinned_version is not None:
         if pinned_version not in available:
@@ -97,15 +102,27 @@ def read_model_spec(model_dir: Path, pinned_version: int | None = None) -> Model
         version=version,
         version_dir=model_dir / str(version),
         platform=config.get("platform", PLATFORM),
-        query_dim=int(attention["query_dim"]),
-        kv_dim=int(attention["kv_dim"]),
-        out_dim=int(attention["out_dim"]),
-        num_heads=int(attention["num_heads"]),
+        **dims,
         inputs=inputs,
         outputs=outputs,
-        max_batch_size=int(batching.get("max_batch_size", DEFAULTS.max_batch_size)),
-        max_queue_delay_ms=float(batching.get("max_queue_delay_ms", DEFAULTS.max_queue_delay_ms)),
-        max_q_len=int(limits.get("max_q_len", DEFAULTS.max_q_len)),
-        max_kv_len=int(limits.get("max_kv_len", DEFAULTS.max_kv_len)),
+        max_batch_size=serving.max_batch_size,
+        max_queue_delay_ms=float(serving.max_queue_delay_ms),
+        max_q_len=serving.max_q_len,
+        max_kv_len=serving.max_kv_len,
         available_versions=available,
     )
+
+
+def _positive_int(section: dict[str, Any], name: str) -> int:
+    value = section[name]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"attention.{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _section(config: dict[str, Any], section: str, names: tuple[str, ...]) -> dict[str, Any]:
+    """The fields of config[section] that are given (the contract's defaults fill the rest)."""
+    values = config.get(section, {})
+    if not isinstance(values, dict):
+        raise ValueError(f"{section} must be an object, got {type(values).__name__}")
+    return {name: values[name] for name in names if name in values}
