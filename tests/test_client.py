@@ -177,12 +177,13 @@ def test_invalid_inputs_fail_before_sending(client):
 
 
 def test_deadline_exceeded(client):
-    q, k, v, _ = _random_inputs("self_attention", 32, 128, 128, 0, masked=False)
-    started = time.monotonic()
+    """A deadline no machine can meet (1 us) is DEADLINE_EXCEEDED, not retried, and the client
+    stays usable. (A deadline that runs out while the server holds the call: test_client_transport.)"""
+    q, k, v, _ = _random_inputs("self_attention", 2, 8, 8, 0, masked=False)
     with pytest.raises(InferenceError) as exc:
-        client.infer("self_attention", q, k, v, timeout_s=0.005)
+        client.infer("self_attention", q, k, v, timeout_s=1e-6)
     assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - started < 2.0
+    assert client.infer("self_attention", q, k, v)["output"].shape == (2, 8, 512)
 
 
 def test_unreachable_server_is_retried_then_unavailable():

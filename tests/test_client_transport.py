@@ -29,8 +29,9 @@ class ScriptedServicer(pb_grpc.GRPCInferenceServiceServicer):
     """ModelInfer echoes `query` as `output`, after failing the first `fail_times` calls with `code`."""
 
     def __init__(self, fail_times: int = 0, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
-                 delay_s: float = 0.0) -> None:
-        self.fail_times, self.code, self.delay_s = fail_times, code, delay_s
+                 hold: threading.Event | None = None) -> None:
+        """hold: ModelInfer waits for this event (set by the test) before it answers."""
+        self.fail_times, self.code, self.hold = fail_times, code, hold
         self.calls = 0
         self.metadata: list[dict[str, str]] = []
         self._lock = threading.Lock()
@@ -42,7 +43,8 @@ class ScriptedServicer(pb_grpc.GRPCInferenceServiceServicer):
             self.metadata.append(dict(context.invocation_metadata()))
         if call <= self.fail_times:
             context.abort(self.code, f"scripted failure {call}")
-        time.sleep(self.delay_s)
+        if self.hold is not None:
+            self.hold.wait(60)
         query = request.inputs[0]
         response = pb.ModelInferResponse(model_name=request.model_name, model_version="7")
         response.outputs.add(name="output", datatype="FP32", shape=query.shape)
@@ -127,14 +129,21 @@ def test_async_client_retries_the_same_way(scripted):
 
 
 def test_the_deadline_covers_the_call_and_can_be_overridden(scripted):
-    port = scripted(ScriptedServicer(delay_s=0.5))
-    with InferenceClient(f"127.0.0.1:{port}", timeout_s=0.1) as client:
-        started = time.monotonic()
-        with pytest.raises(InferenceError) as exc:
-            client.infer("m", Q, KV, KV)
-        assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert time.monotonic() - started < 0.4
-        assert client.infer("m", Q, KV, KV, timeout_s=5)["output"].shape == Q.shape  # per-call override
+    """The server holds the call until the test releases it: the client's 0.2 s deadline ends it
+    (well before the server's hold of up to 60 s), and a per-call timeout overrides the default."""
+    hold = threading.Event()
+    port = scripted(ScriptedServicer(hold=hold))
+    try:
+        with InferenceClient(f"127.0.0.1:{port}", timeout_s=0.2) as client:
+            started = time.monotonic()
+            with pytest.raises(InferenceError) as exc:
+                client.infer("m", Q, KV, KV)
+            assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.monotonic() - started < 30, "the deadline did not end the call"
+            hold.set()
+            assert client.infer("m", Q, KV, KV, timeout_s=30)["output"].shape == Q.shape  # per-call override
+    finally:
+        hold.set()
 
 
 def test_bearer_token_is_sent_on_every_call(scripted):
