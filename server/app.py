@@ -30,6 +30,24 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 _INFER_METHODS = frozenset(f"/{SERVICE_NAME}/{m}" for m in ("ModelInfer", "ModelStreamInfer"))
+# grpc_health's aio servicer does not implement Health/List: what it registers for it is the
+# generated, synchronous placeholder, which answers UNIMPLEMENTED with a traceback in the log
+# per call (and health is open to callers without a token). Left out, gRPC answers
+# UNIMPLEMENTED itself.
+_NOT_SERVED = frozenset({"/grpc.health.v1.Health/List"})
+
+
+def method_handlers(servicer: InferenceServicer, health_servicer: health.aio.HealthServicer
+                    ) -> dict[str, grpc.RpcMethodHandler]:
+    """"/package.Service/Method" -> handler for every method served: the inference service,
+    grpc.health.v1 and server reflection, as their generated functions register them."""
+    table = HandlerTable()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, table)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, table)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)),
+        table)
+    return {method: h for method, h in table.handlers.items() if method not in _NOT_SERVED}
 
 
 class Server:
@@ -68,15 +86,10 @@ class Server:
             ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
         ]
         # Every method is served through the gate (token, draining, parsing; see server.gate).
-        table = HandlerTable()
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, table)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, table)
-        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)),
-            table)
+        gate = CallGate(method_handlers(servicer, self._health), self._admission, _INFER_METHODS, token,
+                        cfg.access_log)
         self._grpc = grpc.aio.server(options=options)
-        self._grpc.add_generic_rpc_handlers((CallGate(table.handlers, self._admission, _INFER_METHODS, token,
-                                                      cfg.access_log),))
+        self._grpc.add_generic_rpc_handlers((gate,))
         address = f"{cfg.host}:{cfg.port}"
         self.port = (self._grpc.add_secure_port(address, credentials) if credentials is not None
                      else self._grpc.add_insecure_port(address))

@@ -8,7 +8,7 @@ headers arrive and before its message is read. It answers with
 - UNAUTHENTICATED (the message never read) when a token is required and missing or wrong;
 - UNAVAILABLE (never read) for an inference call that starts while the server drains;
 - otherwise the method's handler, built once at startup to parse its own message (garbage ->
-  INVALID_ARGUMENT, security.tolerant_handler); inference calls are counted by Admission from
+  INVALID_ARGUMENT, server.parsing); inference calls are counted by Admission from
   this moment until their handler returns, so draining waits for a call whose headers came
   before SIGTERM even while its message is still arriving.
 
@@ -28,7 +28,8 @@ from typing import Mapping
 
 import grpc
 
-from attnserve.server.security import BearerToken, tolerant_handler
+from attnserve.server.parsing import tolerant_handler
+from attnserve.server.security import BearerToken
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +105,10 @@ class CallGate(grpc.GenericRpcHandler):
     def __init__(self, method_handlers: Mapping[str, grpc.RpcMethodHandler], admission: Admission,
                  counted_methods: frozenset[str], token: BearerToken | None = None,
                  access_log: bool = False) -> None:
-        """method_handlers: "/package.Service/Method" -> handler, for every method served.
+        """method_handlers: "/package.Service/Method" -> handler, for every method served (a kind
+        server.parsing does not wrap is a TypeError here, at startup).
         counted_methods: the inference methods Admission counts (and draining refuses)."""
-        self._handlers = {method: tolerant_handler(h) for method, h in method_handlers.items()}
+        self._handlers = {method: tolerant_handler(method, h) for method, h in method_handlers.items()}
         self._admission = admission
         self._counted = counted_methods
         self._token = token
@@ -129,6 +131,7 @@ class CallGate(grpc.GenericRpcHandler):
         return self._counted_call(handler, self._admission.arrived())
 
     def _counted_call(self, handler: grpc.RpcMethodHandler, call: int) -> grpc.RpcMethodHandler:
+        """The handler, counted by Admission until it returns."""
         admission = self._admission
         if handler.unary_unary is not None:
             inner_unary = handler.unary_unary
@@ -140,7 +143,8 @@ class CallGate(grpc.GenericRpcHandler):
                 finally:
                     admission.finished()
 
-            return handler._replace(unary_unary=unary)
+            return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
+                                                       response_serializer=handler.response_serializer)
         inner_stream = handler.stream_stream
 
         async def stream(request_iterator, context):
@@ -153,7 +157,8 @@ class CallGate(grpc.GenericRpcHandler):
                 admission.streams -= 1
                 admission.finished()
 
-        return handler._replace(stream_stream=stream)
+        return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
+                                                     response_serializer=handler.response_serializer)
 
 
 class HandlerTable:
