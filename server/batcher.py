@@ -52,12 +52,15 @@ class BatcherClosed(Exception):
 
 
 class BatchFailed(Exception):
-    """The run of the batch this request was in raised; the cause is chained. `public` is what
-    a client may be told: no ONNX Runtime internals."""
+    """The run of the batch this request was in raised; the cause is chained.
 
-    def __init__(self, message: str, public: str) -> None:
+    public: what a client may be told (no ONNX Runtime internals); logged: whether the failure
+    and its traceback are in the log already (once per batch, not once per request)."""
+
+    def __init__(self, message: str, *, public: str, logged: bool) -> None:
         super().__init__(message)
         self.public = public
+        self.logged = logged
 
 
 @dataclass(slots=True)
@@ -336,9 +339,9 @@ class Batcher:
                     failure = BatchFailed(
                         f"model {self.name}: the batch this request was in failed: {type(err).__name__}: {err}",
                         public=f"model {self.name}: the batch this request was in failed "
-                               f"({type(err).__name__}; the server log has the traceback)")
+                               f"({type(err).__name__}; the server log has the traceback)",
+                        logged=True)  # just above, once for the batch
                     failure.__cause__ = err
-                    failure._logged = True  # the traceback is above, once for the batch
                     p.future.set_exception(failure)
         finally:
             self._computing -= 1

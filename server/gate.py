@@ -11,6 +11,7 @@ headers arrive and before its message is read. It answers with
   INVALID_ARGUMENT, server.parsing); inference calls are counted by Admission from
   this moment until their handler returns, so draining waits for a call whose headers came
   before SIGTERM even while its message is still arriving.
+Every refusal is answered through server.errors, like any other error.
 
 Why not grpc.aio interceptors: they run as a chain of coroutines on every call, on the event
 loop that is this server's bottleneck (with a canned answer and no model, three of them cost
@@ -24,12 +25,13 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 import grpc
 
+from attnserve.server.errors import ShuttingDown, Unauthenticated, abort
 from attnserve.server.parsing import tolerant_handler
-from attnserve.server.security import BearerToken
+from attnserve.server.security import REFUSAL, BearerToken
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +95,20 @@ class Admission:
                 pass
 
 
-async def _refuse_draining(request_iterator, context) -> None:
-    await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another replica")
+def _refusal(error: Exception, on_call: Callable[[str], None] | None = None) -> grpc.RpcMethodHandler:
+    """A handler that ends its call with `error` (on_call is given the peer first).
+    Request-streaming, with no deserializer: it runs as soon as the headers arrive and never
+    reads or parses the message, however large."""
+
+    async def refuse(request_iterator, context):
+        if on_call is not None:
+            on_call(context.peer())
+        await abort(context, error)
+
+    return grpc.stream_unary_rpc_method_handler(refuse)
 
 
-# Request-streaming, with no deserializer: answers without waiting for or parsing the message.
-_DRAINING_REFUSAL = grpc.stream_unary_rpc_method_handler(_refuse_draining)
+_DRAINING_REFUSAL = _refusal(ShuttingDown("server is shutting down; retry on another replica"))
 
 
 class CallGate(grpc.GenericRpcHandler):
@@ -118,7 +128,8 @@ class CallGate(grpc.GenericRpcHandler):
         method = details.method
         # The token first, unknown methods included: nothing tells an outsider what exists.
         if self._token is not None and not self._token.admits(method, details.invocation_metadata):
-            return self._token.refusal(method)
+            token = self._token
+            return _refusal(Unauthenticated(REFUSAL), lambda peer: token.note_refusal(method, peer))
         handler = self._handlers.get(method)
         if handler is None:
             return None  # gRPC answers UNIMPLEMENTED

@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 
+from attnserve.server.errors import MalformedMessage, abort
 
 UNARY_UNARY, UNARY_STREAM, STREAM_STREAM = "unary_unary", "unary_stream", "stream_stream"
 SUPPORTED_KINDS = frozenset({(UNARY_UNARY, "coroutine"), (UNARY_STREAM, "coroutine"),
@@ -39,22 +40,11 @@ def handler_kind(handler: grpc.RpcMethodHandler) -> tuple[str, str]:
     return "none", "none"
 
 
-class MalformedMessage(Exception):
-    """A request message that does not parse as its RPC's request type."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(f"the request message does not parse: {type(error).__name__}: {error}")
-
-
 class _Malformed:
     __slots__ = ("error",)
 
     def __init__(self, error: Exception) -> None:
         self.error = error
-
-
-async def _refuse(context, err: MalformedMessage) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
 
 
 def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
@@ -87,7 +77,7 @@ def tolerant_handler(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMet
 
         async def unary_unary(request, context):
             if isinstance(request, _Malformed):
-                await _refuse(context, MalformedMessage(request.error))
+                await abort(context, MalformedMessage(request.error))
             return await inner_unary(request, context)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, request_deserializer=parse,
@@ -97,7 +87,7 @@ def tolerant_handler(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMet
 
         async def unary_stream(request, context):
             if isinstance(request, _Malformed):
-                await _refuse(context, MalformedMessage(request.error))
+                await abort(context, MalformedMessage(request.error))
             return await inner_writer(request, context)
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, request_deserializer=parse,
@@ -109,7 +99,7 @@ def tolerant_handler(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMet
             async for response in inner_stream(_checked(requests), context):
                 yield response
         except MalformedMessage as err:
-            await _refuse(context, err)
+            await abort(context, err)
 
     return grpc.stream_stream_rpc_method_handler(stream_stream, request_deserializer=parse,
                                                  response_serializer=serialize)

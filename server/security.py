@@ -11,8 +11,9 @@ says which file and why) instead of a failure at the first handshake.
 With --auth-token-file every call must carry `authorization: Bearer <token>`; the value is
 compared in constant time (hmac.compare_digest) and anything else is refused with
 UNAUTHENTICATED before the call's handler sees it (server.gate asks BearerToken when the
-headers arrive). The standard health service and server reflection stay open, so load balancers
-and probes need no secret. Neither the token nor any metadata value is ever logged.
+headers arrive, and answers REFUSAL through server.errors). The standard health service and
+server reflection stay open, so load balancers and probes need no secret. Neither the token nor
+any metadata value is ever logged.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ OPEN_METHOD_PREFIXES = (
     "/grpc.reflection.v1.ServerReflection/",
 )
 _REFUSAL_LOG_EVERY_S = 10.0  # refusals are counted; the log gets one line per interval at most
+# What a refused caller is told (with UNAUTHENTICATED).
+REFUSAL = "missing or invalid bearer token: send metadata 'authorization: Bearer <token>'"
 
 
 class SecurityError(RuntimeError):
@@ -130,10 +133,8 @@ def _is_loopback(host: str) -> bool:
 class BearerToken:
     """Admits a call only with exactly one `authorization: Bearer <token>` header whose token
     equals the configured one (constant-time comparison); OPEN_METHOD_PREFIXES need none.
-
-    A refused call never reaches its handler: `refusal` answers UNAUTHENTICATED from a handler
-    that reads no message (a request-streaming handler runs as soon as the headers arrive, so
-    the body, however large, is never parsed)."""
+    A refused call never reaches its handler: server.gate answers it without reading its
+    message, and reports it here (note_refusal) to be counted and logged."""
 
     def __init__(self, token: bytes, open_prefixes: tuple[str, ...] = OPEN_METHOD_PREFIXES) -> None:
         if not token:
@@ -162,16 +163,7 @@ class BearerToken:
         matches = hmac.compare_digest(credential.strip(), self._token)
         return matches and scheme.lower() == b"bearer"
 
-    def refusal(self, method: str) -> grpc.RpcMethodHandler:
-        async def refuse(request_iterator, context):
-            self._note_refusal(method, context.peer())
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or invalid bearer token: send metadata 'authorization: Bearer <token>'")
-
-        # Request-streaming, with no deserializer: runs without waiting for or parsing the message.
-        return grpc.stream_unary_rpc_method_handler(refuse)
-
-    def _note_refusal(self, method: str, peer: str) -> None:
+    def note_refusal(self, method: str, peer: str) -> None:
         self.refused += 1
         self._refused_unlogged += 1
         now = time.monotonic()

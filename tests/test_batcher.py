@@ -510,6 +510,7 @@ def test_failing_run_fails_each_request_of_that_batch_once_and_batcher_keeps_ser
         assert isinstance(err, BatchFailed)
         assert err.__cause__ is boom
         assert "device lost" in str(err)
+        assert err.logged and "device lost" not in err.public  # logged once; the client gets no internals
     assert len({id(err) for err in outcomes}) == 3  # one exception per request
     assert [s.failed for s in observer.batches] == [True, False]
     assert_matches_alone(after, after_result)
