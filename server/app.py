@@ -2,6 +2,10 @@
 
 Used by `attnserve serve` and by the tests alike:
     server = Server(config); port = await server.start(); ...; await server.stop(grace_s)
+
+It creates the state its layers share (server.lifecycle: Draining, Arrivals, Admission) and
+hands it down: the gate and the servicer hold Draining, the gate updates Arrivals and Admission,
+every Batcher reads Arrivals.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server.config import ServerConfig
 from attnserve.server.engine import choose_device
-from attnserve.server.gate import Admission, CallGate, HandlerTable
+from attnserve.server.gate import CallGate, HandlerTable
+from attnserve.server.lifecycle import Admission, Arrivals, Draining
 from attnserve.server.metrics import Metrics
 from attnserve.server.models import ModelRegistry
 from attnserve.server.security import bearer_token, server_credentials
@@ -62,7 +67,9 @@ class Server:
         self.registry: ModelRegistry | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
-        self._admission = Admission()
+        self._draining = Draining()
+        self._arrivals = Arrivals()
+        self._admission = Admission(self._arrivals)
 
     async def start(self) -> int:
         """Load the models, bind, serve. Returns the bound gRPC port.
@@ -75,10 +82,9 @@ class Server:
         if device.why_not_cuda:
             logger.warning("device auto: serving on CPU because %s", device.why_not_cuda)
         # Creating sessions blocks for a while; nothing else is running yet.
-        self.registry = ModelRegistry.load(cfg, device, self.metrics, arrivals=self._requests_arriving)
+        self.registry = ModelRegistry.load(cfg, device, self.metrics, arrivals=self._arrivals)
         self.registry.start()
-        servicer = self._servicer_class(self.registry, self.metrics)
-        self._servicer = servicer
+        servicer = self._servicer_class(self.registry, self.metrics, self._draining)
 
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -86,8 +92,8 @@ class Server:
             ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
         ]
         # Every method is served through the gate (token, draining, parsing; see server.gate).
-        gate = CallGate(method_handlers(servicer, self._health), self._admission, _INFER_METHODS, token,
-                        cfg.access_log)
+        gate = CallGate(method_handlers(servicer, self._health), self._admission, self._draining, _INFER_METHODS,
+                        token, cfg.access_log)
         self._grpc = grpc.aio.server(options=options)
         self._grpc.add_generic_rpc_handlers((gate,))
         address = f"{cfg.host}:{cfg.port}"
@@ -116,11 +122,6 @@ class Server:
             self._write_ready_file(cfg.ready_file)
         return self.port
 
-    def _requests_arriving(self) -> int:
-        """Inference calls the server has received (headers or message) that have not reached a
-        batcher yet: the batchers wait a little for them instead of running each one alone."""
-        return max(self._admission.in_flight - self._admission.streams - self.registry.requests_inside(), 0)
-
     def _write_ready_file(self, path: Path) -> None:
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_text(json.dumps({"grpc_port": self.port, "metrics_port": self.metrics_port, "pid": os.getpid()}))
@@ -130,8 +131,7 @@ class Server:
         """Drain: readiness and health to NOT_SERVING, refuse new calls, finish every admitted
         one (within grace_s), then close."""
         started = time.monotonic()
-        self._admission.draining = True
-        self._servicer.draining = True
+        self._draining.begin()
         await self._health.enter_graceful_shutdown()
         in_flight = self._admission.in_flight
         finished = await self._admission.wait_idle(grace_s)

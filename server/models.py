@@ -1,6 +1,6 @@
 """The models a server process serves: load each one, keep the ones that fail with their reason.
 
-Knows nothing of gRPC: lookups raise ModelNotFound / ModelUnavailable, which service.py maps.
+Knows nothing of gRPC: lookups raise ModelNotFound / ModelUnavailable, which server.errors maps.
 """
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-from attnserve.server.batcher import Batcher, BatchPolicy
+from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy
 from attnserve.server.codec import Limits
 from attnserve.server.config import ServerConfig
 from attnserve.server.engine import DeviceChoice, Engine
@@ -43,9 +42,9 @@ class ModelRegistry:
 
     @classmethod
     def load(cls, config: ServerConfig, device: DeviceChoice, metrics: Metrics,
-             arrivals: Callable[[], int] | None = None) -> "ModelRegistry":
+             arrivals: ArrivalSignal | None = None) -> "ModelRegistry":
         """Load every model of the repository; a model that fails is logged and kept as failed.
-        `arrivals` counts requests received but not yet submitted (the batchers' hint)."""
+        arrivals: requests received but not yet submitted (each batcher's hint of company)."""
         registry = cls()
         root = Path(config.model_repository)
         pins = config.pinned_versions
@@ -91,10 +90,6 @@ class ModelRegistry:
             raise ModelNotFound(f"model {name} version {version!r} is not loaded (loaded: {model.spec.version}, "
                                 f"on disk: {list(model.spec.available_versions)})")
         return model
-
-    def requests_inside(self) -> int:
-        """Requests queued or being computed, all models together."""
-        return sum(model.batcher.requests_inside for model in self.loaded.values())
 
     def ready(self, name: str, version: str = "") -> bool:
         try:

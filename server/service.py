@@ -16,6 +16,7 @@ from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server import __version__, codec
 from attnserve.server.errors import CANCELLED, OK, Status, abort, status_for
+from attnserve.server.lifecycle import Draining
 from attnserve.server.metrics import Metrics
 from attnserve.server.models import ModelRegistry
 from attnserve.contract import TensorSpec
@@ -51,10 +52,11 @@ def _duration(d) -> pb.StatisticDuration:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, registry: ModelRegistry, metrics: Metrics) -> None:
+    def __init__(self, registry: ModelRegistry, metrics: Metrics, draining: Draining) -> None:
+        """draining: the server's (shared with server.gate): not ready from SIGTERM on."""
         self._registry = registry
         self._metrics = metrics
-        self.draining = False
+        self._draining = draining
 
     # -- health and metadata -----------------------------------------------------------------
 
@@ -64,12 +66,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_mapped_errors
     async def ServerReady(self, request, context):
-        return pb.ServerReadyResponse(ready=not self.draining and bool(self._registry.loaded))
+        return pb.ServerReadyResponse(ready=not self._draining.active and bool(self._registry.loaded))
 
     @_mapped_errors
     async def ModelReady(self, request, context):
         ready = self._registry.ready(request.name, request.version)
-        return pb.ModelReadyResponse(ready=ready and not self.draining)
+        return pb.ModelReadyResponse(ready=ready and not self._draining.active)
 
     @_mapped_errors
     async def ServerMetadata(self, request, context):
@@ -118,7 +120,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(self, request: pb.ModelInferRequest, time_remaining: float | None) -> pb.ModelInferResponse:
         # Draining is decided per call when its headers arrive (server.gate), not here: a
-        # call admitted before SIGTERM is served even if its message arrives after.
+        # call admitted before SIGTERM is served even if its message arrives after. No await
+        # before submit: lifecycle.Arrivals counts a request as on its way until its handler
+        # starts, and the batcher must find it queued from then on.
         model = self._registry.get(request.model_name, request.model_version)
         decoded = codec.decode(request, model.spec, model.limits)
         deadline = None if time_remaining is None else time.monotonic() + time_remaining
