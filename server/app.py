@@ -27,7 +27,7 @@ from attnserve.server.engine import choose_device
 from attnserve.server.gate import CallGate, HandlerTable
 from attnserve.server.lifecycle import Admission, Arrivals, Draining
 from attnserve.server.metrics import Metrics
-from attnserve.server.models import ModelRegistry
+from attnserve.server.models import ModelRegistry, RunBatchFactory
 from attnserve.server.security import bearer_token, server_credentials
 from attnserve.server.service import InferenceServicer
 
@@ -56,11 +56,12 @@ def method_handlers(servicer: InferenceServicer, health_servicer: health.aio.Hea
 
 
 class Server:
-    def __init__(self, config: ServerConfig, servicer_class: type[InferenceServicer] = InferenceServicer) -> None:
-        """servicer_class: the inference service's implementation (bench.floor swaps in one
-        that answers without computing, to measure this stack's own cost)."""
+    def __init__(self, config: ServerConfig, run_batch: RunBatchFactory | None = None) -> None:
+        """run_batch: how each model's batches are computed, made from its spec; None (the
+        server) is ONNX Runtime. bench.floor passes one that returns zeros, to measure this
+        stack's own cost with the real gate, servicer and batchers."""
         self.config = config
-        self._servicer_class = servicer_class
+        self._run_batch = run_batch
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.metrics = Metrics()
@@ -82,9 +83,10 @@ class Server:
         if device.why_not_cuda:
             logger.warning("device auto: serving on CPU because %s", device.why_not_cuda)
         # Creating sessions blocks for a while; nothing else is running yet.
-        self.registry = ModelRegistry.load(cfg, device, self.metrics, arrivals=self._arrivals)
+        self.registry = ModelRegistry.load(cfg, device, self.metrics, arrivals=self._arrivals,
+                                           run_batch=self._run_batch)
         self.registry.start()
-        servicer = self._servicer_class(self.registry, self.metrics, self._draining)
+        servicer = InferenceServicer(self.registry, self.metrics, self._draining)
 
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
