@@ -10,7 +10,8 @@
    multi-process load generator: one ModelInfer call per request, and (perf_analyzer only)
    requests as messages of ModelStreamInfer streams.
 3. The floor: `python -m bench.floor`, the same server stack answering without a model (decode,
-   zeros, encode), driven the same way: what gRPC and Python cost per call on this machine.
+   batch, zeros for the model's run, encode), driven the same way: what gRPC, Python and
+   batching cost per call on this machine.
 4. A table with the ratios the goals are stated in, and JSON + PNG under --output.
 """
 

@@ -1,44 +1,43 @@
 """`python -m bench.floor [server flags]`: the server's own stack, answering without a model.
 
-The same process, flags, gRPC server, gate, servicer and codec as `attnserve serve`, but each
-ModelInfer request, once decoded and checked as usual, is answered with zeros of the right
-shapes: no batcher, no ONNX Runtime. What a load generator measures against it is the cost of
-gRPC and of Python per call on this machine, the floor under any model served through this
-stack. The benchmark runs it beside the real server, in the same run.
+The same process, flags, gRPC server, gate, servicer, codec and batchers as `attnserve serve`,
+but each model's batches are "computed" by `zeros`: the right shapes, no ONNX Runtime (through
+the server's one seam for it, app.Server's `run_batch`). What a load generator measures against
+it is the cost of gRPC, of Python and of batching per call on this machine, the floor under any
+model served through this stack. The benchmark runs it beside the real server, in the same run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
 import numpy as np
 
-from attnserve.proto import inference_pb2 as pb
-from attnserve.server import codec
-from attnserve.server.__main__ import main
-from attnserve.server.batcher import Result
-from attnserve.server.service import InferenceServicer
+from attnserve.server.__main__ import configure_logging, serve
+from attnserve.server.batcher import RunBatch
+from attnserve.server.config import load_config
+from attnserve.server.repository import ModelSpec
 
 
-class FloorServicer(InferenceServicer):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._zeros: dict[tuple, Result] = {}
+def zeros(spec: ModelSpec) -> RunBatch:
+    """A model's run that computes nothing: zeros of the shapes its graph would return."""
 
-    async def _infer(self, request: pb.ModelInferRequest, time_remaining: float | None) -> pb.ModelInferResponse:
-        model = self._registry.get(request.model_name, request.model_version)
-        spec = model.spec
-        decoded = codec.decode(request, spec, model.limits)
-        w = decoded.work
-        key = (spec.name, w.rows, w.q_len, w.k_len)
-        result = self._zeros.get(key)
-        if result is None:
-            result = self._zeros[key] = Result(
-                output=np.zeros((w.rows, w.q_len, spec.out_dim), np.float32),  # (b, lq, out_dim)
-                attn_probs=np.zeros((w.rows, spec.num_heads, w.q_len, w.k_len), np.float32),  # (b, h, lq, lk)
-                queue_s=0.0, compute_s=0.0, batch_requests=1)
-        return codec.encode(request, decoded, result, spec.version)
+    def run(feeds: dict[str, np.ndarray], want_probs: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        b, lq, _ = feeds["query"].shape  # batch, query length, query_dim
+        lk = feeds["key"].shape[1]  # key length
+        output = np.zeros((b, lq, spec.out_dim), np.float32)  # (b, lq, out_dim)
+        attn_probs = np.zeros((b, spec.num_heads, lq, lk), np.float32) if want_probs else None  # (b, h, lq, lk)
+        return output, attn_probs
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = load_config(argv, prog="python -m bench.floor")
+    configure_logging(config)
+    return asyncio.run(serve(config, run_batch=zeros))
 
 
 if __name__ == "__main__":
-    sys.exit(main(servicer_class=FloorServicer))
+    sys.exit(main())

@@ -10,20 +10,25 @@ import asyncio
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from attnserve.server.config import ServerConfig, load_config
+
+if TYPE_CHECKING:
+    from attnserve.server.models import RunBatchFactory
 
 logger = logging.getLogger("attnserve.server")
 
 EXIT_CANNOT_START = 3
 
 
-async def serve(config: ServerConfig, servicer_class: type | None = None) -> int:
+async def serve(config: ServerConfig, run_batch: RunBatchFactory | None = None) -> int:
+    """Serve until SIGTERM/SIGINT, then drain; the exit status. run_batch: see app.Server."""
     from attnserve.server.app import Server
     from attnserve.server.engine import DeviceUnavailable
     from attnserve.server.repository import ModelLoadError
 
-    server = Server(config) if servicer_class is None else Server(config, servicer_class)
+    server = Server(config, run_batch)
     try:
         await server.start()
     except (DeviceUnavailable, ModelLoadError, RuntimeError, OSError) as err:
@@ -39,11 +44,14 @@ async def serve(config: ServerConfig, servicer_class: type | None = None) -> int
     return 0
 
 
-def main(argv: list[str] | None = None, servicer_class: type | None = None,
-         prog: str = "attnserve serve") -> int:
-    config = load_config(argv, prog=prog)
+def configure_logging(config: ServerConfig) -> None:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(config, servicer_class))
+
+
+def main(argv: list[str] | None = None, prog: str = "attnserve serve") -> int:
+    config = load_config(argv, prog=prog)
+    configure_logging(config)
+    return asyncio.run(serve(config))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,10 @@
 
 Used by `attnserve serve` and by the tests alike:
     server = Server(config); port = await server.start(); ...; await server.stop(grace_s)
+
+It creates the state its layers share (server.lifecycle: Draining, Arrivals, Admission) and
+hands it down: the gate and the servicer hold Draining, the gate updates Arrivals and Admission,
+every Batcher reads Arrivals.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server.config import ServerConfig
 from attnserve.server.engine import choose_device
-from attnserve.server.gate import Admission, CallGate, HandlerTable
+from attnserve.server.gate import CallGate, HandlerTable
+from attnserve.server.lifecycle import Admission, Arrivals, Draining
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_http import MetricsEndpoint
-from attnserve.server.models import ModelRegistry
+from attnserve.server.models import ModelRegistry, RunBatchFactory
 from attnserve.server.security import bearer_token, server_credentials
 from attnserve.server.service import InferenceServicer
 
@@ -31,14 +36,33 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 _INFER_METHODS = frozenset(f"/{SERVICE_NAME}/{m}" for m in ("ModelInfer", "ModelStreamInfer"))
+# grpc_health's aio servicer does not implement Health/List: what it registers for it is the
+# generated, synchronous placeholder, which answers UNIMPLEMENTED with a traceback in the log
+# per call (and health is open to callers without a token). Left out, gRPC answers
+# UNIMPLEMENTED itself.
+_NOT_SERVED = frozenset({"/grpc.health.v1.Health/List"})
+
+
+def method_handlers(servicer: InferenceServicer, health_servicer: health.aio.HealthServicer
+                    ) -> dict[str, grpc.RpcMethodHandler]:
+    """"/package.Service/Method" -> handler for every method served: the inference service,
+    grpc.health.v1 and server reflection, as their generated functions register them."""
+    table = HandlerTable()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, table)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, table)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)),
+        table)
+    return {method: h for method, h in table.handlers.items() if method not in _NOT_SERVED}
 
 
 class Server:
-    def __init__(self, config: ServerConfig, servicer_class: type[InferenceServicer] = InferenceServicer) -> None:
-        """servicer_class: the inference service's implementation (bench.floor swaps in one
-        that answers without computing, to measure this stack's own cost)."""
+    def __init__(self, config: ServerConfig, run_batch: RunBatchFactory | None = None) -> None:
+        """run_batch: how each model's batches are computed, made from its spec; None (the
+        server) is ONNX Runtime. bench.floor passes one that returns zeros, to measure this
+        stack's own cost with the real gate, servicer and batchers."""
         self.config = config
-        self._servicer_class = servicer_class
+        self._run_batch = run_batch
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.metrics = Metrics()
@@ -46,7 +70,9 @@ class Server:
         self.registry: ModelRegistry | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
-        self._admission = Admission()
+        self._draining = Draining()
+        self._arrivals = Arrivals()
+        self._admission = Admission(self._arrivals)
 
     async def start(self) -> int:
         """Load the models, bind, serve. Returns the bound gRPC port.
@@ -59,10 +85,10 @@ class Server:
         if device.why_not_cuda:
             logger.warning("device auto: serving on CPU because %s", device.why_not_cuda)
         # Creating sessions blocks for a while; nothing else is running yet.
-        self.registry = ModelRegistry.load(cfg, device, self.metrics, arrivals=self._requests_arriving)
+        self.registry = ModelRegistry.load(cfg, device, self.metrics, arrivals=self._arrivals,
+                                           run_batch=self._run_batch)
         self.registry.start()
-        servicer = self._servicer_class(self.registry, self.metrics)
-        self._servicer = servicer
+        servicer = InferenceServicer(self.registry, self.metrics, self._draining)
 
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -70,15 +96,10 @@ class Server:
             ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
         ]
         # Every method is served through the gate (token, draining, parsing; see server.gate).
-        table = HandlerTable()
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, table)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, table)
-        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)),
-            table)
+        gate = CallGate(method_handlers(servicer, self._health), self._admission, self._draining, _INFER_METHODS,
+                        token, cfg.access_log)
         self._grpc = grpc.aio.server(options=options)
-        self._grpc.add_generic_rpc_handlers((CallGate(table.handlers, self._admission, _INFER_METHODS, token,
-                                                      cfg.access_log),))
+        self._grpc.add_generic_rpc_handlers((gate,))
         address = f"{cfg.host}:{cfg.port}"
         self.port = (self._grpc.add_secure_port(address, credentials) if credentials is not None
                      else self._grpc.add_insecure_port(address))
@@ -109,11 +130,6 @@ class Server:
             self._write_ready_file(cfg.ready_file)
         return self.port
 
-    def _requests_arriving(self) -> int:
-        """Inference calls the server has received (headers or message) that have not reached a
-        batcher yet: the batchers wait a little for them instead of running each one alone."""
-        return max(self._admission.in_flight - self._admission.streams - self.registry.requests_inside(), 0)
-
     def _write_ready_file(self, path: Path) -> None:
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_text(json.dumps({"grpc_port": self.port, "metrics_port": self.metrics_port, "pid": os.getpid()}))
@@ -123,8 +139,7 @@ class Server:
         """Drain: readiness and health to NOT_SERVING, refuse new calls, finish every admitted
         one (within grace_s), then close."""
         started = time.monotonic()
-        self._admission.draining = True
-        self._servicer.draining = True
+        self._draining.begin()
         await self._health.enter_graceful_shutdown()
         in_flight = self._admission.in_flight
         finished = await self._admission.wait_idle(grace_s)

@@ -7,7 +7,8 @@ Policy. A lone request on an idle model is dispatched at once (it never waits fo
 While a batch runs, requests queue up; when an execution slot frees, everything compatible that
 waits is merged into the next run, up to `max_batch_size` rows. A partial batch waits up to
 `max_queue_delay_s` for company only when company is coming: another batch of this model runs,
-or (the `arrivals` hint) the server has received requests that have not reached a batcher yet.
+or (the `arrivals` signal the server hands in) requests have arrived that have not reached a
+batcher yet.
 Under load the gRPC layer, not the model, is often the slower stage; without that hint each
 request would run alone as it trickles in, at several times the per-request cost of a batch.
 
@@ -52,12 +53,15 @@ class BatcherClosed(Exception):
 
 
 class BatchFailed(Exception):
-    """The run of the batch this request was in raised; the cause is chained. `public` is what
-    a client may be told: no ONNX Runtime internals."""
+    """The run of the batch this request was in raised; the cause is chained.
 
-    def __init__(self, message: str, public: str) -> None:
+    public: what a client may be told (no ONNX Runtime internals); logged: whether the failure
+    and its traceback are in the log already (once per batch, not once per request)."""
+
+    def __init__(self, message: str, *, public: str, logged: bool) -> None:
         super().__init__(message)
         self.public = public
+        self.logged = logged
 
 
 @dataclass(slots=True)
@@ -146,6 +150,14 @@ class BatchObserver(Protocol):
     def on_queue_depth(self, depth: int) -> None: ...
 
 
+class ArrivalSignal(Protocol):
+    """Requests on their way to a batcher: received by the server, not submitted yet (the
+    server's lifecycle.Arrivals). A hint that company is coming even while no batch runs."""
+
+    @property
+    def arriving(self) -> int: ...
+
+
 @dataclass(slots=True)
 class _Pending:
     work: Work
@@ -156,7 +168,7 @@ class _Pending:
 
 class Batcher:
     def __init__(self, name: str, run_batch: RunBatch, policy: BatchPolicy,
-                 observer: BatchObserver | None = None, arrivals: Callable[[], int] | None = None) -> None:
+                 observer: BatchObserver | None = None, arrivals: ArrivalSignal | None = None) -> None:
         self.name = name
         self._run_batch = run_batch
         self.policy = policy
@@ -167,10 +179,7 @@ class Batcher:
         self._slots = asyncio.Semaphore(policy.batches_in_flight)
         self._running: set[asyncio.Task] = set()
         self._computing = 0  # batches between dispatch and the release of their slot
-        self._computing_requests = 0  # requests in those batches
-        # How many requests the server has received but not yet submitted to any batcher: a
-        # hint that company is on its way even while no batch runs (see _company_coming).
-        self._arrivals = arrivals
+        self._arrivals = arrivals  # see _company_coming
         self._executor = ThreadPoolExecutor(max_workers=policy.batches_in_flight, thread_name_prefix=f"run-{name}")
         self._closing = False
         self._loop_task: asyncio.Task | None = None
@@ -179,15 +188,10 @@ class Batcher:
     def queue_depth(self) -> int:
         return len(self._pending)
 
-    @property
-    def requests_inside(self) -> int:
-        """Requests queued or being computed."""
-        return len(self._pending) + self._computing_requests
-
     def _company_coming(self) -> bool:
         """Worth waiting for: another batch runs, or requests are on their way in (received,
         not yet submitted). A lone request on an idle server sees neither and goes at once."""
-        return self._computing > 0 or (self._arrivals is not None and self._arrivals() > 0)
+        return self._computing > 0 or (self._arrivals is not None and self._arrivals.arriving > 0)
 
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._collect_forever(), name=f"batcher-{self.name}")
@@ -248,7 +252,6 @@ class Batcher:
                 self._slots.release()
                 continue
             self._computing += 1
-            self._computing_requests += len(batch)
             task = asyncio.get_running_loop().create_task(self._run(batch))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
@@ -336,13 +339,12 @@ class Batcher:
                     failure = BatchFailed(
                         f"model {self.name}: the batch this request was in failed: {type(err).__name__}: {err}",
                         public=f"model {self.name}: the batch this request was in failed "
-                               f"({type(err).__name__}; the server log has the traceback)")
+                               f"({type(err).__name__}; the server log has the traceback)",
+                        logged=True)  # just above, once for the batch
                     failure.__cause__ = err
-                    failure._logged = True  # the traceback is above, once for the batch
                     p.future.set_exception(failure)
         finally:
             self._computing -= 1
-            self._computing_requests -= len(batch)
             self._slots.release()
             self._wakeup.set()  # a partial batch waiting for company stops waiting once the model idles
             if self._observer is not None:

@@ -9,12 +9,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from dataclasses import dataclass, field
+import types
+import typing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 ENV_PREFIX = "ATTNSERVE_"
 DEVICES = ("cpu", "cuda", "auto")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # any case
 # gRPC's 4 MiB default is too small for real requests (4 x 200 x 512 float32 is 4.9 MB).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -39,7 +42,7 @@ class ServerConfig:
     grace_period_s: float = 30.0  # on SIGTERM: time to finish accepted requests
     model_versions: tuple[tuple[str, int], ...] = ()  # pins, e.g. (("self_attention", 1),)
     ready_file: Path | None = None  # written with the bound ports once serving (tests, scripts)
-    log_level: str = "INFO"
+    log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR, any case
     access_log: bool = False
     # Security (server/security.py). TLS when both cert and key are given; mutual TLS (client
     # certificates required) when a client CA is given too; bearer tokens when a token file is.
@@ -51,6 +54,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)} (any case), got {self.log_level!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not -1 <= self.metrics_port <= 65535:
@@ -131,19 +136,30 @@ def _parse_pins(text: str) -> tuple[tuple[str, int], ...]:
     return tuple(pins)
 
 
-def _converter(f: dataclasses.Field) -> Any:
-    if f.name == "model_versions":
-        return _parse_pins
-    if f.name == "access_log":
-        return _parse_bool
-    annotation = str(f.type)
-    if "Path" in annotation:
-        return Path
-    if "float" in annotation:
-        return float
-    if "int" in annotation:
-        return int
-    return str
+# How a flag's or variable's text becomes a field's value, by the field's type (`X | None`: X's).
+_PARSERS: dict[Any, Callable[[str], Any]] = {
+    int: int,
+    float: float,
+    str: str,
+    bool: _parse_bool,
+    Path: Path,
+    tuple[tuple[str, int], ...]: _parse_pins,
+}
+
+
+def _parser_for(name: str, hint: Any) -> Callable[[str], Any]:
+    if isinstance(hint, types.UnionType):  # X | None
+        args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        hint = args[0] if len(args) == 1 else hint
+    try:
+        return _PARSERS[hint]
+    except KeyError:
+        raise TypeError(f"ServerConfig.{name}: no parser for {hint!r}; add one to _PARSERS") from None
+
+
+# Each field's parser, resolved once from its real type (not from the annotation's text).
+_FIELD_PARSERS: dict[str, Callable[[str], Any]] = {
+    name: _parser_for(name, hint) for name, hint in typing.get_type_hints(ServerConfig).items()}
 
 
 def build_parser(prog: str = "attnserve serve") -> argparse.ArgumentParser:
@@ -158,7 +174,7 @@ def build_parser(prog: str = "attnserve serve") -> argparse.ArgumentParser:
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             dest=f.name,
-            type=_converter(f),
+            type=_FIELD_PARSERS[f.name],
             default=None,
             help=f"{_HELP[f.name]} [env {env_name(f.name)}; default {shown}]",
         )
@@ -176,7 +192,7 @@ def load_config(argv: list[str] | None = None, environ: Mapping[str, str] | None
         given = getattr(args, f.name)
         if given is None and env_name(f.name) in environ:
             try:
-                given = _converter(f)(environ[env_name(f.name)])
+                given = _FIELD_PARSERS[f.name](environ[env_name(f.name)])
             except ValueError as err:
                 parser.error(f"{env_name(f.name)}: {err}")
         if given is not None:

@@ -1,6 +1,8 @@
 """The models a server process serves: load each one, keep the ones that fail with their reason.
 
-Knows nothing of gRPC: lookups raise ModelNotFound / ModelUnavailable, which service.py maps.
+Knows nothing of gRPC: lookups raise ModelNotFound / ModelUnavailable, which server.errors maps.
+Each model's batches are computed by an ONNX Runtime Engine, or by what a RunBatchFactory
+given to `load` makes (bench.floor's zeros: the whole stack, without a model).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from attnserve.server.batcher import Batcher, BatchPolicy
+from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch
 from attnserve.server.codec import Limits
 from attnserve.server.config import ServerConfig
 from attnserve.server.engine import DeviceChoice, Engine
@@ -28,10 +30,14 @@ class ModelUnavailable(RuntimeError):
     """The model exists but failed to load; the message says why."""
 
 
+# The blocking run of a model's batches, made from its spec. ModelRegistry.load's default is an
+# ONNX Runtime Engine on the chosen device; the one seam for running the server without a model.
+RunBatchFactory = Callable[[ModelSpec], RunBatch]
+
+
 @dataclass
 class LoadedModel:
     spec: ModelSpec
-    engine: Engine
     batcher: Batcher
     limits: Limits
 
@@ -43,16 +49,21 @@ class ModelRegistry:
 
     @classmethod
     def load(cls, config: ServerConfig, device: DeviceChoice, metrics: Metrics,
-             arrivals: Callable[[], int] | None = None) -> "ModelRegistry":
+             arrivals: ArrivalSignal | None = None, run_batch: RunBatchFactory | None = None) -> "ModelRegistry":
         """Load every model of the repository; a model that fails is logged and kept as failed.
-        `arrivals` counts requests received but not yet submitted (the batchers' hint)."""
+        arrivals: requests received but not yet submitted (each batcher's hint of company).
+        run_batch: makes each model's run instead of an ONNX Runtime Engine (bench.floor)."""
         registry = cls()
         root = Path(config.model_repository)
         pins = config.pinned_versions
         for name in model_names(root):
             try:
                 spec = read_model_spec(root / name, pins.get(name))
-                engine = Engine(spec, device, config.intra_op_threads)
+                if run_batch is None:
+                    engine = Engine(spec, device, config.intra_op_threads)
+                    run, runs_on = engine.run, ",".join(engine.providers)
+                else:
+                    run, runs_on = run_batch(spec), "a run_batch given to the server, no ONNX Runtime"
             except Exception as err:  # corrupt graphs raise onnxruntime's own exception types
                 reason = f"{type(err).__name__}: {err}" if not isinstance(err, ModelLoadError) else str(err)
                 registry.failed[name] = reason
@@ -69,13 +80,12 @@ class ModelRegistry:
                 # A merged batch's attention matrix obeys the same bound as one request's.
                 max_batch_scores=max(config.max_attention_bytes // (4 * spec.num_heads), 1),
             )
-            batcher = Batcher(name, engine.run, policy, metrics.observer(name), arrivals)
+            batcher = Batcher(name, run, policy, metrics.observer(name), arrivals)
             limits = Limits(spec.max_q_len, spec.max_kv_len, config.max_attention_bytes,
                             max_response_bytes=config.max_message_bytes)
-            registry.loaded[name] = LoadedModel(spec, engine, batcher, limits)
+            registry.loaded[name] = LoadedModel(spec, batcher, limits)
             logger.info("model %s version %d ready on %s (max_batch_size=%d, max_queue_delay_ms=%.2f)",
-                        name, spec.version, ",".join(engine.providers), policy.max_batch_size,
-                        policy.max_queue_delay_s * 1000)
+                        name, spec.version, runs_on, policy.max_batch_size, policy.max_queue_delay_s * 1000)
         for name in pins:
             if name not in registry.loaded and name not in registry.failed:
                 logger.warning("pinned model %s is not in the repository %s", name, root)
@@ -91,10 +101,6 @@ class ModelRegistry:
             raise ModelNotFound(f"model {name} version {version!r} is not loaded (loaded: {model.spec.version}, "
                                 f"on disk: {list(model.spec.available_versions)})")
         return model
-
-    def requests_inside(self) -> int:
-        """Requests queued or being computed, all models together."""
-        return sum(model.batcher.requests_inside for model in self.loaded.values())
 
     def ready(self, name: str, version: str = "") -> bool:
         try:

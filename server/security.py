@@ -1,8 +1,7 @@
-"""Callers the server does not trust: TLS, mutual TLS, bearer tokens, messages that do not parse.
+"""Callers the server does not trust: TLS, mutual TLS, bearer tokens.
 
     credentials = server_credentials(config)  # None: plaintext
     token = bearer_token(config)  # None: no token asked for; used by server.gate per call
-    handler = tolerant_handler(handler)  # parses its own message: garbage -> INVALID_ARGUMENT
 
 TLS is served when --tls-cert and --tls-key are given; with --tls-client-ca too, every client
 must present a certificate that chains to it (mutual TLS). Files are read and checked once, at
@@ -12,17 +11,14 @@ says which file and why) instead of a failure at the first handshake.
 With --auth-token-file every call must carry `authorization: Bearer <token>`; the value is
 compared in constant time (hmac.compare_digest) and anything else is refused with
 UNAUTHENTICATED before the call's handler sees it (server.gate asks BearerToken when the
-headers arrive). The standard health service and server reflection stay open, so load balancers
-and probes need no secret. Neither the token nor any metadata value is ever logged.
-
-tolerant_handler() makes a handler answer a message that does not parse as its RPC's request
-type with INVALID_ARGUMENT (gRPC's own answer is UNKNOWN, with a traceback logged per message).
+headers arrive, and answers REFUSAL through server.errors). The standard health service and
+server reflection stay open, so load balancers and probes need no secret. Neither the token nor
+any metadata value is ever logged.
 """
 
 from __future__ import annotations
 
 import hmac
-import inspect
 import ipaddress
 import logging
 import ssl
@@ -43,6 +39,8 @@ OPEN_METHOD_PREFIXES = (
     "/grpc.reflection.v1.ServerReflection/",
 )
 _REFUSAL_LOG_EVERY_S = 10.0  # refusals are counted; the log gets one line per interval at most
+# What a refused caller is told (with UNAUTHENTICATED).
+REFUSAL = "missing or invalid bearer token: send metadata 'authorization: Bearer <token>'"
 
 
 class SecurityError(RuntimeError):
@@ -135,10 +133,8 @@ def _is_loopback(host: str) -> bool:
 class BearerToken:
     """Admits a call only with exactly one `authorization: Bearer <token>` header whose token
     equals the configured one (constant-time comparison); OPEN_METHOD_PREFIXES need none.
-
-    A refused call never reaches its handler: `refusal` answers UNAUTHENTICATED from a handler
-    that reads no message (a request-streaming handler runs as soon as the headers arrive, so
-    the body, however large, is never parsed)."""
+    A refused call never reaches its handler: server.gate answers it without reading its
+    message, and reports it here (note_refusal) to be counted and logged."""
 
     def __init__(self, token: bytes, open_prefixes: tuple[str, ...] = OPEN_METHOD_PREFIXES) -> None:
         if not token:
@@ -167,16 +163,7 @@ class BearerToken:
         matches = hmac.compare_digest(credential.strip(), self._token)
         return matches and scheme.lower() == b"bearer"
 
-    def refusal(self, method: str) -> grpc.RpcMethodHandler:
-        async def refuse(request_iterator, context):
-            self._note_refusal(method, context.peer())
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or invalid bearer token: send metadata 'authorization: Bearer <token>'")
-
-        # Request-streaming, with no deserializer: runs without waiting for or parsing the message.
-        return grpc.stream_unary_rpc_method_handler(refuse)
-
-    def _note_refusal(self, method: str, peer: str) -> None:
+    def note_refusal(self, method: str, peer: str) -> None:
         self.refused += 1
         self._refused_unlogged += 1
         now = time.monotonic()
@@ -185,108 +172,3 @@ class BearerToken:
                            self._refused_unlogged, method, peer)
             self._refused_unlogged = 0
             self._last_log = now
-
-
-class _Malformed:
-    __slots__ = ("error",)
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-
-def _tolerant(deserializer):
-    def parse(data: bytes):
-        try:
-            return deserializer(data)
-        except Exception as err:  # protobuf's DecodeError, or anything a deserializer raises
-            return _Malformed(err)
-
-    return parse
-
-
-class MalformedMessage(Exception):
-    """A message of a request stream did not parse; raised where the handler reads it, so the
-    handler's answers to the messages before it still go out, then the stream ends."""
-
-    def __init__(self, malformed: _Malformed) -> None:
-        super().__init__(str(malformed.error))
-        self.malformed = malformed
-
-
-async def _refuse_malformed(context, malformed: _Malformed) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"the request message does not parse: {type(malformed.error).__name__}: {malformed.error}")
-
-
-async def _checked(requests):
-    async for request in requests:
-        if isinstance(request, _Malformed):
-            raise MalformedMessage(request)
-        yield request
-
-
-def tolerant_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """The same handler, parsing its own messages: one that does not parse is answered
-    INVALID_ARGUMENT by the handler's own call (so the call counts as started and finished for
-    draining), instead of gRPC's UNKNOWN and a logged traceback. Build once per method."""
-    if handler.request_deserializer is None:
-        return handler
-    return _guard(handler)
-
-
-def _guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    parse = _tolerant(handler.request_deserializer)
-    if handler.unary_unary is not None and inspect.iscoroutinefunction(handler.unary_unary):
-        inner = handler.unary_unary
-
-        async def unary_unary(request, context):
-            if isinstance(request, _Malformed):
-                await _refuse_malformed(context, request)
-            return await inner(request, context)
-
-        return handler._replace(request_deserializer=parse, unary_unary=unary_unary)
-    if handler.unary_stream is not None:
-        inner = handler.unary_stream
-        if inspect.isasyncgenfunction(inner):
-            async def unary_stream(request, context):
-                if isinstance(request, _Malformed):
-                    await _refuse_malformed(context, request)
-                async for response in inner(request, context):
-                    yield response
-        elif inspect.iscoroutinefunction(inner):
-            async def unary_stream(request, context):  # writes its responses with context.write
-                if isinstance(request, _Malformed):
-                    await _refuse_malformed(context, request)
-                return await inner(request, context)
-        else:
-            return handler
-        return handler._replace(request_deserializer=parse, unary_stream=unary_stream)
-    if handler.stream_unary is not None and inspect.iscoroutinefunction(handler.stream_unary):
-        inner = handler.stream_unary
-
-        async def stream_unary(requests, context):
-            try:
-                return await inner(_checked(requests), context)
-            except MalformedMessage as err:
-                await _refuse_malformed(context, err.malformed)
-
-        return handler._replace(request_deserializer=parse, stream_unary=stream_unary)
-    if handler.stream_stream is not None:
-        inner = handler.stream_stream
-        if inspect.isasyncgenfunction(inner):
-            async def stream_stream(requests, context):
-                try:
-                    async for response in inner(_checked(requests), context):
-                        yield response
-                except MalformedMessage as err:
-                    await _refuse_malformed(context, err.malformed)
-        elif inspect.iscoroutinefunction(inner):
-            async def stream_stream(requests, context):
-                try:
-                    return await inner(_checked(requests), context)
-                except MalformedMessage as err:
-                    await _refuse_malformed(context, err.malformed)
-        else:
-            return handler
-        return handler._replace(request_deserializer=parse, stream_stream=stream_stream)
-    return handler  # a synchronous handler: left as gRPC runs it

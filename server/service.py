@@ -1,26 +1,25 @@
-"""The Open Inference Protocol servicer: decode -> submit -> encode, errors -> status codes once.
+"""The Open Inference Protocol servicer: decode -> submit -> encode; errors -> server.errors.
 
 Also Triton's ModelConfig and ModelStatistics extensions, which perf_analyzer and tritonclient
-call. Protobuf stops here: below this module everything is numpy.
+call. Protobuf stops here: below this module everything is numpy. Every error becomes its
+status in server.errors: `_mapped_errors` for the metadata RPCs, `_answered` for each inference
+request (ModelInfer's, and each of a stream's).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import functools
 import time
-
-import grpc
 
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server import __version__, codec
-from attnserve.server.batcher import BatcherClosed, DeadlineExpired, QueueFull
+from attnserve.server.errors import CANCELLED, OK, Status, abort, status_for
+from attnserve.server.lifecycle import Draining
 from attnserve.server.metrics import Metrics
-from attnserve.server.models import ModelNotFound, ModelRegistry, ModelUnavailable
+from attnserve.server.models import ModelNotFound, ModelRegistry
 from attnserve.contract import TensorSpec
-
-logger = logging.getLogger(__name__)
 
 SERVER_NAME = "attnserve"
 # Requests of one ModelStreamInfer stream in the server at once; reading pauses beyond it.
@@ -30,26 +29,17 @@ EXTENSIONS = ("model_configuration", "statistics")  # "model_repository" also me
 READY, UNAVAILABLE = "READY", "UNAVAILABLE"
 
 
-# Every error the servicer can meet, mapped once. Anything else is INTERNAL, logged once.
-_STATUS: dict[type[BaseException], grpc.StatusCode] = {
-    ValueError: grpc.StatusCode.INVALID_ARGUMENT,
-    ModelNotFound: grpc.StatusCode.NOT_FOUND,
-    ModelUnavailable: grpc.StatusCode.UNAVAILABLE,
-    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    DeadlineExpired: grpc.StatusCode.DEADLINE_EXCEEDED,
-    BatcherClosed: grpc.StatusCode.UNAVAILABLE,
-}
+def _mapped_errors(rpc):
+    """A unary RPC whose errors end the call with their status (server.errors)."""
 
+    @functools.wraps(rpc)
+    async def handler(self, request, context):
+        try:
+            return await rpc(self, request, context)
+        except Exception as err:
+            await abort(context, err)
 
-def status_for(err: BaseException) -> tuple[grpc.StatusCode, str]:
-    for cls in type(err).__mro__:
-        if cls in _STATUS:
-            return _STATUS[cls], str(err)
-    if not getattr(err, "_logged", False):
-        logger.error("internal error: %s", err, exc_info=err)
-    # Clients learn that it failed and where to look, not the internals (paths, library text).
-    public = getattr(err, "public", None) or f"internal error ({type(err).__name__}); the server log has the details"
-    return grpc.StatusCode.INTERNAL, public
+    return handler
 
 
 _DATA_TYPES = {"FP32": pb.TYPE_FP32, "BOOL": pb.TYPE_BOOL}
@@ -64,43 +54,41 @@ def _duration(d) -> pb.StatisticDuration:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, registry: ModelRegistry, metrics: Metrics) -> None:
+    def __init__(self, registry: ModelRegistry, metrics: Metrics, draining: Draining) -> None:
+        """draining: the server's (shared with server.gate): not ready from SIGTERM on."""
         self._registry = registry
         self._metrics = metrics
-        self.draining = False
+        self._draining = draining
 
     # -- health and metadata -----------------------------------------------------------------
 
+    @_mapped_errors
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
 
+    @_mapped_errors
     async def ServerReady(self, request, context):
-        return pb.ServerReadyResponse(ready=not self.draining and bool(self._registry.loaded))
+        return pb.ServerReadyResponse(ready=not self._draining.active and bool(self._registry.loaded))
 
+    @_mapped_errors
     async def ModelReady(self, request, context):
-        try:
-            ready = self._registry.ready(request.name, request.version)
-        except Exception as err:
-            await context.abort(*status_for(err))
-        return pb.ModelReadyResponse(ready=ready and not self.draining)
+        ready = self._registry.ready(request.name, request.version)
+        return pb.ModelReadyResponse(ready=ready and not self._draining.active)
 
+    @_mapped_errors
     async def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=__version__, extensions=EXTENSIONS)
 
+    @_mapped_errors
     async def ModelMetadata(self, request, context):
-        try:
-            spec = self._registry.get(request.name, request.version).spec
-        except Exception as err:
-            await context.abort(*status_for(err))
+        spec = self._registry.get(request.name, request.version).spec
         return pb.ModelMetadataResponse(
             name=spec.name, versions=[str(spec.version)], platform=spec.platform,
             inputs=[_tensor_metadata(t) for t in spec.inputs], outputs=[_tensor_metadata(t) for t in spec.outputs])
 
+    @_mapped_errors
     async def ModelConfig(self, request, context):
-        try:
-            spec = self._registry.get(request.name, request.version).spec
-        except Exception as err:
-            await context.abort(*status_for(err))
+        spec = self._registry.get(request.name, request.version).spec
         config = pb.ModelConfig(
             name=spec.name, platform=spec.platform, backend="onnxruntime",
             max_batch_size=0,  # the batch dim is explicit in every shape; the server batches itself
@@ -110,13 +98,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     for t in spec.outputs])
         return pb.ModelConfigResponse(config=config)
 
+    @_mapped_errors
     async def RepositoryIndex(self, request, context):
         """Every model of the repository: READY with its version, or UNAVAILABLE with the reason
         it failed to load (`ready: true` asks for the ready ones only)."""
         if request.repository_name:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"unknown repository {request.repository_name[:200]!r}: this server serves one, "
-                                "ask with an empty repository_name")
+            raise ModelNotFound(f"unknown repository {request.repository_name[:200]!r}: this server serves "
+                                "one, ask with an empty repository_name")
         response = pb.RepositoryIndexResponse()
         for name in sorted({*self._registry.loaded, *self._registry.failed}):
             model = self._registry.loaded.get(name)
@@ -126,14 +114,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 response.models.add(name=name, state=UNAVAILABLE, reason=self._registry.failed[name])
         return response
 
+    @_mapped_errors
     async def ModelStatistics(self, request, context):
         names = [request.name] if request.name else sorted(self._registry.loaded)
         response = pb.ModelStatisticsResponse()
         for name in names:
-            try:
-                spec = self._registry.get(name, request.version).spec
-            except Exception as err:
-                await context.abort(*status_for(err))
+            spec = self._registry.get(name, request.version).spec
             s = self._metrics.statistics[name]
             response.model_stats.add(
                 name=name, version=str(spec.version), last_inference=s.last_inference_ms,
@@ -152,7 +138,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(self, request: pb.ModelInferRequest, time_remaining: float | None) -> pb.ModelInferResponse:
         # Draining is decided per call when its headers arrive (server.gate), not here: a
-        # call admitted before SIGTERM is served even if its message arrives after.
+        # call admitted before SIGTERM is served even if its message arrives after. No await
+        # before submit: lifecycle.Arrivals counts a request as on its way until its handler
+        # starts, and the batcher must find it queued from then on.
         model = self._registry.get(request.model_name, request.model_version)
         decoded = codec.decode(request, model.spec, model.limits)
         deadline = None if time_remaining is None else time.monotonic() + time_remaining
@@ -164,20 +152,28 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         known = model_name in self._registry.loaded or model_name in self._registry.failed
         return model_name if known else "_unknown"
 
-    async def ModelInfer(self, request, context):
+    async def _answered(self, request: pb.ModelInferRequest, context) -> tuple[pb.ModelInferResponse | None, Status]:
+        """One inference request: its response and OK, or None and the status for what was
+        raised. Its outcome is counted in the metrics either way; cancelled (the client went
+        away), it is counted as CANCELLED and the cancellation goes on."""
         started = time.monotonic()
-        code = grpc.StatusCode.OK
+        status = CANCELLED
         try:
-            return await self._infer(request, context.time_remaining())
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED  # the client went away; its request was dropped
-            raise
+            response = await self._infer(request, context.time_remaining())
+            status = OK
+            return response, status
         except Exception as err:
-            code, details = status_for(err)
-            await context.abort(code, details)
+            status = status_for(err)
+            return None, status
         finally:
-            self._metrics.request_done(self._metric_label(request.model_name), code.name,
+            self._metrics.request_done(self._metric_label(request.model_name), status.code.name,
                                        time.monotonic() - started)
+
+    async def ModelInfer(self, request, context):
+        response, status = await self._answered(request, context)
+        if response is None:
+            await context.abort(status.code, status.details)
+        return response
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Requests are read and submitted as they arrive, so the requests of one stream batch
@@ -205,17 +201,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await answers.put(None)
 
     async def _stream_answer(self, request: pb.ModelInferRequest, context) -> pb.ModelStreamInferResponse:
-        started = time.monotonic()
-        code = grpc.StatusCode.CANCELLED  # unless it ends otherwise: the stream went away
-        try:
-            response = await self._infer(request, context.time_remaining())
-            code = grpc.StatusCode.OK
-            return pb.ModelStreamInferResponse(infer_response=response)
-        except Exception as err:
-            code, details = status_for(err)
+        response, status = await self._answered(request, context)
+        if response is None:  # the stream goes on
             return pb.ModelStreamInferResponse(
-                error_message=f"{code.name}: {details}",
+                error_message=status.stream_message(),
                 infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id))
-        finally:
-            self._metrics.request_done(self._metric_label(request.model_name), code.name,
-                                       time.monotonic() - started)
+        return pb.ModelStreamInferResponse(infer_response=response)

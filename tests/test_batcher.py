@@ -28,6 +28,7 @@ from attnserve.server.batcher import (
     merge,
     split,
 )
+from attnserve.server.lifecycle import Arrivals
 
 QUERY_DIM = KV_DIM = OUT_DIM = 16
 NUM_HEADS, HEAD_DIM = 2, 8
@@ -172,8 +173,9 @@ async def wait_until(predicate, timeout_s: float = 2.0) -> None:
         await asyncio.sleep(0.001)
 
 
-async def started(model: Model, policy: BatchPolicy, observer: Observer | None = None) -> Batcher:
-    batcher = Batcher("test", model, policy, observer)
+async def started(model: Model, policy: BatchPolicy, observer: Observer | None = None,
+                  arrivals: Arrivals | None = None) -> Batcher:
+    batcher = Batcher("test", model, policy, observer, arrivals)
     batcher.start()
     return batcher
 
@@ -510,6 +512,7 @@ def test_failing_run_fails_each_request_of_that_batch_once_and_batcher_keeps_ser
         assert isinstance(err, BatchFailed)
         assert err.__cause__ is boom
         assert "device lost" in str(err)
+        assert err.logged and "device lost" not in err.public  # logged once; the client gets no internals
     assert len({id(err) for err in outcomes}) == 3  # one exception per request
     assert [s.failed for s in observer.batches] == [True, False]
     assert_matches_alone(after, after_result)
@@ -609,6 +612,48 @@ def test_two_batches_in_flight_partial_batch_waits_only_while_another_runs():
         assert r.batch_requests == 2  # a and b waited for each other
     assert len(model.calls) == 3
     assert idle_s < 0.15, f"the partial batch waited {idle_s:.3f}s after the model went idle"
+
+
+# -- requests on their way (the server's Arrivals) -------------------------------------------
+
+
+def test_idle_model_waits_for_requests_on_their_way_and_only_for_them():
+    """With the model idle, a request waits for company only while the server's Arrivals says a
+    request is on its way; once that one is submitted, the two run as one batch, long before
+    max_queue_delay_s."""
+    async def main():
+        model = Model()
+        arrivals = Arrivals()
+        batcher = await started(model, BatchPolicy(max_batch_size=2, max_queue_delay_s=0.3), arrivals=arrivals)
+        try:
+            ticket = arrivals.came(unary=True)  # headers in, message on its way
+            a, b = make_work(), make_work()
+            t0 = time.monotonic()
+            task_a = asyncio.create_task(batcher.submit(a))
+            await asyncio.sleep(0.02)
+            assert model.calls == [], "ran alone while a request was on its way"
+            arrivals.started(ticket)  # its handler runs and submits, as the servicer does
+            result_b = await batcher.submit(b)
+            result_a = await task_a
+            together_s = time.monotonic() - t0
+
+            arrivals.came(unary=False)  # a stream: not a request on its way
+            t1 = time.monotonic()
+            lone = make_work()
+            lone_result = await batcher.submit(lone)
+            lone_s = time.monotonic() - t1
+        finally:
+            await stop(batcher, model)
+        return model, (a, b), (result_a, result_b), together_s, lone, lone_result, lone_s
+
+    model, works, results, together_s, lone, lone_result, lone_s = asyncio.run(main())
+    for w, r in zip(works, results):
+        assert_matches_alone(w, r)
+        assert r.batch_requests == 2
+    assert together_s < 0.2, f"waited {together_s:.3f}s: the whole max_queue_delay_s, not for its company"
+    assert_matches_alone(lone, lone_result)
+    assert lone_result.batch_requests == 1 and lone_s < 0.1
+    assert [c.rows for c in model.calls] == [2, 1]
 
 
 # -- merge / split / Work ---------------------------------------------------------------------

@@ -29,3 +29,19 @@ def test_bench_runs_and_writes_its_report(model_repository, tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "goal c32 throughput" not in done.stdout  # no level 32 was run: no verdict printed for it
     assert "÷ in-proc b32" in done.stdout and "floor: same stack, no model" in done.stdout
+
+
+def test_the_floor_computes_zeros_of_the_graphs_shapes(model_repository):
+    import numpy as np
+
+    from attnserve.server.repository import read_model_spec
+    from bench.floor import zeros
+
+    spec = read_model_spec(model_repository / "cross_attention")  # out_dim 32, 2 heads
+    run = zeros(spec)
+    feeds = {"query": np.ones((3, 5, 32), np.float32), "key": np.ones((3, 7, 32), np.float32),
+             "value": np.ones((3, 7, 32), np.float32), "mask": np.ones((3, 5, 7), np.bool_)}
+    output, attn_probs = run(feeds, True)
+    assert output.shape == (3, 5, spec.out_dim) and attn_probs.shape == (3, spec.num_heads, 5, 7)
+    assert output.dtype == attn_probs.dtype == np.float32 and not output.any() and not attn_probs.any()
+    assert run(feeds, False)[1] is None

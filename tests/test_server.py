@@ -10,7 +10,7 @@ import zlib
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from attnserve.proto import inference_pb2 as pb
@@ -96,6 +96,27 @@ def test_health_service(server):
     with pytest.raises(grpc.RpcError) as exc:
         server.health("no_such_model")
     assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_health_watch_and_list_through_the_gate(server):
+    """Watch (unary-stream) streams the status and parses its own message; List, which
+    grpc_health's aio servicer does not implement, is UNIMPLEMENTED without a logged traceback."""
+    log_before = len(server.log())
+    with server.channel() as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+        garbage = channel.unary_stream("/grpc.health.v1.Health/Watch")(b"\xff\xff not a request", timeout=10)
+        with pytest.raises(grpc.RpcError) as malformed:
+            next(garbage)
+        with pytest.raises(grpc.RpcError) as listed:
+            stub.List(health_pb2.HealthListRequest(), timeout=10)
+    assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not parse" in malformed.value.details()
+    assert listed.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    new_log = server.log()[log_before:]
+    assert "Traceback" not in new_log, new_log[-3000:]
 
 
 def test_reflection_lists_services(server):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -293,9 +295,33 @@ def test_bad_configuration_exits_2(argv, env, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_help_names_every_environment_variable():
-    import dataclasses
+def test_unknown_log_level_is_a_usage_error_not_a_traceback():
+    done = _run_server("--log-level", "verbose")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("usage: attnserve serve")
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert errors == ["attnserve serve: error: log_level must be one of DEBUG, INFO, WARNING, ERROR (any case), "
+                      "got 'verbose'"]
 
+
+@pytest.mark.parametrize("level", ["debug", "Warning", "ERROR"])
+def test_log_level_is_any_case(level):
+    assert load_config(["--log-level", level], {}).log_level == level
+
+
+def test_every_setting_has_a_parser_for_its_type():
+    from attnserve.server.config import _FIELD_PARSERS
+
+    assert set(_FIELD_PARSERS) == {f.name for f in dataclasses.fields(ServerConfig)}
+    env = {"ATTNSERVE_MAX_QUEUE_DELAY_MS": "2.5", "ATTNSERVE_READY_FILE": "/tmp/r.json",
+           "ATTNSERVE_MAX_BATCH_SIZE": "3", "ATTNSERVE_LOG_LEVEL": "warning", "ATTNSERVE_ACCESS_LOG": "off"}
+    config = load_config([], env)
+    assert (config.max_queue_delay_ms, config.ready_file, config.max_batch_size, config.log_level,
+            config.access_log) == (2.5, Path("/tmp/r.json"), 3, "warning", False)
+
+
+def test_help_names_every_environment_variable():
     done = _run_server("--help")
     assert done.returncode == 0
     for f in dataclasses.fields(ServerConfig):

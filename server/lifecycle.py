@@ -1,0 +1,131 @@
+"""The state of the server's calls that several layers share; created once by app.Server.
+
+    draining = Draining()            # the gate refuses new inference calls, the servicer says not ready
+    arrivals = Arrivals()            # each Batcher reads arrivals.arriving
+    admission = Admission(arrivals)  # the gate counts inference calls; Server.stop waits on it
+
+Knows nothing of gRPC: the gate (server.gate) reports what gRPC tells it, when each call's
+headers arrive and when its handler starts and returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+
+class Draining:
+    """Whether the server is draining (SIGTERM came). One object for the gate, which refuses
+    inference calls that start from then on, and the servicer, whose readiness turns false."""
+
+    def __init__(self) -> None:
+        self._active = False
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def begin(self) -> None:
+        self._active = True
+
+
+class Arrivals:
+    """Inference calls on their way in: their headers have arrived, their handler has not started
+    (the message is still arriving, or being parsed).
+
+    `arriving` counts the unary ones among them: requests a batcher will see soon, since a
+    ModelInfer handler decodes and submits its request without yielding to the event loop.
+    While it is above zero a batcher lets a partial batch wait (up to its max_queue_delay_s) for
+    them; under load gRPC, not the model, is often the slower stage, and without the signal each
+    request would run alone as it trickles in. Streams are left out of `arriving`: a stream stays
+    open for long and its messages come when they come.
+
+    gRPC never runs the handler of a call whose message does not arrive (client gone, deadline
+    hit on the way), so a call is forgotten TIMEOUT_S after its headers came."""
+
+    TIMEOUT_S = 10.0
+
+    def __init__(self) -> None:
+        # ticket -> (time.monotonic() its headers came, whether it is unary). Insertion order is
+        # arrival order, so the stale ones are always at the front.
+        self._calls: dict[int, tuple[float, bool]] = {}
+        self._unary = 0
+        self._tickets = itertools.count()
+
+    @property
+    def arriving(self) -> int:
+        """Unary inference calls whose headers came and whose request is not in a batcher yet."""
+        self._forget_stale()
+        return self._unary
+
+    @property
+    def calls(self) -> int:
+        """Every arriving inference call, streams included."""
+        self._forget_stale()
+        return len(self._calls)
+
+    def came(self, *, unary: bool) -> int:
+        """A call's headers arrived; returns its ticket."""
+        ticket = next(self._tickets)
+        self._calls[ticket] = (time.monotonic(), unary)
+        self._unary += unary
+        return ticket
+
+    def started(self, ticket: int) -> None:
+        """The call's handler runs: it is no longer arriving (unless already forgotten)."""
+        entry = self._calls.pop(ticket, None)
+        if entry is not None:
+            self._unary -= entry[1]
+
+    def _forget_stale(self) -> None:
+        too_old = time.monotonic() - self.TIMEOUT_S
+        while self._calls:
+            ticket, (came_at, unary) = next(iter(self._calls.items()))
+            if came_at >= too_old:
+                return
+            del self._calls[ticket]
+            self._unary -= unary
+
+
+class Admission:
+    """Inference calls in flight, what draining waits for: those still arriving (Arrivals),
+    counted from the moment their headers arrive, and those whose handler runs, counted until it
+    returns, whatever happens. A call whose headers came before SIGTERM is served even if its
+    message comes after."""
+
+    def __init__(self, arrivals: Arrivals) -> None:
+        self._arrivals = arrivals
+        self._running = 0
+        self._changed = asyncio.Event()
+
+    @property
+    def in_flight(self) -> int:
+        return self._running + self._arrivals.calls
+
+    def arrived(self, *, unary: bool) -> int:
+        """A call's headers arrived; returns its ticket for `started`."""
+        return self._arrivals.came(unary=unary)
+
+    def started(self, ticket: int) -> None:
+        self._arrivals.started(ticket)
+        self._running += 1
+
+    def finished(self) -> None:
+        self._running -= 1
+        self._changed.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once no admitted call is running or arriving; False if timeout_s passes first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.in_flight == 0:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._changed.clear()
+            try:  # wake on each finished call, and poll for arrivals that never come
+                await asyncio.wait_for(self._changed.wait(), min(remaining, 0.05))
+            except TimeoutError:
+                pass

@@ -1,0 +1,154 @@
+"""The gate in process: which handlers it wraps, and the call accounting it keeps (server.lifecycle).
+
+The end-to-end behaviour (tokens, draining, garbage messages) is tested against real server
+processes in test_security, test_server_lifecycle, test_fuzz and test_server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health
+
+from attnserve.server.app import SERVICE_NAME, method_handlers
+from attnserve.server.gate import CallGate, HandlerTable
+from attnserve.server.lifecycle import Admission, Arrivals, Draining
+from attnserve.server.metrics import Metrics
+from attnserve.server.models import ModelRegistry
+from attnserve.server.parsing import SUPPORTED_KINDS, handler_kind
+from attnserve.server.service import InferenceServicer
+
+
+def _served() -> dict[str, grpc.RpcMethodHandler]:
+    return method_handlers(InferenceServicer(ModelRegistry(), Metrics(), Draining()), health.aio.HealthServicer())
+
+
+def test_every_registered_method_has_a_kind_the_gate_wraps():
+    handlers = _served()
+    kinds = {method: handler_kind(h) for method, h in handlers.items()}
+    assert {method: kind for method, kind in kinds.items() if kind not in SUPPORTED_KINDS} == {}
+    # The kinds that make the gate's wrappers necessary, each reached by a registered method.
+    assert kinds[f"/{SERVICE_NAME}/ModelInfer"] == ("unary_unary", "coroutine")
+    assert kinds[f"/{SERVICE_NAME}/ModelStreamInfer"] == ("stream_stream", "async generator")
+    assert kinds["/grpc.health.v1.Health/Check"] == ("unary_unary", "coroutine")
+    assert kinds["/grpc.health.v1.Health/Watch"] == ("unary_stream", "coroutine")
+    assert kinds["/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"] == \
+        ("stream_stream", "async generator")
+    assert set(kinds.values()) == SUPPORTED_KINDS
+    CallGate(handlers, Admission(Arrivals()), Draining(), frozenset())  # builds without complaint
+
+
+def test_health_list_is_left_out_while_grpc_health_leaves_it_synchronous():
+    """Should grpc_health's aio servicer implement List one day, this fails: serve it then."""
+    from grpc_health.v1 import health_pb2_grpc
+
+    table = HandlerTable()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), table)
+    assert handler_kind(table.handlers["/grpc.health.v1.Health/List"]) == ("unary_unary", "function")
+    assert "/grpc.health.v1.Health/List" not in _served()
+
+
+def test_a_kind_the_gate_does_not_wrap_is_refused_at_startup():
+    def sync(request, context):
+        return request
+
+    async def writes(requests, context):  # stream-unary: no method of ours is one
+        return None
+
+    cases = {"/x.Y/Sync": grpc.unary_unary_rpc_method_handler(sync, request_deserializer=bytes),
+             "/x.Y/StreamUnary": grpc.stream_unary_rpc_method_handler(writes, request_deserializer=bytes)}
+    for method, handler in cases.items():
+        with pytest.raises(TypeError, match=method):
+            CallGate({method: handler}, Admission(Arrivals()), Draining(), frozenset())
+
+
+# -- lifecycle ---------------------------------------------------------------------------------
+
+
+def test_arrivals_count_unary_calls_until_their_handler_starts():
+    arrivals = Arrivals()
+    first = arrivals.came(unary=True)
+    stream = arrivals.came(unary=False)
+    second = arrivals.came(unary=True)
+    assert (arrivals.arriving, arrivals.calls) == (2, 3)  # streams are not requests on their way
+    arrivals.started(first)
+    arrivals.started(stream)
+    assert (arrivals.arriving, arrivals.calls) == (1, 1)
+    arrivals.started(second)
+    arrivals.started(second)  # twice, or after being forgotten: no effect
+    assert (arrivals.arriving, arrivals.calls) == (0, 0)
+
+
+def test_arrivals_whose_handler_never_runs_are_forgotten(monkeypatch):
+    import attnserve.server.lifecycle as lifecycle
+
+    now = [1000.0]
+    monkeypatch.setattr(lifecycle.time, "monotonic", lambda: now[0])
+    arrivals = Arrivals()
+    abandoned = arrivals.came(unary=True)  # headers came, the client went away
+    arrivals.came(unary=False)
+    now[0] += Arrivals.TIMEOUT_S / 2
+    recent = arrivals.came(unary=True)
+    assert (arrivals.arriving, arrivals.calls) == (2, 3)
+    now[0] += Arrivals.TIMEOUT_S / 2 + 0.001
+    assert (arrivals.arriving, arrivals.calls) == (1, 1)
+    arrivals.started(abandoned)  # late: already forgotten, counts nothing
+    assert arrivals.arriving == 1
+    arrivals.started(recent)
+    assert (arrivals.arriving, arrivals.calls) == (0, 0)
+
+
+def test_admission_waits_for_arriving_and_running_calls():
+    async def main():
+        arrivals = Arrivals()
+        admission = Admission(arrivals)
+        assert await admission.wait_idle(0.01)
+        ticket = admission.arrived(unary=True)
+        assert admission.in_flight == 1 and arrivals.arriving == 1
+        assert not await admission.wait_idle(0.01)  # its message is still on its way
+        admission.started(ticket)
+        assert admission.in_flight == 1 and arrivals.arriving == 0
+        waiting = asyncio.create_task(admission.wait_idle(5))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        admission.finished()
+        return await asyncio.wait_for(waiting, 1), admission.in_flight
+
+    assert asyncio.run(main()) == (True, 0)
+
+
+def test_one_draining_state_for_gate_and_servicer():
+    """Server.stop begins draining once: the gate refuses new inference calls (without reading
+    them, or counting them) and the servicer's readiness turns false, from the same object."""
+    draining = Draining()
+    registry = ModelRegistry()
+    registry.loaded["m"] = object()  # a loaded model, as far as readiness goes
+    servicer = InferenceServicer(registry, Metrics(), draining)
+    arrivals = Arrivals()
+    infer = f"/{SERVICE_NAME}/ModelInfer"
+    gate = CallGate(method_handlers(servicer, health.aio.HealthServicer()), Admission(arrivals), draining,
+                    frozenset({infer}))
+
+    def call(method: str) -> grpc.RpcMethodHandler:
+        return gate.service(_CallDetails(method, ()))
+
+    async def ready() -> bool:
+        return (await servicer.ServerReady(None, None)).ready
+
+    assert asyncio.run(ready())
+    admitted = call(infer)
+    assert admitted.unary_unary is not None and arrivals.arriving == 1
+    draining.begin()
+    refused = call(infer)
+    assert refused.stream_unary is not None and refused.request_deserializer is None  # never parsed
+    assert arrivals.arriving == 1  # the refused call is not counted
+    assert call(f"/{SERVICE_NAME}/ServerReady").unary_unary is not None  # metadata RPCs still answer
+    assert not asyncio.run(ready())
+
+
+class _CallDetails(grpc.HandlerCallDetails):
+    def __init__(self, method: str, invocation_metadata) -> None:
+        self.method = method
+        self.invocation_metadata = invocation_metadata
