@@ -8,6 +8,27 @@ package gives it), so the service stub imports ``from attnserve.proto import inf
 
 This is the only module that imports ``grpc_tools`` (grpcio-tools, a dev
 dependency); the server and client only need the generated files.
+
+Why grpcio-tools 1.72.1 (pinned in the dev extra). The generated ``inference_pb2.py`` calls
+``runtime_version.ValidateProtobufRuntimeVersion(major, minor, patch)`` with the version of the
+protoc inside grpcio-tools and refuses any protobuf runtime older than that ("Detected
+incompatible Protobuf Gencode/Runtime versions ... Runtime version cannot be older than the
+linked gencode version"); protobuf 7 accepts 6.x gencode (one major version back is within
+protobuf's cross-version runtime guarantee), silently. ``inference_pb2_grpc.py`` likewise
+refuses a grpcio older than its ``GRPC_GENERATED_VERSION``. So the generator's versions are the
+floor we can declare, and we generate with the oldest grpcio-tools whose stubs load on the whole
+range ``protobuf>=6.30.0,<8`` (tried by import and round trip on protobuf 6.30.0, 6.31.0,
+6.31.1, 6.33.5, 6.33.6, 7.34.0, 7.35.1, 7.36.2):
+
+* 1.72.1 writes gencode 6.30.0 and ``GRPC_GENERATED_VERSION = '1.72.1'``: hence
+  ``protobuf>=6.30.0,<8`` and grpcio, grpcio-health-checking, grpcio-reflection ``>=1.72.1`` in
+  pyproject.toml. (1.72.0 writes the same, but is yanked.)
+* 1.71.x writes gencode 5.29.0, two major versions behind protobuf 7 (outside the guarantee;
+  protobuf 6.30 and 6.31 already warn about it), and itself needs protobuf<6, so the dev
+  extra could not resolve beside tritonclient[grpc] (protobuf>=6.30,<7).
+* 1.73.x writes 6.31.0, 1.74-1.80 6.31.1, 1.81.1 6.33.5: each would only raise the floor.
+  1.82 and later write 7.35.x gencode, which no protobuf 6 loads, and tritonclient and KServe
+  need protobuf<7.
 """
 
 from __future__ import annotations
