@@ -29,6 +29,17 @@ range ``protobuf>=6.30.0,<8`` (tried by import and round trip on protobuf 6.30.0
 * 1.73.x writes 6.31.0, 1.74-1.80 6.31.1, 1.81.1 6.33.5: each would only raise the floor.
   1.82 and later write 7.35.x gencode, which no protobuf 6 loads, and tritonclient and KServe
   need protobuf<7.
+
+The messages register in a descriptor pool of their own (``_private_pool`` below), not in
+protobuf's process-wide default pool: tritonclient's grpc_service.proto and KServe's
+grpc_predict_v2.proto define the same ``inference.*`` names there, and a pool refuses a second
+definition of a name ("duplicate symbol 'inference.ServerLiveRequest'"). With the private pool
+``attnserve.proto`` imports beside either of them. The wire is unchanged: a message serializes
+the same whatever pool holds its descriptor. Server reflection is given a pool that holds this
+file (``attnserve.proto.reflection_pool``). This isolation holds on protobuf's default (upb)
+backend; the pure-Python one (PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python) also enters each
+generated message class in the default pool through the default symbol database, so there the
+conflict remains.
 """
 
 from __future__ import annotations
@@ -52,6 +63,23 @@ GENERATED = ("inference_pb2.py", "inference_pb2.pyi", "inference_pb2_grpc.py")
 # the service stub imports `from attnserve.proto import inference_pb2`.
 PACKAGE_PATH = Path("attnserve") / "proto"
 _PACKAGE_IMPORT = "from attnserve.proto import inference_pb2 as "
+
+# What protoc writes to build the file's descriptor in the default pool, and what we write instead.
+_DEFAULT_POOL = "DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile("
+_PRIVATE_POOL = (
+    "# attnserve: a descriptor pool of its own, not the process-wide default one, so that these\n"
+    "# `inference.*` names do not collide with tritonclient's or KServe's (see attnserve.proto.generate).\n"
+    "_POOL = _descriptor_pool.DescriptorPool()\n"
+    "DESCRIPTOR = _POOL.AddSerializedFile("
+)
+
+
+def _private_pool(text: str) -> str:
+    """inference_pb2.py with its file added to a pool of its own instead of the default pool."""
+    if text.count(_DEFAULT_POOL) != 1:
+        raise RuntimeError(f"inference_pb2.py: expected one `{_DEFAULT_POOL}`, found {text.count(_DEFAULT_POOL)}; "
+                           "has grpcio-tools changed what it generates?")
+    return text.replace(_DEFAULT_POOL, _PRIVATE_POOL)
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -89,7 +117,11 @@ def generate(out_dir: Path) -> list[Path]:
             if name == "inference_pb2_grpc.py" and _PACKAGE_IMPORT not in src.read_text(encoding="utf-8"):
                 raise RuntimeError(f"inference_pb2_grpc.py does not import `{_PACKAGE_IMPORT.strip()}`")
             dst = out_dir / name
-            shutil.copyfile(src, dst)
+            if name == "inference_pb2.py":
+                # bytes, not text: the checked-in file is compared byte for byte
+                dst.write_bytes(_private_pool(src.read_bytes().decode("utf-8")).encode("utf-8"))
+            else:
+                shutil.copyfile(src, dst)
             paths.append(dst)
     return paths
 

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
+from attnserve.proto import reflection_pool
 from attnserve.server.config import ServerConfig
 from attnserve.server.engine import choose_device
 from attnserve.server.gate import Admission, CallGate, HandlerTable
@@ -71,9 +72,10 @@ class Server:
         table = HandlerTable()
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, table)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, table)
-        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)),
-            table)
+        # Reflection gets a pool that has our private-pool file as well as health's and its own.
+        services = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+            reflection.aio.ReflectionServicer(services, pool=reflection_pool(services)), table)
         self._grpc = grpc.aio.server(options=options)
         self._grpc.add_generic_rpc_handlers((CallGate(table.handlers, self._admission, _INFER_METHODS, token,
                                                       cfg.access_log),))
