@@ -3,10 +3,6 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# NVIDIA's tritonclient needs protobuf < 7, our stubs >= 7: it gets a virtualenv of its own,
-# used only by the compatibility test.
-COMPAT_VENV := .venv-tritonclient
-COMPAT_STAMP := $(COMPAT_VENV)/.installed
 # torch==2.13.0 (CPU) is read from /opt/wheels where that folder exists.
 PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
@@ -14,7 +10,7 @@ PRESETS := self_attention cross_attention
 
 .PHONY: install test serve export proto bench bench-tools clean nginx
 
-install: $(STAMP) $(COMPAT_STAMP)
+install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=/path/to/python3.11)"; exit 1; }
@@ -23,12 +19,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev]'
 	touch $(STAMP)
 
-$(COMPAT_STAMP):
-	$(PYTHON) -m venv $(COMPAT_VENV)
-	$(COMPAT_VENV)/bin/python -m pip install --quiet 'tritonclient[grpc]==2.73.0'
-	touch $(COMPAT_STAMP)
-
-test: $(STAMP) $(COMPAT_STAMP) nginx
+test: $(STAMP) nginx
 	$(PY) -m pytest tests
 
 # tests/test_deploy_nginx.py runs a real nginx (deploy/nginx/nginx.conf). Install the Debian
@@ -76,4 +67,4 @@ proto: $(STAMP)
 	$(PY) -m attnserve.proto.generate
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) $(BENCH_VENV) .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache
