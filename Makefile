@@ -8,7 +8,7 @@ PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
 PRESETS := self_attention cross_attention
 
-.PHONY: install test serve export proto bench bench-tools clean nginx
+.PHONY: install test test-ecosystem test-deps-oldest serve export proto bench bench-tools clean nginx
 
 install: $(STAMP)
 
@@ -21,6 +21,19 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP) nginx
 	$(PY) -m pytest tests
+
+# attnserve as users install it beside the rest of the Open Inference Protocol ecosystem: in a
+# virtualenv made anew each run (pip's cache is reused; no torch), `pip install . 'tritonclient[grpc]'
+# kserve proto-plus` must resolve; then tests/compat/ecosystem_check.py serves $(MODELS) with that
+# virtualenv's `attnserve serve` and checks our client, tritonclient and KServe's client against
+# it, proto-plus beside us, and what `pip uninstall attnserve` leaves (one PASS/FAIL line each).
+ECOSYSTEM_VENV := .venv-ecosystem
+test-ecosystem: export
+	rm -rf $(ECOSYSTEM_VENV)
+	$(PYTHON) -m venv $(ECOSYSTEM_VENV)
+	$(ECOSYSTEM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(ECOSYSTEM_VENV)/bin/python -m pip install --quiet . 'tritonclient[grpc]' kserve proto-plus
+	$(ECOSYSTEM_VENV)/bin/python tests/compat/ecosystem_check.py --model-repository $(MODELS)
 
 # tests/test_deploy_nginx.py runs a real nginx (deploy/nginx/nginx.conf). Install the Debian
 # package when it is missing and we are root; otherwise say so (that test then skips).
@@ -67,4 +80,4 @@ proto: $(STAMP)
 	$(PY) -m attnserve.proto.generate
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(ECOSYSTEM_VENV) .pytest_cache
