@@ -8,7 +8,7 @@ PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
 PRESETS := self_attention cross_attention
 
-.PHONY: install test test-ecosystem test-deps-oldest serve export proto bench bench-tools clean nginx
+.PHONY: install test test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-tools clean nginx
 
 install: $(STAMP)
 
@@ -34,6 +34,33 @@ test-ecosystem: export
 	$(ECOSYSTEM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(ECOSYSTEM_VENV)/bin/python -m pip install --quiet . 'tritonclient[grpc]' kserve proto-plus
 	$(ECOSYSTEM_VENV)/bin/python tests/compat/ecosystem_check.py --model-repository $(MODELS)
+
+# Both ends of the declared dependency ranges (pyproject.toml), each in a virtualenv made anew:
+# test-deps-oldest pins every run-time dependency to its lower bound (read from pyproject.toml by
+# tests/compat/lower_bounds.py: protobuf==6.30.0, grpcio==1.72.1, ...); test-deps-newest lets pip
+# take the newest of each (protobuf 7, grpcio-health-checking/-reflection that need it), which
+# the main .venv cannot have: tritonclient and grpcio-tools 1.72.1 in the dev extra hold it at
+# protobuf<7. Each runs the tests of the stubs, the server and the clients (minus the stubs'
+# regeneration, which needs grpcio-tools) against models exported by the main .venv, so no
+# exporter (onnx, onnxscript) enters these virtualenvs; torch does, from the local wheel, as the
+# eager reference the parity tests compare with (it depends on neither numpy nor protobuf).
+DEPS_PINS_oldest = $(shell $(PYTHON) tests/compat/lower_bounds.py)
+DEPS_PINS_newest =
+DEPS_MODELS := build/test-models
+DEPS_TESTS := tests/test_proto_stubs.py tests/test_server.py tests/test_client.py \
+  tests/test_client_transport.py tests/test_security.py tests/test_limits.py tests/test_engine.py \
+  --deselect tests/test_proto_stubs.py::test_checked_in_stubs_match_fresh_generation
+DEPS_SHOWN := protobuf grpcio grpcio-health-checking grpcio-reflection numpy onnxruntime prometheus-client
+test-deps-oldest test-deps-newest: test-deps-%: $(STAMP)
+	@$(MAKE) --no-print-directory export MODELS=$(DEPS_MODELS)
+	rm -rf .venv-deps-$*
+	$(PYTHON) -m venv .venv-deps-$*
+	.venv-deps-$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-deps-$*/bin/python -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e . $(DEPS_PINS_$*) \
+	  'torch==2.13.0' 'pytest>=8' 'pytest-timeout>=2.3'
+	@.venv-deps-$*/bin/python -c 'import importlib.metadata as m, sys; \
+	  print("test-deps-$*: " + ", ".join(n + " " + m.version(n) for n in sys.argv[1:]))' $(DEPS_SHOWN)
+	ATTNSERVE_TEST_MODEL_REPOSITORY=$(abspath $(DEPS_MODELS)) .venv-deps-$*/bin/python -m pytest -q $(DEPS_TESTS)
 
 # tests/test_deploy_nginx.py runs a real nginx (deploy/nginx/nginx.conf). Install the Debian
 # package when it is missing and we are root; otherwise say so (that test then skips).
@@ -80,4 +107,4 @@ proto: $(STAMP)
 	$(PY) -m attnserve.proto.generate
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) $(ECOSYSTEM_VENV) .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(ECOSYSTEM_VENV) .venv-deps-oldest .venv-deps-newest .pytest_cache

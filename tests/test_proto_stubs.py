@@ -58,6 +58,27 @@ def test_stubs_import_without_grpc_tools():
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
 
 
+def test_declared_floors_are_what_the_stubs_need():
+    # The stubs refuse a protobuf older than their gencode and a grpcio older than
+    # GRPC_GENERATED_VERSION; pyproject.toml's floors must be exactly those (why these versions:
+    # proto/generate.py), and the dev extra must pin the grpcio-tools that wrote them.
+    import re
+    import tomllib
+
+    pb2 = (PROTO_DIR / "inference_pb2.py").read_text(encoding="utf-8")
+    gencode = ".".join(re.search(
+        r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", pb2).groups())
+    grpc_generated = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'",
+                               (PROTO_DIR / "inference_pb2_grpc.py").read_text(encoding="utf-8")).group(1)
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    declared = {re.match(r"[A-Za-z0-9._-]+", d).group(0): d for d in project["dependencies"]}
+    assert declared["protobuf"].replace(" ", "") == f"protobuf>={gencode},<8"
+    for name in ("grpcio", "grpcio-health-checking", "grpcio-reflection"):
+        assert declared[name].replace(" ", "") == f"{name}>={grpc_generated}"
+    assert f"grpcio-tools=={grpc_generated}" in [d.split("#")[0].replace(" ", "") for d in
+                                                  project["optional-dependencies"]["dev"]]
+
+
 def test_messages_live_in_a_private_descriptor_pool():
     from google.protobuf import descriptor_pool
 
