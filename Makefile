@@ -29,7 +29,7 @@ test: $(STAMP) nginx
 # it, proto-plus beside us, and what `pip uninstall attnserve` leaves (one PASS/FAIL line each).
 ECOSYSTEM_VENV := .venv-ecosystem
 test-ecosystem: export
-	rm -rf $(ECOSYSTEM_VENV)
+	rm -rf $(ECOSYSTEM_VENV) build/lib build/bdist.*  # setuptools' in-tree build dirs would keep removed files
 	$(PYTHON) -m venv $(ECOSYSTEM_VENV)
 	$(ECOSYSTEM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(ECOSYSTEM_VENV)/bin/python -m pip install --quiet . 'tritonclient[grpc]' kserve proto-plus
