@@ -44,8 +44,8 @@ test-ecosystem: export
 # regeneration, which needs grpcio-tools) against models exported by the main .venv, so no
 # exporter (onnx, onnxscript) enters these virtualenvs; torch does, from the local wheel, as the
 # eager reference the parity tests compare with (it depends on neither numpy nor protobuf).
-DEPS_PINS_oldest = $(shell $(PYTHON) tests/compat/lower_bounds.py)
-DEPS_PINS_newest =
+DEPS_CONSTRAINTS_oldest := $(PYTHON) tests/compat/lower_bounds.py
+DEPS_CONSTRAINTS_newest := true
 DEPS_MODELS := build/test-models
 DEPS_TESTS := tests/test_proto_stubs.py tests/test_server.py tests/test_client.py \
   tests/test_client_transport.py tests/test_security.py tests/test_limits.py tests/test_engine.py \
@@ -55,8 +55,9 @@ test-deps-oldest test-deps-newest: test-deps-%: $(STAMP)
 	@$(MAKE) --no-print-directory export MODELS=$(DEPS_MODELS)
 	rm -rf .venv-deps-$*
 	$(PYTHON) -m venv .venv-deps-$*
+	$(DEPS_CONSTRAINTS_$*) > .venv-deps-$*/constraints.txt
 	.venv-deps-$*/bin/python -m pip install --quiet --upgrade pip
-	.venv-deps-$*/bin/python -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e . $(DEPS_PINS_$*) \
+	.venv-deps-$*/bin/python -m pip install --quiet $(PIP_FIND_LINKS_OPT) -c .venv-deps-$*/constraints.txt -e . \
 	  'torch==2.13.0' 'pytest>=8' 'pytest-timeout>=2.3'
 	@.venv-deps-$*/bin/python -c 'import importlib.metadata as m, sys; \
 	  print("test-deps-$*: " + ", ".join(n + " " + m.version(n) for n in sys.argv[1:]))' $(DEPS_SHOWN)

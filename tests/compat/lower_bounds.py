@@ -1,7 +1,8 @@
-"""Print pyproject.toml's run-time dependencies pinned to their lower bounds: `name==floor ...`.
+"""Print pyproject.toml's run-time dependencies pinned to their lower bounds, one `name==floor` a line.
 
-`make test-deps-oldest` installs exactly these, so the floors it tests are the ones declared,
-not a second copy of them. A dependency without a `>=` floor is an error: it would go untested.
+`make test-deps-oldest` installs with these as pip constraints, so the floors it tests are the
+ones declared, not a second copy of them. A dependency without a `>=` floor is an error (exit 1):
+it would go untested.
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ def lower_bounds(dependencies: list[str]) -> list[str]:
 
 def main() -> int:
     dependencies = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["project"]["dependencies"]
-    print(" ".join(lower_bounds(dependencies)))
+    try:
+        pins = lower_bounds(dependencies)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 1
+    print("\n".join(pins))
     return 0
 
 
