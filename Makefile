@@ -3,18 +3,14 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# NVIDIA's tritonclient needs protobuf < 7, our stubs >= 7: it gets a virtualenv of its own,
-# used only by the compatibility test.
-COMPAT_VENV := .venv-tritonclient
-COMPAT_STAMP := $(COMPAT_VENV)/.installed
 # torch==2.13.0 (CPU) is read from /opt/wheels where that folder exists.
 PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
 PRESETS := self_attention cross_attention
 
-.PHONY: install test serve export proto bench bench-tools clean nginx
+.PHONY: install test test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-tools clean nginx
 
-install: $(STAMP) $(COMPAT_STAMP)
+install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=/path/to/python3.11)"; exit 1; }
@@ -23,13 +19,49 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev]'
 	touch $(STAMP)
 
-$(COMPAT_STAMP):
-	$(PYTHON) -m venv $(COMPAT_VENV)
-	$(COMPAT_VENV)/bin/python -m pip install --quiet 'tritonclient[grpc]==2.73.0'
-	touch $(COMPAT_STAMP)
-
-test: $(STAMP) $(COMPAT_STAMP) nginx
+test: $(STAMP) nginx
 	$(PY) -m pytest tests
+
+# attnserve as users install it beside the rest of the Open Inference Protocol ecosystem: in a
+# virtualenv made anew each run (pip's cache is reused; no torch), `pip install . 'tritonclient[grpc]'
+# kserve proto-plus` must resolve; then tests/compat/ecosystem_check.py serves $(MODELS) with that
+# virtualenv's `attnserve serve` and checks our client, tritonclient and KServe's client against
+# it, proto-plus beside us, and what `pip uninstall attnserve` leaves (one PASS/FAIL line each).
+ECOSYSTEM_VENV := .venv-ecosystem
+test-ecosystem: export
+	rm -rf $(ECOSYSTEM_VENV) build/lib build/bdist.*  # setuptools' in-tree build dirs would keep removed files
+	$(PYTHON) -m venv $(ECOSYSTEM_VENV)
+	$(ECOSYSTEM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(ECOSYSTEM_VENV)/bin/python -m pip install --quiet . 'tritonclient[grpc]' kserve proto-plus
+	$(ECOSYSTEM_VENV)/bin/python tests/compat/ecosystem_check.py --model-repository $(MODELS)
+
+# Both ends of the declared dependency ranges (pyproject.toml), each in a virtualenv made anew:
+# test-deps-oldest pins every run-time dependency to its lower bound (read from pyproject.toml by
+# tests/compat/lower_bounds.py: protobuf==6.30.0, grpcio==1.72.1, ...); test-deps-newest lets pip
+# take the newest of each (protobuf 7, grpcio-health-checking/-reflection that need it), which
+# the main .venv cannot have: tritonclient and grpcio-tools 1.72.1 in the dev extra hold it at
+# protobuf<7. Each runs the tests of the stubs, the server and the clients (minus the stubs'
+# regeneration, which needs grpcio-tools) against models exported by the main .venv, so no
+# exporter (onnx, onnxscript) enters these virtualenvs; torch does, from the local wheel, as the
+# eager reference the parity tests compare with (it depends on neither numpy nor protobuf).
+DEPS_CONSTRAINTS_oldest := $(PYTHON) tests/compat/lower_bounds.py
+DEPS_CONSTRAINTS_newest := true
+DEPS_MODELS := build/test-models
+DEPS_TESTS := tests/test_proto_stubs.py tests/test_server.py tests/test_client.py \
+  tests/test_client_transport.py tests/test_security.py tests/test_limits.py tests/test_engine.py \
+  --deselect tests/test_proto_stubs.py::test_checked_in_stubs_match_fresh_generation
+DEPS_SHOWN := protobuf grpcio grpcio-health-checking grpcio-reflection numpy onnxruntime prometheus-client
+test-deps-oldest test-deps-newest: test-deps-%: $(STAMP)
+	@$(MAKE) --no-print-directory export MODELS=$(DEPS_MODELS)
+	rm -rf .venv-deps-$*
+	$(PYTHON) -m venv .venv-deps-$*
+	$(DEPS_CONSTRAINTS_$*) > .venv-deps-$*/constraints.txt
+	.venv-deps-$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-deps-$*/bin/python -m pip install --quiet $(PIP_FIND_LINKS_OPT) -c .venv-deps-$*/constraints.txt -e . \
+	  'torch==2.13.0' 'pytest>=8' 'pytest-timeout>=2.3'
+	@.venv-deps-$*/bin/python -c 'import importlib.metadata as m, sys; \
+	  print("test-deps-$*: " + ", ".join(n + " " + m.version(n) for n in sys.argv[1:]))' $(DEPS_SHOWN)
+	ATTNSERVE_TEST_MODEL_REPOSITORY=$(abspath $(DEPS_MODELS)) .venv-deps-$*/bin/python -m pytest -q $(DEPS_TESTS)
 
 # tests/test_deploy_nginx.py runs a real nginx (deploy/nginx/nginx.conf). Install the Debian
 # package when it is missing and we are root; otherwise say so (that test then skips).
@@ -76,4 +108,4 @@ proto: $(STAMP)
 	$(PY) -m attnserve.proto.generate
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) $(BENCH_VENV) .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(ECOSYSTEM_VENV) .venv-deps-oldest .venv-deps-newest .pytest_cache

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
+from attnserve.proto import reflection_pool
 from attnserve.server.config import ServerConfig
 from attnserve.server.engine import choose_device
 from attnserve.server.gate import CallGate, HandlerTable
@@ -50,9 +51,10 @@ def method_handlers(servicer: InferenceServicer, health_servicer: health.aio.Hea
     table = HandlerTable()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, table)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, table)
-    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)),
-        table)
+    # Reflection gets a pool that has our private-pool file as well as health's and its own.
+    services = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+        reflection.aio.ReflectionServicer(services, pool=reflection_pool(services)), table)
     return {method: h for method, h in table.handlers.items() if method not in _NOT_SERVED}
 
 

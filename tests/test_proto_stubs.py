@@ -58,6 +58,79 @@ def test_stubs_import_without_grpc_tools():
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
 
 
+def test_declared_floors_are_what_the_stubs_need():
+    # The stubs refuse a protobuf older than their gencode and a grpcio older than
+    # GRPC_GENERATED_VERSION; pyproject.toml's floors must be exactly those (why these versions:
+    # proto/generate.py), and the dev extra must pin the grpcio-tools that wrote them.
+    import re
+    import tomllib
+
+    pb2 = (PROTO_DIR / "inference_pb2.py").read_text(encoding="utf-8")
+    gencode = ".".join(re.search(
+        r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", pb2).groups())
+    grpc_generated = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'",
+                               (PROTO_DIR / "inference_pb2_grpc.py").read_text(encoding="utf-8")).group(1)
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    declared = {re.match(r"[A-Za-z0-9._-]+", d).group(0): d for d in project["dependencies"]}
+    assert declared["protobuf"].replace(" ", "") == f"protobuf>={gencode},<8"
+    for name in ("grpcio", "grpcio-health-checking", "grpcio-reflection"):
+        assert declared[name].replace(" ", "") == f"{name}>={grpc_generated}"
+    assert f"grpcio-tools=={grpc_generated}" in [d.split("#")[0].replace(" ", "") for d in
+                                                  project["optional-dependencies"]["dev"]]
+
+
+def test_messages_live_in_a_private_descriptor_pool():
+    from google.protobuf import descriptor_pool
+
+    assert pb.DESCRIPTOR.pool is not descriptor_pool.Default()
+    assert pb.ModelInferRequest.DESCRIPTOR.file is pb.DESCRIPTOR
+    with pytest.raises(KeyError):
+        descriptor_pool.Default().FindFileByName(pb.DESCRIPTOR.name)
+
+
+def test_stubs_import_beside_other_inference_definitions():
+    # What tritonclient's grpc_service.proto and KServe's grpc_predict_v2.proto do: define
+    # inference.* names in the default pool. Our stubs import after them, and before them.
+    code = (
+        "from google.protobuf import descriptor_pb2, descriptor_pool\n"
+        "def other():\n"
+        "    f = descriptor_pb2.FileDescriptorProto(name='theirs/grpc_service.proto', package='inference', syntax='proto3')\n"
+        "    m = f.message_type.add(name='ServerLiveResponse')\n"
+        "    m.field.add(name='live', number=1, type=8, label=1)\n"
+        "    return descriptor_pool.Default().AddSerializedFile(f.SerializeToString())\n"
+        "import sys\n"
+        "if sys.argv[1] == 'theirs-first': other()\n"
+        "from attnserve.proto import inference_pb2, inference_pb2_grpc\n"
+        "if sys.argv[1] == 'ours-first': other()\n"
+        "wire = inference_pb2.ServerLiveResponse(live=True).SerializeToString()\n"
+        "assert wire == b'\\x08\\x01', wire\n"
+        "assert descriptor_pool.Default().FindMessageTypeByName('inference.ServerLiveResponse').file.name == 'theirs/grpc_service.proto'\n"
+    )
+    for order in ("theirs-first", "ours-first"):
+        subprocess.run([sys.executable, "-c", code, order], cwd=REPO_ROOT, check=True)
+
+
+def test_generate_refuses_output_it_does_not_recognise():
+    from attnserve.proto import generate
+
+    with pytest.raises(RuntimeError, match="has grpcio-tools changed"):
+        generate._private_pool("DESCRIPTOR = _descriptor_pool.Default().FindFileByName('x')\n")
+
+
+def test_reflection_pool_resolves_each_service():
+    from grpc_health.v1 import health_pb2
+
+    from attnserve.proto import reflection_pool
+
+    health = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    pool = reflection_pool(["inference.GRPCInferenceService", health])
+    assert pool.FindFileContainingSymbol("inference.GRPCInferenceService").name == pb.DESCRIPTOR.name
+    assert pool.FindFileContainingSymbol(health).name == health_pb2.DESCRIPTOR.name
+    assert pool.FindMessageTypeByName("inference.ModelInferRequest").fields_by_name["raw_input_contents"].number == 7
+    with pytest.raises(KeyError, match="no.such.Service"):
+        reflection_pool(["no.such.Service"])
+
+
 # --------------------------------------------------------------------------
 # (b) wire facts, read from the generated descriptors
 # --------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import zlib
 import grpc
 import numpy as np
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -125,6 +126,29 @@ def test_reflection_lists_services(server):
         responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = {s.name for r in responses for s in r.list_services_response.service}
     assert {"inference.GRPCInferenceService", "grpc.health.v1.Health"} <= names
+
+
+def test_reflection_describes_every_service(server):
+    # Our stubs live in a private descriptor pool (attnserve.proto.generate); reflection must still
+    # hand out the file of every service it lists, as grpcurl's `describe` asks for it.
+    with server.channel() as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        listed = next(iter(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))))
+        services = [s.name for s in listed.list_services_response.service]
+        replies = list(stub.ServerReflectionInfo(iter(
+            [reflection_pb2.ServerReflectionRequest(file_containing_symbol=name) for name in services])))
+    assert len(replies) == len(services) >= 3
+    for name, reply in zip(services, replies):
+        assert reply.WhichOneof("message_response") == "file_descriptor_response", (name, reply.error_response)
+        files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+                 for b in reply.file_descriptor_response.file_descriptor_proto]
+        package, _, service = name.rpartition(".")
+        assert any(f.package == package and service in {s.name for s in f.service} for f in files), name
+    ours = next(r for n, r in zip(services, replies) if n == "inference.GRPCInferenceService")
+    (inference_file,) = [descriptor_pb2.FileDescriptorProto.FromString(b)
+                         for b in ours.file_descriptor_response.file_descriptor_proto]
+    assert inference_file.name == pb.DESCRIPTOR.name
+    assert {"ModelInferRequest", "RepositoryIndexResponse"} <= {m.name for m in inference_file.message_type}
 
 
 # -- inference and parity -------------------------------------------------------------------
