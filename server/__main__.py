@@ -1,7 +1,7 @@
 """`attnserve serve`: flags and ATTNSERVE_* environment -> ServerConfig -> Server.
 
-Exits 0 after a clean drain on SIGTERM/SIGINT; 2 on a bad flag; 3 when it cannot start
-(--device cuda without CUDA, a port in use, no model repository).
+Exits 0 after a clean drain on SIGTERM, SIGINT or SIGHUP (a second one stops at once); 2 on a
+bad flag; 3 when it cannot start (--device cuda without CUDA, a port in use, no model repository).
 """
 
 from __future__ import annotations
@@ -20,10 +20,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger("attnserve.server")
 
 EXIT_CANNOT_START = 3
+# Each one drains; SIGHUP too (a terminal closing, a supervisor's stop), rather than killing the
+# process with requests queued. Reloading models is the model repository API's job, not a signal's.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 async def serve(config: ServerConfig, run_batch: RunBatchFactory | None = None) -> int:
-    """Serve until SIGTERM/SIGINT, then drain; the exit status. run_batch: see app.Server."""
+    """Serve until a stop signal, then drain; the exit status. run_batch: see app.Server."""
     from attnserve.server.app import Server
     from attnserve.server.engine import DeviceUnavailable
     from attnserve.server.repository import ModelLoadError
@@ -34,13 +37,22 @@ async def serve(config: ServerConfig, run_batch: RunBatchFactory | None = None) 
     except (DeviceUnavailable, ModelLoadError, RuntimeError, OSError) as err:
         logger.error("cannot start: %s", err)
         return EXIT_CANNOT_START
-    stop = asyncio.Event()
+    signals = asyncio.Queue()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    logger.info("signal received: draining (grace period %.1fs)", config.grace_period_s)
-    await server.stop(config.grace_period_s)
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    first = await signals.get()
+    logger.info("%s received: draining (drain delay %.1fs, grace period %.1fs; a second signal stops at once)",
+                first.name, config.drain_delay_s, config.grace_period_s)
+    stopping = asyncio.create_task(server.stop(config.grace_period_s, config.drain_delay_s))
+    second = asyncio.create_task(signals.get())
+    done, _pending = await asyncio.wait((stopping, second), return_when=asyncio.FIRST_COMPLETED)
+    if second in done:
+        logger.warning("%s received again: stopping now; what has not started is refused", second.result().name)
+        server.hurry()
+        await stopping
+    else:
+        second.cancel()
     return 0
 
 

@@ -10,9 +10,10 @@ every Batcher reads Arrivals.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
+from attnserve.files import write_json_atomic
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.proto import reflection_pool
@@ -58,6 +60,34 @@ def method_handlers(servicer: InferenceServicer, health_servicer: health.aio.Hea
     return {method: h for method, h in table.handlers.items() if method not in _NOT_SERVED}
 
 
+_WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+
+def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+    """Listen on every address `host` resolves to (localhost: 127.0.0.1 and ::1), all on one
+    port, or raise OSError naming the one that failed: never serve on part of them silently.
+    Returns the port (the one chosen by the system when `port` is 0)."""
+    if host in _WILDCARDS:
+        addresses = [host.strip("[]") or "0.0.0.0"]
+    else:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as err:
+            raise OSError(f"--host {host}: cannot resolve it ({err.strerror})") from None
+        addresses = list(dict.fromkeys(info[4][0] for info in infos))
+    for address in addresses:
+        target = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+        try:
+            bound = (server.add_secure_port(target, credentials) if credentials is not None
+                     else server.add_insecure_port(target))
+        except RuntimeError as err:
+            raise OSError(f"cannot listen on {target} (--host {host}): {err}") from None
+        if bound == 0:
+            raise OSError(f"cannot listen on {target} (--host {host})")
+        port = bound  # the rest take the port the first one got
+    return port
+
+
 class Server:
     def __init__(self, config: ServerConfig, run_batch: RunBatchFactory | None = None) -> None:
         """run_batch: how each model's batches are computed, made from its spec; None (the
@@ -71,6 +101,7 @@ class Server:
         self._metrics_endpoint = MetricsEndpoint(self.metrics.registry)
         self.registry: ModelRegistry | None = None
         self._grpc: grpc.aio.Server | None = None
+        self._gate: CallGate | None = None
         self._health = health.aio.HealthServicer()
         self._draining = Draining()
         self._arrivals = Arrivals()
@@ -100,11 +131,10 @@ class Server:
         # Every method is served through the gate (token, draining, parsing; see server.gate).
         gate = CallGate(method_handlers(servicer, self._health), self._admission, self._draining, _INFER_METHODS,
                         token, cfg.access_log)
+        self._gate = gate
         self._grpc = grpc.aio.server(options=options)
         self._grpc.add_generic_rpc_handlers((gate,))
-        address = f"{cfg.host}:{cfg.port}"
-        self.port = (self._grpc.add_secure_port(address, credentials) if credentials is not None
-                     else self._grpc.add_insecure_port(address))
+        self.port = bind(self._grpc, cfg.host, cfg.port, credentials)
         await self._grpc.start()
 
         serving = health_pb2.HealthCheckResponse.SERVING
@@ -133,28 +163,60 @@ class Server:
         return self.port
 
     def _write_ready_file(self, path: Path) -> None:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"grpc_port": self.port, "metrics_port": self.metrics_port, "pid": os.getpid()}))
-        os.replace(tmp, path)
+        write_json_atomic(path, {"grpc_port": self.port, "metrics_port": self.metrics_port, "pid": os.getpid()})
 
-    async def stop(self, grace_s: float) -> None:
-        """Drain: readiness and health to NOT_SERVING, refuse new calls, finish every admitted
-        one (within grace_s), then close."""
+    def hurry(self) -> None:
+        """A second signal: end the drain delay and the grace period now; what has not started
+        computing is refused with UNAVAILABLE (never computed), running batches finish."""
+        self._draining.hurry()
+
+    async def stop(self, grace_s: float, drain_delay_s: float = 0.0) -> None:
+        """Drain, in three steps:
+        1. readiness and health turn NOT_SERVING (Watch streams are told), and for drain_delay_s
+           calls are still admitted: a load balancer that has not yet seen the change loses none;
+        2. then new calls are refused: gRPC sends GOAWAY (clients take new calls elsewhere,
+           transparently) and the gate answers any that still come UNAVAILABLE; Watch streams end;
+        3. every admitted call finishes within grace_s; what is still queued then is refused with
+           UNAVAILABLE (never computed) and running batches finish. hurry() cuts 1 and 3 short."""
         started = time.monotonic()
         self._draining.begin()
         await self._health.enter_graceful_shutdown()
+        if drain_delay_s > 0 and not self._draining.hurried.is_set():
+            logger.info("draining: readiness NOT_SERVING, still admitting calls for %.1fs", drain_delay_s)
+            await _wait_for(self._draining.hurried, drain_delay_s)
+        self._draining.refuse()
         in_flight = self._admission.in_flight
-        finished = await self._admission.wait_idle(grace_s)
+        watches = await self._gate.end_watches() if self._gate is not None else 0
+        grace_left = 0.0 if self._draining.hurried.is_set() else grace_s
+        logger.info("refusing new calls (GOAWAY); finishing %d call(s) in flight within %.1fs", in_flight, grace_left)
+        # GOAWAY now; gRPC itself would cancel what runs past its grace, so it gets a margin
+        # beyond ours: the calls refused below must still get their answers out.
+        grpc_stopped = (asyncio.create_task(self._grpc.stop(grace_left + _RUNNING_MARGIN_S))
+                        if self._grpc is not None else None)
+        finished = await self._admission.wait_idle(grace_left, interrupt=self._draining.hurried)
         if not finished:
-            # The grace period bounds the stop: what has not started computing is refused with
-            # UNAVAILABLE (safe to retry elsewhere); running batches finish.
-            logger.warning("grace period %.1fs over with %d call(s) unfinished; refusing queued ones",
-                           grace_s, self._admission.in_flight)
+            logger.warning("%s with %d call(s) unfinished; refusing queued ones",
+                           "second signal" if self._draining.hurried.is_set() else f"grace period {grace_s:.1f}s over",
+                           self._admission.in_flight)
         if self.registry is not None:
             await self.registry.close(abandon_queued=not finished)
-        remaining = grace_s - (time.monotonic() - started)
-        if self._grpc is not None:
-            await self._grpc.stop(max(remaining, 0.1))
+        if grpc_stopped is not None:
+            await grpc_stopped
         await self._metrics_endpoint.close()
-        logger.info("stopped after %.2fs (%d call(s) were in flight when draining began)",
-                    time.monotonic() - started, in_flight)
+        logger.info("stopped after %.2fs (%d call(s) in flight when new calls were refused, %d watch stream(s) "
+                    "ended)", time.monotonic() - started, in_flight, watches)
+
+
+# gRPC cancels whatever still runs this long after our own grace: the batches already running
+# when the grace ran out (they finish: the README's promise) and the answers refused at that
+# point (UNAVAILABLE) get this long to leave.
+_RUNNING_MARGIN_S = 10.0
+
+
+async def _wait_for(event: asyncio.Event, timeout_s: float) -> bool:
+    """True if `event` is set within timeout_s."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except TimeoutError:
+        return False
+    return True

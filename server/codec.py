@@ -16,6 +16,7 @@ import numpy as np
 from attnserve.proto import inference_pb2 as pb
 from attnserve.server.batcher import Result, Work
 from attnserve.contract import DATATYPES, INPUT_NAMES, OUTPUT_NAMES, REQUIRED_INPUTS
+from attnserve.server.echo import echo
 from attnserve.server.repository import ModelSpec
 
 # Little-endian on the wire, whatever this machine is.
@@ -45,7 +46,7 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> De
     names = [t.name for t in inputs]
     unknown = [n for n in names if n not in INPUT_NAMES]
     if unknown:
-        raise ValueError(f"unknown input {unknown[0]!r}; model {spec.name} takes {list(INPUT_NAMES)}")
+        raise ValueError(f"unknown input {echo(unknown[0])}; model {spec.name} takes {list(INPUT_NAMES)}")
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"input {duplicates[0]!r} given more than once")
@@ -62,10 +63,10 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> De
     for tensor in inputs:
         want = _EXPECTED_DATATYPE[tensor.name]
         if tensor.datatype != want:
-            raise ValueError(f"input {tensor.name!r}: expected datatype {want}, got {tensor.datatype!r}")
+            raise ValueError(f"input {tensor.name!r}: expected datatype {want}, got {echo(tensor.datatype)}")
         shape = tuple(tensor.shape)
         if len(shape) != 3:
-            raise ValueError(f"input {tensor.name!r}: expected rank 3, got shape {list(shape)}")
+            raise ValueError(f"input {tensor.name!r}: expected rank 3, got shape {echo(list(shape))}")
         if any(d < 0 for d in shape):
             raise ValueError(f"input {tensor.name!r}: negative dimension in shape {list(shape)}")
         shapes[tensor.name] = shape
@@ -163,9 +164,9 @@ def _requested_outputs(request: pb.ModelInferRequest, spec: ModelSpec) -> tuple[
     names = [o.name for o in request.outputs]
     for name in names:
         if name not in OUTPUT_NAMES:
-            raise ValueError(f"unknown output {name!r}; model {spec.name} has {list(OUTPUT_NAMES)}")
+            raise ValueError(f"unknown output {echo(name)}; model {spec.name} has {list(OUTPUT_NAMES)}")
     if len(set(names)) != len(names):
-        raise ValueError(f"output requested more than once: {names}")
+        raise ValueError(f"output requested more than once: {echo(names)}")
     return tuple(names)
 
 

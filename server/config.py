@@ -39,7 +39,11 @@ class ServerConfig:
     intra_op_threads: int = 0  # ONNX Runtime threads per run; 0 = one per core
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_queued_bytes: int = 1024**3  # input bytes waiting per model; beyond it RESOURCE_EXHAUSTED
-    grace_period_s: float = 30.0  # on SIGTERM: time to finish accepted requests
+    # On SIGTERM/SIGINT/SIGHUP: readiness goes NOT_SERVING at once, calls are still admitted for
+    # drain_delay_s (load balancers and Kubernetes endpoints take that long to stop sending),
+    # then new streams are refused (GOAWAY) and what was admitted finishes within grace_period_s.
+    drain_delay_s: float = 5.0
+    grace_period_s: float = 30.0
     model_versions: tuple[tuple[str, int], ...] = ()  # pins, e.g. (("self_attention", 1),)
     ready_file: Path | None = None  # written with the bound ports once serving (tests, scripts)
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR, any case
@@ -72,6 +76,8 @@ class ServerConfig:
             raise ValueError(f"max_padding_ratio must be in [0, 1), got {self.max_padding_ratio}")
         if self.intra_op_threads < 0:
             raise ValueError(f"intra_op_threads must be >= 0, got {self.intra_op_threads}")
+        if not 0 <= self.drain_delay_s < float("inf"):
+            raise ValueError(f"drain_delay_s must be >= 0, got {self.drain_delay_s}")
         if self.grace_period_s < 0:
             raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -101,11 +107,12 @@ _HELP: dict[str, str] = {
     "intra_op_threads": "ONNX Runtime intra-op threads (0 = one per core)",
     "max_message_bytes": "largest gRPC message received or sent",
     "max_queued_bytes": "input bytes queued per model before RESOURCE_EXHAUSTED",
-    "grace_period_s": "seconds to finish accepted requests after SIGTERM",
+    "drain_delay_s": "seconds after SIGTERM that calls are still admitted (readiness already NOT_SERVING)",
+    "grace_period_s": "seconds to finish admitted requests once the drain delay is over",
     "model_versions": "pin versions: NAME=VERSION[,NAME=VERSION...] (default: highest)",
     "ready_file": "write {grpc_port, metrics_port} as JSON here once serving",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
-    "access_log": "log every RPC (true/false)",
+    "access_log": "log every RPC (a switch; or true/false)",
     "tls_cert": "PEM certificate chain: serve TLS (with --tls-key)",
     "tls_key": "PEM private key of --tls-cert",
     "tls_client_ca": "PEM roots: require client certificates signed by them (mutual TLS)",
@@ -158,8 +165,8 @@ def _parser_for(name: str, hint: Any) -> Callable[[str], Any]:
 
 
 # Each field's parser, resolved once from its real type (not from the annotation's text).
-_FIELD_PARSERS: dict[str, Callable[[str], Any]] = {
-    name: _parser_for(name, hint) for name, hint in typing.get_type_hints(ServerConfig).items()}
+_HINTS = typing.get_type_hints(ServerConfig)
+_FIELD_PARSERS: dict[str, Callable[[str], Any]] = {name: _parser_for(name, hint) for name, hint in _HINTS.items()}
 
 
 def build_parser(prog: str = "attnserve serve") -> argparse.ArgumentParser:
@@ -171,12 +178,15 @@ def build_parser(prog: str = "attnserve serve") -> argparse.ArgumentParser:
     for f in dataclasses.fields(ServerConfig):
         default = f.default
         shown = ",".join(f"{n}={v}" for n, v in default) if f.name == "model_versions" else default
+        # A bool is a switch (`--access-log`) that also takes a value (`--access-log false`).
+        switch = {"nargs": "?", "const": True} if _HINTS[f.name] is bool else {}
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             dest=f.name,
             type=_FIELD_PARSERS[f.name],
             default=None,
             help=f"{_HELP[f.name]} [env {env_name(f.name)}; default {shown}]",
+            **switch,
         )
     return parser
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from attnserve.server.batcher import BatcherClosed, BatchFailed, DeadlineExpired, QueueFull
+from attnserve.server.echo import capped
 from attnserve.server.models import ModelNotFound, ModelUnavailable
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def status_for(err: BaseException) -> Status:
     look, never the internals (paths, ONNX Runtime's text)."""
     code = next((_STATUS[cls] for cls in type(err).__mro__ if cls in _STATUS), grpc.StatusCode.INTERNAL)
     if code is not grpc.StatusCode.INTERNAL:
-        return Status(code, str(err))
+        return Status(code, capped(str(err)))  # whatever quoted the client, the trailer stays small
     if isinstance(err, BatchFailed):
         if not err.logged:
             logger.error("internal error: %s", err, exc_info=err)

@@ -22,10 +22,13 @@ machine's noise).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Callable, Mapping
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from attnserve.server.errors import ShuttingDown, Unauthenticated, abort
 from attnserve.server.lifecycle import Admission, Draining
@@ -49,6 +52,25 @@ def _refusal(error: Exception, on_call: Callable[[str], None] | None = None) -> 
 
 
 _DRAINING_REFUSAL = _refusal(ShuttingDown("server is shutting down; retry on another replica"))
+# grpc.health.v1 Watch streams stay open for as long as a client watches: the stop ends them.
+WATCH_METHOD = "/grpc.health.v1.Health/Watch"
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class _WatchContext:
+    """A Watch call's context that remembers the last status it sent (server.gate.end_watches
+    waits for NOT_SERVING to go out); everything else is the call's own context."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+        self.last_status: int | None = None
+
+    async def write(self, message) -> None:
+        await self._context.write(message)
+        self.last_status = message.status
+
+    def __getattr__(self, name: str):
+        return getattr(self._context, name)
 
 
 class CallGate(grpc.GenericRpcHandler):
@@ -59,6 +81,10 @@ class CallGate(grpc.GenericRpcHandler):
         server.parsing does not wrap is a TypeError here, at startup).
         counted_methods: the inference methods Admission counts (and draining refuses)."""
         self._handlers = {method: tolerant_handler(method, h) for method, h in method_handlers.items()}
+        self._watches: dict[asyncio.Task, _WatchContext] = {}  # the handler tasks of open Watch streams
+        self._ending: set[asyncio.Task] = set()  # those end_watches() cancelled
+        if WATCH_METHOD in self._handlers:
+            self._handlers[WATCH_METHOD] = self._tracked_watch(self._handlers[WATCH_METHOD])
         self._admission = admission
         self._draining = draining
         self._counted = counted_methods
@@ -78,9 +104,41 @@ class CallGate(grpc.GenericRpcHandler):
             logger.info("rpc %s", method)
         if method not in self._counted:
             return handler
-        if self._draining.active:
+        if self._draining.refusing:
             return _DRAINING_REFUSAL
         return self._counted_call(handler)
+
+    async def end_watches(self, flush_s: float = 1.0) -> int:
+        """End every open health Watch stream, with status OK, once it has sent NOT_SERVING (or
+        after flush_s): an open Watch would otherwise hold the stop for the whole grace period.
+        Returns how many were ended."""
+        deadline = time.monotonic() + flush_s
+        while any(w.last_status != NOT_SERVING for w in self._watches.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)  # each watcher writes its update on its own task
+        for task in self._watches:
+            self._ending.add(task)
+            task.cancel()
+        return len(self._watches)
+
+    def _tracked_watch(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        inner = handler.unary_stream
+        watches, ending = self._watches, self._ending
+
+        async def watch(request, context):
+            task = asyncio.current_task()
+            watches[task] = tracked = _WatchContext(context)
+            try:
+                return await inner(request, tracked)
+            except asyncio.CancelledError:
+                if task in ending:
+                    return None  # ended by the stop: a clean end of the stream
+                raise  # the client went away
+            finally:
+                watches.pop(task, None)
+                ending.discard(task)
+
+        return grpc.unary_stream_rpc_method_handler(watch, request_deserializer=handler.request_deserializer,
+                                                    response_serializer=handler.response_serializer)
 
     def _counted_call(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """The handler, counted by Admission from now (headers) until it returns."""

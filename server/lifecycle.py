@@ -16,18 +16,37 @@ import time
 
 
 class Draining:
-    """Whether the server is draining (SIGTERM came). One object for the gate, which refuses
-    inference calls that start from then on, and the servicer, whose readiness turns false."""
+    """Where the server is in its stop. One object for the gate and the servicer.
+
+    serving -> announced (a signal came: readiness false, calls still admitted, so that a load
+    balancer that has not yet seen the readiness change loses nothing) -> refusing (the drain
+    delay is over: new calls are refused with UNAVAILABLE, gRPC sends GOAWAY, admitted calls
+    finish). `hurry()` (a second signal) ends the drain delay at once."""
 
     def __init__(self) -> None:
-        self._active = False
+        self._announced = False
+        self._refusing = False
+        self.hurried = asyncio.Event()
 
     @property
     def active(self) -> bool:
-        return self._active
+        """Draining has begun: the server and its models report not ready."""
+        return self._announced
+
+    @property
+    def refusing(self) -> bool:
+        """New inference calls are refused (UNAVAILABLE, never computed)."""
+        return self._refusing
 
     def begin(self) -> None:
-        self._active = True
+        self._announced = True
+
+    def refuse(self) -> None:
+        self._announced = self._refusing = True
+
+    def hurry(self) -> None:
+        self.begin()
+        self.hurried.set()
 
 
 class Arrivals:
@@ -115,17 +134,22 @@ class Admission:
         self._running -= 1
         self._changed.set()
 
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """True once no admitted call is running or arriving; False if timeout_s passes first."""
+    async def wait_idle(self, timeout_s: float, interrupt: asyncio.Event | None = None) -> bool:
+        """True once no admitted call is running or arriving; False if timeout_s passes first, or
+        `interrupt` is set first."""
         deadline = time.monotonic() + timeout_s
         while True:
             if self.in_flight == 0:
                 return True
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or (interrupt is not None and interrupt.is_set()):
                 return False
             self._changed.clear()
-            try:  # wake on each finished call, and poll for arrivals that never come
-                await asyncio.wait_for(self._changed.wait(), min(remaining, 0.05))
-            except TimeoutError:
-                pass
+            waits = [asyncio.ensure_future(self._changed.wait())]
+            if interrupt is not None:
+                waits.append(asyncio.ensure_future(interrupt.wait()))
+            # Wake on each finished call or the interrupt, and poll for arrivals that never come.
+            _done, pending = await asyncio.wait(waits, timeout=min(remaining, 0.05),
+                                                return_when=asyncio.FIRST_COMPLETED)
+            for waiter in pending:
+                waiter.cancel()

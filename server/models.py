@@ -15,6 +15,7 @@ from typing import Callable
 from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch
 from attnserve.server.codec import Limits
 from attnserve.server.config import ServerConfig
+from attnserve.server.echo import echo
 from attnserve.server.engine import DeviceChoice, Engine
 from attnserve.server.metrics import Metrics
 from attnserve.server.repository import ModelLoadError, ModelSpec, model_names, read_model_spec
@@ -96,9 +97,9 @@ class ModelRegistry:
         if model is None:
             if name in self.failed:
                 raise ModelUnavailable(f"model {name} is not ready: {self.failed[name]}")
-            raise ModelNotFound(f"unknown model {name!r}; serving {sorted(self.loaded)}")
+            raise ModelNotFound(f"unknown model {echo(name)}; serving {sorted(self.loaded)}")
         if version and version != str(model.spec.version):
-            raise ModelNotFound(f"model {name} version {version!r} is not loaded (loaded: {model.spec.version}, "
+            raise ModelNotFound(f"model {name} version {echo(version)} is not loaded (loaded: {model.spec.version}, "
                                 f"on disk: {list(model.spec.available_versions)})")
         return model
 

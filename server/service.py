@@ -15,6 +15,7 @@ import time
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server import __version__, codec
+from attnserve.server.echo import echo
 from attnserve.server.errors import CANCELLED, OK, Status, abort, status_for
 from attnserve.server.lifecycle import Draining
 from attnserve.server.metrics import Metrics
@@ -103,7 +104,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Every model of the repository: READY with its version, or UNAVAILABLE with the reason
         it failed to load (`ready: true` asks for the ready ones only)."""
         if request.repository_name:
-            raise ModelNotFound(f"unknown repository {request.repository_name[:200]!r}: this server serves "
+            raise ModelNotFound(f"unknown repository {echo(request.repository_name)}: this server serves "
                                 "one, ask with an empty repository_name")
         response = pb.RepositoryIndexResponse()
         for name in sorted({*self._registry.loaded, *self._registry.failed}):

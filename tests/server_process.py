@@ -24,6 +24,8 @@ class ServerProcess:
     For a TLS server pass `credentials` (grpc.ssl_channel_credentials): channel() and health()
     then use them (and `server_name`, the name to check in the server's certificate)."""
 
+    COMMAND = ("-m", "attnserve", "serve")  # what runs, after the interpreter
+
     def __init__(self, model_repository: Path, *extra_args: str, env: dict[str, str] | None = None,
                  credentials: grpc.ChannelCredentials | None = None, server_name: str = "localhost") -> None:
         self.credentials = credentials
@@ -32,10 +34,12 @@ class ServerProcess:
         self.ready_file = self._workdir / "ready.json"
         self.log_path = self._workdir / "server.log"
         args = [
-            sys.executable, "-m", "attnserve", "serve",
+            sys.executable, *self.COMMAND,
             "--model-repository", str(model_repository),
             "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
             "--ready-file", str(self.ready_file),
+            # No load balancer watches a test's server: stop at once unless a test asks for a delay.
+            "--drain-delay-s", "0",
             *extra_args,
         ]
         self._log = open(self.log_path, "wb")
@@ -77,6 +81,17 @@ class ServerProcess:
         with self.channel() as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+    def wait_for_log(self, text: str, count: int = 1, timeout_s: float = 60.0) -> str:
+        """Wait until the server's log holds `text` `count` times (a state the server reached,
+        not a guess of how long it takes); the log so far."""
+        deadline = time.monotonic() + timeout_s
+        while (log := self.log()).count(text) < count:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"{text!r} x{count} not in the server log "
+                                     f"(exit status {self.proc.poll()}):\n{log}")
+            time.sleep(0.01)
+        return log
 
     def log(self) -> str:
         if not self._log.closed:
