@@ -275,6 +275,26 @@ def test_bad_request_is_invalid_argument(stub, case):
     assert fragment in exc.value.details()
 
 
+def test_client_text_in_errors_is_echoed_bounded(stub):
+    """A 1 MiB input name, model name or datatype comes back cut to a few hundred characters,
+    marked as cut; the status stays the right one (gRPC clients report an oversized trailer as
+    RESOURCE_EXHAUSTED, which our README calls 'queue full, retry')."""
+    q = np.zeros((1, 2, 512), np.float32)
+    huge = "x" * (1 << 20)
+    bad_name = infer_request("self_attention", query=q, key=q, value=q)
+    bad_name.inputs[0].name = huge
+    bad_type = infer_request("self_attention", query=q, key=q, value=q)
+    bad_type.inputs[0].datatype = huge
+    cases = [(bad_name, grpc.StatusCode.INVALID_ARGUMENT), (bad_type, grpc.StatusCode.INVALID_ARGUMENT),
+             (infer_request(huge, query=q, key=q, value=q), grpc.StatusCode.NOT_FOUND),
+             (infer_request("self_attention", version=huge, query=q, key=q, value=q), grpc.StatusCode.NOT_FOUND)]
+    for request, code in cases:
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.ModelInfer(request)
+        assert exc.value.code() == code
+        assert len(exc.value.details()) < 1200 and "(cut: " in exc.value.details()
+
+
 def test_unknown_model_and_version_are_not_found(stub):
     x = _inputs("cross_attention", np.random.default_rng(6), 1, 2, 2)
     for request in (infer_request("nope", **x), infer_request("cross_attention", version="9", **x)):
