@@ -61,9 +61,12 @@ class Arrivals:
     open for long and its messages come when they come.
 
     gRPC never runs the handler of a call whose message does not arrive (client gone, deadline
-    hit on the way), so a call is forgotten TIMEOUT_S after its headers came."""
+    hit on the way), so a call is forgotten TIMEOUT_S after its headers came; and for the
+    batchers' hint a call counts only for HINT_S: one whose message takes longer is not worth
+    holding a batch for, and a client that sends headers alone must not slow everyone else."""
 
     TIMEOUT_S = 10.0
+    HINT_S = 0.25
 
     def __init__(self) -> None:
         # ticket -> (time.monotonic() its headers came, whether it is unary). Insertion order is
@@ -74,9 +77,17 @@ class Arrivals:
 
     @property
     def arriving(self) -> int:
-        """Unary inference calls whose headers came and whose request is not in a batcher yet."""
-        self._forget_stale()
-        return self._unary
+        """Unary inference calls whose headers came (within HINT_S) and whose request is not in
+        a batcher yet."""
+        if not self._unary:
+            return 0
+        recent = time.monotonic() - self.HINT_S
+        count = 0
+        for came_at, unary in reversed(self._calls.values()):  # newest first
+            if came_at < recent:
+                break
+            count += unary
+        return count
 
     @property
     def calls(self) -> int:
@@ -87,6 +98,7 @@ class Arrivals:
     def came(self, *, unary: bool) -> int:
         """A call's headers arrived; returns its ticket."""
         ticket = next(self._tickets)
+        self._forget_stale()  # keeps the table bounded whoever reads it
         self._calls[ticket] = (time.monotonic(), unary)
         self._unary += unary
         return ticket

@@ -46,8 +46,10 @@ def test_health_list_is_left_out_while_grpc_health_leaves_it_synchronous():
 
     table = HandlerTable()
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), table)
-    assert handler_kind(table.handlers["/grpc.health.v1.Health/List"]) == ("unary_unary", "function")
-    assert "/grpc.health.v1.Health/List" not in _served()
+    list_method = "/grpc.health.v1.Health/List"
+    if list_method in table.handlers:  # newer grpcio-health-checking releases define List; older ones do not
+        assert handler_kind(table.handlers[list_method]) == ("unary_unary", "function")
+    assert list_method not in _served()
 
 
 def test_a_kind_the_gate_does_not_wrap_is_refused_at_startup():
@@ -89,13 +91,19 @@ def test_arrivals_whose_handler_never_runs_are_forgotten(monkeypatch):
     arrivals = Arrivals()
     abandoned = arrivals.came(unary=True)  # headers came, the client went away
     arrivals.came(unary=False)
+    assert (arrivals.arriving, arrivals.calls) == (1, 2)
     now[0] += Arrivals.TIMEOUT_S / 2
     recent = arrivals.came(unary=True)
-    assert (arrivals.arriving, arrivals.calls) == (2, 3)
-    now[0] += Arrivals.TIMEOUT_S / 2 + 0.001
-    assert (arrivals.arriving, arrivals.calls) == (1, 1)
+    # The batchers' hint counts only calls whose headers came within HINT_S; the drain, all.
+    assert (arrivals.arriving, arrivals.calls) == (1, 3)
+    now[0] += Arrivals.HINT_S / 2
+    assert (arrivals.arriving, arrivals.calls) == (1, 3)
+    now[0] += Arrivals.HINT_S
+    assert (arrivals.arriving, arrivals.calls) == (0, 3)  # a header-only call slows no batch for long
+    now[0] += Arrivals.TIMEOUT_S / 2
+    assert (arrivals.arriving, arrivals.calls) == (0, 1)
     arrivals.started(abandoned)  # late: already forgotten, counts nothing
-    assert arrivals.arriving == 1
+    assert arrivals.calls == 1
     arrivals.started(recent)
     assert (arrivals.arriving, arrivals.calls) == (0, 0)
 
@@ -140,10 +148,13 @@ def test_one_draining_state_for_gate_and_servicer():
     assert asyncio.run(ready())
     admitted = call(infer)
     assert admitted.unary_unary is not None and arrivals.arriving == 1
-    draining.begin()
+    draining.begin()  # the drain delay: not ready, but calls are still admitted
+    assert not asyncio.run(ready())
+    assert call(infer).unary_unary is not None and arrivals.arriving == 2
+    draining.refuse()  # the delay is over
     refused = call(infer)
     assert refused.stream_unary is not None and refused.request_deserializer is None  # never parsed
-    assert arrivals.arriving == 1  # the refused call is not counted
+    assert arrivals.arriving == 2  # the refused call is not counted
     assert call(f"/{SERVICE_NAME}/ServerReady").unary_unary is not None  # metadata RPCs still answer
     assert not asyncio.run(ready())
 
