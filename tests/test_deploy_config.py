@@ -496,8 +496,8 @@ def test_k8s_deployment_uses_the_servers_port_probes_and_repository():
     assert "models" in {v["name"] for v in pod["volumes"]}
     uid = int(DOCKERFILES["deploy/Dockerfile"]["serve"].all("USER")[0].split(":")[0])
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == uid
-    sleep = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
-    assert pod["terminationGracePeriodSeconds"] > sleep + setting(env, "grace_period_s")
+    assert "lifecycle" not in container, "the server's own drain delay replaces a preStop sleep"
+    assert pod["terminationGracePeriodSeconds"] > setting(env, "drain_delay_s") + setting(env, "grace_period_s")
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(metrics_port)
     assert container["resources"]["requests"]["cpu"], "the HPA's utilisation needs a CPU request"
@@ -575,3 +575,13 @@ def test_serving_containers_run_the_attnserve_command():
     assert entrypoint[0] == "attnserve" and entrypoint[1] in COMMANDS
     for container in (_deployment_container(), _kserve_container()):
         assert container["command"] == entrypoint, container["name"]
+
+
+@pytest.mark.parametrize("service", SERVER_SERVICES)
+def test_compose_gives_a_stopped_replica_time_to_drain(service):
+    """Docker kills a container stop_grace_period after SIGTERM: the drain delay and the grace
+    period must fit inside it, so a replica that is stopped exits 0 with nothing lost."""
+    env = compose_env(service)
+    period = SERVICES[service]["stop_grace_period"]
+    assert period.endswith("s")
+    assert int(period[:-1]) > setting(env, "drain_delay_s") + setting(env, "grace_period_s"), service
