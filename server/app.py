@@ -185,6 +185,8 @@ class Server:
             logger.info("draining: readiness NOT_SERVING, still admitting calls for %.1fs", drain_delay_s)
             await _wait_for(self._draining.hurried, drain_delay_s)
         self._draining.refuse()
+        if self._gate is not None and not self._draining.hurried.is_set():
+            await self._gate.quiet(_QUIET_S, min(_QUIET_BOUND_S, grace_s))
         in_flight = self._admission.in_flight
         watches = await self._gate.end_watches() if self._gate is not None else 0
         grace_left = 0.0 if self._draining.hurried.is_set() else grace_s
@@ -207,6 +209,12 @@ class Server:
                     "ended)", time.monotonic() - started, in_flight, watches)
 
 
+# Before GOAWAY, wait for a pause in the calls coming in (at most _QUIET_BOUND_S): gRPC's stop
+# cancels the calls it received but had not yet handed to a busy event loop (CANCELLED, though
+# they were sent before the signal); through the gate they are answered: served if admitted
+# before, UNAVAILABLE (retry elsewhere) after.
+_QUIET_S = 0.1
+_QUIET_BOUND_S = 2.0
 # gRPC cancels whatever still runs this long after our own grace: the batches already running
 # when the grace ran out (they finish: the README's promise) and the answers refused at that
 # point (UNAVAILABLE) get this long to leave.

@@ -81,6 +81,7 @@ class CallGate(grpc.GenericRpcHandler):
         server.parsing does not wrap is a TypeError here, at startup).
         counted_methods: the inference methods Admission counts (and draining refuses)."""
         self._handlers = {method: tolerant_handler(method, h) for method, h in method_handlers.items()}
+        self.last_call_at = float("-inf")  # time.monotonic() of the latest call's headers
         self._watches: dict[asyncio.Task, _WatchContext] = {}  # the handler tasks of open Watch streams
         self._ending: set[asyncio.Task] = set()  # those end_watches() cancelled
         if WATCH_METHOD in self._handlers:
@@ -92,6 +93,7 @@ class CallGate(grpc.GenericRpcHandler):
         self._access_log = access_log
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        self.last_call_at = time.monotonic()
         method = details.method
         # The token first, unknown methods included: nothing tells an outsider what exists.
         if self._token is not None and not self._token.admits(method, details.invocation_metadata):
@@ -107,6 +109,14 @@ class CallGate(grpc.GenericRpcHandler):
         if self._draining.refusing:
             return _DRAINING_REFUSAL
         return self._counted_call(handler)
+
+    async def quiet(self, quiet_s: float, bound_s: float) -> None:
+        """Return once no call has come for quiet_s (or after bound_s): the calls gRPC has taken
+        but not yet handed to this event loop (a busy loop lags) come through the gate first,
+        and are answered, instead of being cancelled by gRPC's stop."""
+        deadline = time.monotonic() + bound_s
+        while (now := time.monotonic()) < deadline and now - self.last_call_at < quiet_s:
+            await asyncio.sleep(quiet_s / 4)
 
     async def end_watches(self, flush_s: float = 1.0) -> int:
         """End every open health Watch stream, with status OK, once it has sent NOT_SERVING (or

@@ -295,3 +295,22 @@ def test_host_localhost_serves_every_address_it_resolves_to(model_repository):
                 assert pb_grpc.GRPCInferenceServiceStub(channel).ServerLive(pb.ServerLiveRequest(), timeout=30).live
     finally:
         proc.stop()
+
+
+def test_calls_sent_just_before_the_signal_are_all_served(model_repository, eager_modules):
+    """24 large calls sent, SIGTERM at once, with the default drain delay (5 s): the server sees
+    every call's headers within the delay (readiness already NOT_SERVING), so all 24 are served
+    correctly, exit 0. (Before the drain delay, 3 to 8 of them were refused under CPU load: the
+    event loop had not yet looked at their headers when draining began.)"""
+    rng = np.random.default_rng(7)
+    cases = [random_inputs(rng, 4, 200, 200, 512, 512) for _ in range(24)]
+    proc = ServerProcess(model_repository, "--drain-delay-s", "5")
+    try:
+        with proc.channel() as channel, concurrent.futures.ThreadPoolExecutor(24) as pool:
+            futures = _submit_all(pool, pb_grpc.GRPCInferenceServiceStub(channel), cases)
+            proc.signal(signal.SIGTERM)
+            for x, future in zip(cases, futures):
+                assert _close(future.result(timeout=120), x, eager_modules)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.stop()
