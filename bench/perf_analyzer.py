@@ -47,7 +47,7 @@ def run(binary: Path, env: dict[str, str], address: str, model: str, spec_dims: 
     report = workdir / f"pa-{model}-c{concurrency}{'-stream' if streaming else ''}.csv"
     args = [
         # The version named: with it perf_analyzer reads the model's statistics by name and
-        # version (bench.floor computes nothing, so its statistics never show a run).
+        # version rather than waiting for a version to show up in them.
         str(binary), "-m", model, "-x", str(version), "-i", "grpc", "-u", address,
         *(["--streaming"] if streaming else []),
         "--shape", f"query:{shape.batch},{shape.q_len},{q_dim}",
