@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attnserve.client import codec
-from attnserve.client.errors import InferenceError
+from attnserve.client.errors import InferenceError, remaining_or_expired
 from attnserve.client.options import DEFAULT_URL, ClientOptions, open_channel
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
@@ -70,7 +70,7 @@ class InferenceClient:
         retries_done = 0
         while True:
             try:
-                return rpc(request, timeout=max(deadline - time.monotonic(), 0.0), metadata=self._metadata)
+                return rpc(request, timeout=remaining_or_expired(deadline, budget_s), metadata=self._metadata)
             except grpc.RpcError as err:
                 error = InferenceError.from_rpc_error(err)
             delay = self.options.retry.delay_before_retry(error, retries_done, deadline - time.monotonic()) if retry else None

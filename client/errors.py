@@ -7,6 +7,8 @@ Bad arguments given by the caller are plain `ValueError`s, raised before anythin
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 # UNAVAILABLE is the one status our server returns only before it computed anything (draining,
@@ -38,3 +40,14 @@ class InferenceError(Exception):
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.details}"
+
+
+def remaining_or_expired(deadline: float, budget_s: float) -> float:
+    """Seconds left until `deadline` (time.monotonic()) for the next attempt of a call, or
+    DEADLINE_EXCEEDED without sending it: a call that cannot meet its deadline is not sent
+    (gRPC would send it and could even answer it, its timer firing after a fast reply)."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise InferenceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"the call's deadline ({budget_s:g} s, retries included) passed before it was sent")
+    return remaining

@@ -177,7 +177,8 @@ def test_invalid_inputs_fail_before_sending(client):
 
 
 def test_deadline_exceeded(client):
-    """A deadline no machine can meet (1 us) is DEADLINE_EXCEEDED, not retried, and the client
+    """A deadline no machine can meet (1 us) is DEADLINE_EXCEEDED (the call is not even sent: gRPC
+    could answer it, its timer firing after a fast reply), not retried, and the client
     stays usable. (A deadline that runs out while the server holds the call: test_client_transport.)"""
     q, k, v, _ = _random_inputs("self_attention", 2, 8, 8, 0, masked=False)
     with pytest.raises(InferenceError) as exc:
