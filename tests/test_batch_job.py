@@ -17,6 +17,7 @@ import torch
 from attnserve.client import InferenceClient
 from attnserve.client.batch import BatchError, BatchJob, run_batch
 from attnserve.client.options import ClientOptions, RetryPolicy
+from tests.gated_proxy import GatedProxy
 from tests.server_process import REPO_ROOT, ServerProcess
 
 TOLERANCE = 1e-5
@@ -85,14 +86,13 @@ def parts_in(parts_dir: Path) -> list[tuple[int, int]]:
     return sorted(tuple(map(int, m.groups())) for m in map(re.compile(r"^(\d+)-(\d+)\.npz$").match, names) if m)
 
 
-def kill_when_parts_exist(proc: subprocess.Popen, parts_dir: Path, at_least: int, timeout_s: float = 60) -> None:
+def wait_for_parts(proc: subprocess.Popen, parts_dir: Path, count: int, timeout_s: float = 60) -> None:
+    """Poll until `count` parts exist (a state, not a guess of how long they take)."""
     deadline = time.monotonic() + timeout_s
-    while len(parts_in(parts_dir)) < at_least:
-        assert proc.poll() is None, f"the job ended before it could be killed: {proc.communicate()}"
-        assert time.monotonic() < deadline, "no parts appeared"
+    while len(parts_in(parts_dir)) < count:
+        assert proc.poll() is None, f"the job ended before {count} parts existed: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"{len(parts_in(parts_dir))} parts after {timeout_s}s, not {count}"
         time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
 
 
 # ---------------------------------------------------------------------------
@@ -129,14 +129,23 @@ def test_killed_midway_then_resumed_without_recomputing(server, eager_modules, t
     arrays = make_input(inp, "self_attention", n, 4, 4, seed=4)
     out = tmp_path / "out.npz"
     parts_dir = tmp_path / "out.npz.parts"
-    args = ("--url", server.address, "--model", "self_attention", "--input", str(inp), "--output", str(out),
-            "--batch-size", "8", "--concurrency", "2")
+    job_args = ("--model", "self_attention", "--input", str(inp), "--output", str(out),
+                "--batch-size", "8", "--concurrency", "2")
+    args = ("--url", server.address, *job_args)
 
-    proc = cli(*args, wait=False)
-    kill_when_parts_exist(proc, parts_dir, at_least=40)
+    # Through a proxy that answers 40 requests and holds the rest: the job cannot finish before
+    # it is killed, and exactly 40 parts (one per request of 8 items) exist when it is.
+    proxy = GatedProxy(server.address, infer_budget=40)
+    try:
+        proc = cli("--url", proxy.address, *job_args, wait=False)
+        wait_for_parts(proc, parts_dir, 40)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        proxy.stop()  # the held requests fail there, never computed
     done = parts_in(parts_dir)
     done_items = sum(b - a for a, b in done)
-    assert 40 * 8 <= done_items < n and not out.exists()
+    assert done_items == 40 * 8 and not out.exists()
 
     # Other inputs with the same output: refused, nothing touched.
     other = tmp_path / "other.npz"
@@ -191,20 +200,25 @@ def test_stops_with_a_clear_message_and_resumes_later(server, model_repository, 
         out = tmp_path / "out.npz"
         parts_dir = tmp_path / "out.npz.parts"
         args = ("--model", "cross_attention", "--input", str(inp), "--output", str(out),
-                "--batch-size", "8", "--concurrency", "2", "--retries", "1", "--timeout", "5")
-        proc = cli("--url", lone.address, *args, wait=False)
-        deadline = time.monotonic() + 30
-        while len(parts_in(parts_dir)) < 20:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.005)
-        lone.signal(signal.SIGKILL)  # the only server dies: retries run out
-        stdout, stderr = proc.communicate(timeout=60)
+                "--batch-size", "8", "--concurrency", "2", "--retries", "1", "--timeout", "60")
+        # Through a proxy that answers 20 requests, then holds the next ones until the server is
+        # dead: the job cannot finish first, and what it was waiting for then fails.
+        proxy = GatedProxy(lone.address, infer_budget=20)
+        try:
+            proc = cli("--url", proxy.address, *args, wait=False)
+            wait_for_parts(proc, parts_dir, 20)
+            lone.signal(signal.SIGKILL)  # the only server dies: retries run out
+            lone.wait(timeout=30)
+            proxy.open()  # the held requests (and the retries) now meet the dead server
+            stdout, stderr = proc.communicate(timeout=60)
+        finally:
+            proxy.stop()
         assert proc.returncode == 1
         assert "failed: UNAVAILABLE" in stderr and "rerun the same command to resume" in stderr
         failed = summary_of(stdout)
         assert failed["errors"] >= 1 and not out.exists()
         done_items = sum(b - a for a, b in parts_in(parts_dir))
-        assert done_items >= 20 * 8
+        assert done_items == 20 * 8
 
         resumed = cli("--url", server.address, *args)  # the same job, another server
         assert resumed.returncode == 0, resumed.stderr

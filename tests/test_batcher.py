@@ -2,8 +2,12 @@
 
 `NumpyAttention` is a small multi-head attention in numpy (fixed random weights, masked scores
 filled with -1e10 as in the seeds); `Model` wraps it as the batcher's blocking `run_batch`,
-records every call's feeds, and can hold each run on a gate so tests decide when the model is
+records every call's feeds, and can hold its runs on a gate so tests decide when the model is
 busy instead of guessing with sleeps. One test runs the batcher over a real ONNX Runtime Engine.
+
+No test here depends on the machine's speed: work in flight is held by the gate, a test waits for
+the state it needs (a run begun, a request queued) rather than sleeping, and a time bound appears
+only where waiting is the feature, as a lower bound or one far from the configured delay.
 """
 
 from __future__ import annotations
@@ -34,6 +38,13 @@ QUERY_DIM = KV_DIM = OUT_DIM = 16
 NUM_HEADS, HEAD_DIM = 2, 8
 MASK_FILL = -1e10  # the seeds' fill for masked scores
 TOL = 1e-5
+# How long a test waits for a state it needs (a run begun, a request queued) before it fails, and
+# how long a held run waits for the test to let it go: only a broken test or batcher takes this.
+WAIT_S = 30.0
+# A max_queue_delay_s no run may wait out: a request that ran well before it (FAR_BELOW_S) did
+# not wait for it. 10 s against 30 s leaves any machine, however slow or shared, the margin.
+LONG_DELAY_S = 30.0
+FAR_BELOW_S = 10.0
 
 
 class NumpyAttention:
@@ -90,22 +101,59 @@ class Call:
 
 
 class Model:
-    """The batcher's run_batch: the numpy attention, recording each call; optionally slow,
-    failing, held on a gate, or returning the wrong number of rows."""
+    """The batcher's run_batch: the numpy attention, recording each call; optionally failing,
+    returning the wrong number of rows, or held on a gate the test controls.
 
-    def __init__(self, delay_s: float = 0.0) -> None:
-        self.delay_s = delay_s
+    hold(): every run from now on waits at the gate, after it is recorded; release(n) lets n
+    held (or future) runs through; open() lets everything through again. `await
+    run_started(n)` returns once the n-th run has begun (it is recorded, and held if the
+    model is), so a test waits for the state it needs instead of sleeping."""
+
+    def __init__(self) -> None:
         self.calls: list[Call] = []
-        self.gate = threading.Event()
-        self.gate.set()
         self.fail_next: Exception | None = None
         self.drop_a_row = False
+        self._cond = threading.Condition()
+        self._held = False
+        self._passes = 0  # runs let through while held
+        self._waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future]] = []
+
+    def hold(self) -> None:
+        with self._cond:
+            self._held, self._passes = True, 0
+
+    def release(self, runs: int = 1) -> None:
+        with self._cond:
+            self._passes += runs
+            self._cond.notify_all()
+
+    def open(self) -> None:
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+    async def run_started(self, n: int) -> None:
+        """Until the model has begun its n-th run (counting from 1)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._cond:
+            if len(self.calls) >= n:
+                return
+            self._waiters.append((n, loop, future))
+        await asyncio.wait_for(future, WAIT_S)
 
     def __call__(self, feeds: dict[str, np.ndarray], want_probs: bool):
-        self.calls.append(Call({k: v.copy() for k, v in feeds.items()}, want_probs))
-        assert self.gate.wait(5), "test never released the model"
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        with self._cond:
+            self.calls.append(Call({k: v.copy() for k, v in feeds.items()}, want_probs))
+            begun = len(self.calls)
+            due = [(loop, f) for n, loop, f in self._waiters if n <= begun]
+            self._waiters = [w for w in self._waiters if w[0] > begun]
+            for loop, future in due:  # this is a worker thread: tell the waiting loop safely
+                loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
+            if not self._cond.wait_for(lambda: not self._held or self._passes > 0, WAIT_S):
+                raise AssertionError("test never released the model")
+            if self._held:
+                self._passes -= 1
         if self.fail_next is not None:
             err, self.fail_next = self.fail_next, None
             raise err
@@ -166,11 +214,18 @@ def assert_matches_alone(work: Work, result, attention=ATTENTION) -> None:
         assert result.attn_probs is None
 
 
-async def wait_until(predicate, timeout_s: float = 2.0) -> None:
+async def wait_until(predicate, timeout_s: float = WAIT_S) -> None:
+    """Poll a state (not a guess of how long work takes); the timeout only catches a hang."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.001)
+
+
+async def wait_for_clock(t: float) -> None:
+    """Until time.monotonic() has passed `t`: waiting for a time, not for work."""
+    while time.monotonic() <= t:
+        await asyncio.sleep(max(t - time.monotonic(), 0) + 0.001)
 
 
 async def started(model: Model, policy: BatchPolicy, observer: Observer | None = None,
@@ -181,20 +236,20 @@ async def started(model: Model, policy: BatchPolicy, observer: Observer | None =
 
 
 async def stop(batcher: Batcher, model: Model) -> None:
-    model.gate.set()  # a failed assertion must not leave the worker held on the gate
+    model.open()  # a failed assertion must not leave the worker held on the gate
     await batcher.close()
 
 
 async def queue_while_busy(batcher: Batcher, model: Model, works: list[Work], deadline: float | None = None):
     """Hold the model on a blocker request, queue `works` behind it, then let everything run.
     Returns (the blocker's task, the tasks of `works`) with the model released."""
-    model.gate.clear()
+    model.hold()
     runs_before = len(model.calls)
     blocker = asyncio.create_task(batcher.submit(make_work()))
-    await wait_until(lambda: len(model.calls) == runs_before + 1)
+    await model.run_started(runs_before + 1)
     tasks = [asyncio.create_task(batcher.submit(w, deadline)) for w in works]
     await wait_until(lambda: batcher.queue_depth == len(works))
-    model.gate.set()
+    model.open()
     return blocker, tasks
 
 
@@ -202,36 +257,47 @@ async def queue_while_busy(batcher: Batcher, model: Model, works: list[Work], de
 
 
 def test_each_caller_gets_its_own_rows_and_busy_model_batches():
+    """Requests arrive in waves, each while the previous wave's run is held: the first finds the
+    model idle and runs alone; each later wave queues behind the busy model and runs as one batch."""
     async def main():
-        model = Model(delay_s=0.01)
+        model = Model()
         batcher = await started(model, BatchPolicy(max_batch_size=64, max_queue_delay_s=0.0))
         works = [make_work(b=1 + i % 3, lq=5, lk=7) for i in range(20)]
-
-        async def submit_later(i: int, w: Work):
-            await asyncio.sleep(0.002 * i)  # arrivals spread over ~40 ms while each run takes 10 ms
-            return await batcher.submit(w)
-
+        waves = [works[:1], works[1:7], works[7:14], works[14:]]
+        tasks = []
         try:
-            results = await asyncio.gather(*(submit_later(i, w) for i, w in enumerate(works)))
+            model.hold()
+            for run, wave in enumerate(waves, start=1):
+                tasks += [asyncio.create_task(batcher.submit(w)) for w in wave]
+                if run > 1:  # queued behind the held run, then that run is let go
+                    await wait_until(lambda: batcher.queue_depth == len(wave))
+                    model.release(1)
+                await model.run_started(run)  # this wave's run has begun (and is held)
+            model.open()
+            results = await asyncio.gather(*tasks)
         finally:
             await stop(batcher, model)
-        return model, works, results
+        return model, works, waves, results
 
-    model, works, results = asyncio.run(main())
+    model, works, waves, results = asyncio.run(main())
     for w, r in zip(works, results):
         assert_matches_alone(w, r)
     assert len(model.calls) < len(works)
     assert model.calls[0].rows == works[0].rows  # the first request found the model idle: ran alone
     assert max(r.batch_requests for r in results) > 1
+    assert [c.rows for c in model.calls] == [sum(w.rows for w in wave) for wave in waves]  # a run per wave
+    assert [r.batch_requests for r in results] == [len(wave) for wave in waves for _ in wave]
     assert sum(c.rows for c in model.calls) == sum(w.rows for w in works)  # each computed once
     for w in works:
         assert len(model.runs_with(w)) == 1
 
 
 def test_lone_request_on_idle_model_is_dispatched_at_once():
+    """With a max_queue_delay_s of 30 s, a lone request on an idle model runs alone and long
+    before that delay: it did not wait for company (none was coming)."""
     async def main():
         model = Model()
-        batcher = await started(model, BatchPolicy(max_queue_delay_s=0.5))
+        batcher = await started(model, BatchPolicy(max_queue_delay_s=LONG_DELAY_S))
         try:
             w = make_work()
             t0 = time.monotonic()
@@ -242,8 +308,8 @@ def test_lone_request_on_idle_model_is_dispatched_at_once():
 
     w, result, elapsed = asyncio.run(main())
     assert_matches_alone(w, result)
-    assert elapsed < 0.1, f"a lone request on an idle model waited {elapsed:.3f}s"
     assert result.batch_requests == 1
+    assert elapsed < FAR_BELOW_S, f"a lone request on an idle model waited {elapsed:.3f}s (max_queue_delay_s 30)"
 
 
 def test_max_batch_size_is_respected_and_a_larger_request_runs_alone():
@@ -405,45 +471,59 @@ def test_want_probs_each_request_gets_what_it_asked_for():
 
 
 def test_queue_full_sheds_the_third_concurrent_request_at_once():
+    """Two requests queued behind a held run fill a queue of 2: a third is refused while that run
+    is still held, so it was shed at once, not after waiting for any run."""
     async def main():
-        model = Model(delay_s=0.02)
+        model = Model()
         batcher = await started(model, BatchPolicy(max_queue_size=2, max_queue_delay_s=0.0))
         works = [make_work() for _ in range(3)]
-
-        async def timed(w):
-            t0 = time.monotonic()
-            try:
-                return await batcher.submit(w)
-            except QueueFull as err:
-                return err, time.monotonic() - t0
-
         try:
-            results = await asyncio.gather(*(timed(w) for w in works))
+            model.hold()
+            blocker = asyncio.create_task(batcher.submit(make_work()))
+            await model.run_started(1)  # running, so out of the queue
+            queued = [asyncio.create_task(batcher.submit(w)) for w in works[:2]]
+            await wait_until(lambda: batcher.queue_depth == 2)
+            third = asyncio.create_task(batcher.submit(works[2]))
+            # bounded only against a hang: a batcher that queued it would answer after the held run
+            await asyncio.wait({third}, timeout=WAIT_S)
+            assert third.done(), "the third request was not shed while the model was held"
+            still_held = not blocker.done() and len(model.calls) == 1
+            with pytest.raises(QueueFull) as exc:
+                await third
+            model.open()
+            await blocker
+            results = await asyncio.gather(*queued)
         finally:
             await stop(batcher, model)
-        return model, works, results
+        return model, works, results, exc.value, still_held
 
-    model, works, results = asyncio.run(main())
-    for w, r in zip(works[:2], results[:2]):
+    model, works, results, err, still_held = asyncio.run(main())
+    for w, r in zip(works[:2], results):
         assert_matches_alone(w, r)
-    err, elapsed = results[2]
     assert isinstance(err, QueueFull)
     assert "max_queue_size 2" in str(err)
-    assert elapsed < 0.01  # shed at once, not after the 20 ms run
+    assert still_held  # shed while the model was busy: no run had finished or started since
     assert model.runs_with(works[2]) == []
 
 
 def test_deadline_passing_in_queue_raises_and_is_never_computed():
+    """The test holds the running batch until the queued request's deadline has certainly passed,
+    then lets the model go: that request fails without being computed, the other one is served."""
     async def main():
-        model = Model(delay_s=0.03)
+        model = Model()
         batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0))
         try:
+            model.hold()
             first = asyncio.create_task(batcher.submit(make_work()))
-            await wait_until(lambda: len(model.calls) == 1)
+            await model.run_started(1)
             late = make_work()
             on_time = make_work()
-            late_task = asyncio.create_task(batcher.submit(late, deadline=time.monotonic() + 0.005))
-            on_time_task = asyncio.create_task(batcher.submit(on_time, deadline=time.monotonic() + 5.0))
+            late_deadline = time.monotonic() + 0.05
+            late_task = asyncio.create_task(batcher.submit(late, deadline=late_deadline))
+            on_time_task = asyncio.create_task(batcher.submit(on_time, deadline=time.monotonic() + 10 * WAIT_S))
+            await wait_until(lambda: batcher.queue_depth == 2)
+            await wait_for_clock(late_deadline)  # it expires while queued behind the held run
+            model.open()
             await first
             with pytest.raises(DeadlineExpired, match="not computed"):
                 await late_task
@@ -455,6 +535,7 @@ def test_deadline_passing_in_queue_raises_and_is_never_computed():
     model, late, on_time, on_time_result = asyncio.run(main())
     assert model.runs_with(late) == []
     assert_matches_alone(on_time, on_time_result)
+    assert on_time_result.batch_requests == 1
     assert len(model.calls) == 2
 
 
@@ -464,11 +545,16 @@ def test_cancelled_queued_request_is_not_computed():
         batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0))
         kept, dropped = make_work(), make_work()
         try:
-            blocker, (kept_task, dropped_task) = await queue_while_busy(batcher, model, [kept, dropped])
-            # queue_while_busy released the model; cancel before the loop gets to run anything
-            dropped_task.cancel()
+            model.hold()
+            blocker = asyncio.create_task(batcher.submit(make_work()))
+            await model.run_started(1)
+            kept_task = asyncio.create_task(batcher.submit(kept))
+            dropped_task = asyncio.create_task(batcher.submit(dropped))
+            await wait_until(lambda: batcher.queue_depth == 2)
+            dropped_task.cancel()  # while queued behind the held run
+            model.open()
             await blocker
-            kept_result = await kept_task
+            kept_result = await kept_task  # the run `dropped` would have joined has finished
             with pytest.raises(asyncio.CancelledError):
                 await dropped_task
         finally:
@@ -493,13 +579,13 @@ def test_failing_run_fails_each_request_of_that_batch_once_and_batcher_keeps_ser
         boom = ValueError("device lost")
         try:
             works = [make_work() for _ in range(3)]
-            model.gate.clear()
+            model.hold()
             model.fail_next = boom
             tasks = [asyncio.create_task(batcher.submit(w)) for w in works]
-            await wait_until(lambda: len(model.calls) == 1)
-            model.gate.set()
+            await model.run_started(1)
+            model.open()
             # bounded: a request the batcher forgot to settle must fail the test, not hang it
-            outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 2)
+            outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT_S)
             after = make_work()
             after_result = await batcher.submit(after)
         finally:
@@ -543,19 +629,23 @@ def test_run_returning_wrong_number_of_rows_fails_that_batch():
 
 def test_close_finishes_every_queued_request_then_refuses_new_ones():
     async def main():
-        model = Model(delay_s=0.005)
+        model = Model()
         batcher = await started(model, BatchPolicy(max_batch_size=2, max_queue_delay_s=0.0))
         works = [make_work() for _ in range(7)]
-        model.gate.clear()
+        model.hold()
         tasks = [asyncio.create_task(batcher.submit(w)) for w in works]
-        await wait_until(lambda: len(model.calls) == 1)
+        await model.run_started(1)
         closing = asyncio.create_task(batcher.close())
-        await asyncio.sleep(0.005)
-        assert not closing.done()
+        await asyncio.sleep(0)  # close() runs up to its first wait
         with pytest.raises(BatcherClosed):
-            await batcher.submit(make_work())  # refused while draining
-        model.gate.set()
-        await asyncio.wait_for(closing, 2)
+            await batcher.submit(make_work())  # refused while draining: close has begun
+        # The one run is held, so nothing but this loop can move: give close() turns of the loop
+        # (counted, not timed); returning now would mean it did not wait for the queued requests.
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not closing.done()
+        model.open()
+        await asyncio.wait_for(closing, WAIT_S)
         done_when_closed = [t.done() for t in tasks]
         results = await asyncio.gather(*tasks)
         with pytest.raises(BatcherClosed, match="shutting down"):
@@ -573,30 +663,35 @@ def test_close_finishes_every_queued_request_then_refuses_new_ones():
 
 
 def test_two_batches_in_flight_partial_batch_waits_only_while_another_runs():
+    """With two execution slots and max_queue_delay_s 30 s: a lone request on the idle model runs
+    at once; a request arriving while another batch runs waits for company though a slot is
+    free (the next arrival joins it), and the pair leaves as soon as the model goes idle."""
     async def main():
         model = Model()
-        batcher = await started(model, BatchPolicy(batches_in_flight=2, max_queue_delay_s=0.3))
+        batcher = await started(model, BatchPolicy(batches_in_flight=2, max_queue_delay_s=LONG_DELAY_S))
         try:
-            # Idle: a lone request goes at once despite the 0.3 s delay.
+            # Idle: a lone request goes at once despite the 30 s delay.
             t0 = time.monotonic()
             lone = make_work()
             lone_result = await batcher.submit(lone)
             lone_s = time.monotonic() - t0
 
             # Busy: a request arriving while another batch runs waits for company ...
-            model.gate.clear()
+            model.hold()
             first = asyncio.create_task(batcher.submit(make_work()))
-            await wait_until(lambda: len(model.calls) == 2)  # `first` runs, held on the gate
+            await model.run_started(2)  # `first` runs, held at the gate; the second slot is free
             a, b = make_work(), make_work()
             task_a = asyncio.create_task(batcher.submit(a))
-            await asyncio.sleep(0.02)
-            assert len(model.calls) == 2, "a partial batch left while another batch ran"
+            await asyncio.sleep(0)  # a's submit runs up to its wait: a is queued
+            # Give a batcher that does not wait the chance to send `a` off alone through the free
+            # slot. Too short a chance can only let such a batcher pass, never fail a correct one.
+            a_queued_by = time.monotonic()
+            await wait_for_clock(a_queued_by + 0.1)
             task_b = asyncio.create_task(batcher.submit(b))
-            await asyncio.sleep(0.02)
-            assert len(model.calls) == 2
-            # ... and leaves as soon as the model goes idle, not when the 0.3 s run out.
+            await asyncio.sleep(0)  # b's submit runs up to its wait: b is queued
+            # ... and leaves as soon as the model goes idle, not when the 30 s run out.
             t1 = time.monotonic()
-            model.gate.set()
+            model.open()
             await first
             result_a, result_b = await asyncio.gather(task_a, task_b)
             idle_s = time.monotonic() - t1
@@ -605,16 +700,32 @@ def test_two_batches_in_flight_partial_batch_waits_only_while_another_runs():
         return model, lone, lone_result, lone_s, (a, b), (result_a, result_b), idle_s
 
     model, lone, lone_result, lone_s, works, results, idle_s = asyncio.run(main())
-    assert lone_s < 0.1
+    assert lone_s < FAR_BELOW_S and lone_result.batch_requests == 1
     assert_matches_alone(lone, lone_result)
     for w, r in zip(works, results):
         assert_matches_alone(w, r)
         assert r.batch_requests == 2  # a and b waited for each other
+    assert model.runs_with(works[0]) == model.runs_with(works[1])
+    assert results[0].queue_s >= 0.1  # `a` stayed queued with a slot free until `b` came (a lower bound)
     assert len(model.calls) == 3
-    assert idle_s < 0.15, f"the partial batch waited {idle_s:.3f}s after the model went idle"
+    assert idle_s < FAR_BELOW_S, f"the partial batch waited {idle_s:.3f}s after the model went idle"
 
 
 # -- requests on their way (the server's Arrivals) -------------------------------------------
+
+
+class WatchedArrivals:
+    """The server's Arrivals, noting each time the batcher asks whether company is coming: the
+    event that proves it has looked at its queue and decided."""
+
+    def __init__(self, arrivals: Arrivals) -> None:
+        self.arrivals = arrivals
+        self.asked = asyncio.Event()
+
+    @property
+    def arriving(self) -> int:
+        self.asked.set()
+        return self.arrivals.arriving
 
 
 def test_idle_model_waits_for_requests_on_their_way_and_only_for_them():
@@ -624,20 +735,25 @@ def test_idle_model_waits_for_requests_on_their_way_and_only_for_them():
     async def main():
         model = Model()
         arrivals = Arrivals()
-        batcher = await started(model, BatchPolicy(max_batch_size=2, max_queue_delay_s=0.3), arrivals=arrivals)
+        watched = WatchedArrivals(arrivals)
+        batcher = await started(model, BatchPolicy(max_batch_size=2, max_queue_delay_s=LONG_DELAY_S),
+                                arrivals=watched)
         try:
             ticket = arrivals.came(unary=True)  # headers in, message on its way
             a, b = make_work(), make_work()
             t0 = time.monotonic()
             task_a = asyncio.create_task(batcher.submit(a))
-            await asyncio.sleep(0.02)
-            assert model.calls == [], "ran alone while a request was on its way"
+            # The batcher asks only once `a` is queued, and goes on to its next wait (or its
+            # dispatch) before this task resumes: `a` must still be queued.
+            await asyncio.wait_for(watched.asked.wait(), WAIT_S)
+            assert batcher.queue_depth == 1 and model.calls == [], "ran alone while a request was on its way"
             arrivals.started(ticket)  # its handler runs and submits, as the servicer does
             result_b = await batcher.submit(b)
             result_a = await task_a
             together_s = time.monotonic() - t0
 
             arrivals.came(unary=False)  # a stream: not a request on its way
+            assert arrivals.arriving == 0
             t1 = time.monotonic()
             lone = make_work()
             lone_result = await batcher.submit(lone)
@@ -650,9 +766,9 @@ def test_idle_model_waits_for_requests_on_their_way_and_only_for_them():
     for w, r in zip(works, results):
         assert_matches_alone(w, r)
         assert r.batch_requests == 2
-    assert together_s < 0.2, f"waited {together_s:.3f}s: the whole max_queue_delay_s, not for its company"
+    assert together_s < FAR_BELOW_S, f"waited {together_s:.3f}s: the whole max_queue_delay_s, not for its company"
     assert_matches_alone(lone, lone_result)
-    assert lone_result.batch_requests == 1 and lone_s < 0.1
+    assert lone_result.batch_requests == 1 and lone_s < FAR_BELOW_S
     assert [c.rows for c in model.calls] == [2, 1]
 
 
@@ -754,7 +870,7 @@ def test_batcher_over_real_onnx_runtime_engine(model_repository):
 
     def run_batch(feeds, want_probs):
         calls.append(feeds["mask"].shape)
-        gate.wait(5)
+        assert gate.wait(WAIT_S), "test never released the engine"
         return engine.run(feeds, want_probs)
 
     works = [work(2, 5, 7), work(1, 9, 4, want_probs=False), work(3, 2, 7), work(1, 4, 4, fully_masked_row=True)]

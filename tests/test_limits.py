@@ -34,14 +34,14 @@ def test_queue_is_bounded_in_bytes_and_frees_them_as_it_drains():
         size = works[0].nbytes  # (4 + 6 + 6) x 16 floats + a 4 x 6 mask = 1,048 bytes
         batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0, max_queued_bytes=int(2.5 * size)))
         try:
-            model.gate.clear()
+            model.hold()
             blocker = asyncio.create_task(batcher.submit(make_work()))
-            await wait_until(lambda: len(model.calls) == 1)  # running, so out of the queue
+            await model.run_started(1)  # running, so out of the queue
             queued = [asyncio.create_task(batcher.submit(w)) for w in works[:2]]
             await wait_until(lambda: batcher.queue_depth == 2)
             with pytest.raises(QueueFull) as exc:  # a third would hold 3 x 1,048 > 2,620 bytes
                 await batcher.submit(works[2])
-            model.gate.set()
+            model.open()
             results = await asyncio.gather(blocker, *queued)
             # Drained: the bytes are free again, the same request is taken.
             later = await batcher.submit(works[2])
@@ -63,14 +63,14 @@ def test_request_larger_than_the_byte_bound_is_taken_by_an_empty_queue_alone():
         big = [make_work(2, 8, 8) for _ in range(2)]
         batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0, max_queued_bytes=100))
         try:
-            model.gate.clear()
+            model.hold()
             blocker = asyncio.create_task(batcher.submit(make_work()))
-            await wait_until(lambda: len(model.calls) == 1)
+            await model.run_started(1)
             first = asyncio.create_task(batcher.submit(big[0]))  # an empty queue takes it
             await wait_until(lambda: batcher.queue_depth == 1)
             with pytest.raises(QueueFull, match="max_queued_bytes 100"):
                 await batcher.submit(big[1])
-            model.gate.set()
+            model.open()
             await blocker
             return await first
         finally:

@@ -35,6 +35,9 @@ TOLERANCE = 1e-5
 # A token no log line could contain by accident.
 TOKEN = "attnserve-test-token-" + secrets.token_hex(16)
 NO_RETRY = RetryPolicy(max_attempts=1)
+# The deadline of a call that must fail with UNAVAILABLE (a refused handshake): it fails at once,
+# so this only keeps a slow machine's handshake from turning into DEADLINE_EXCEEDED.
+REFUSED_CALL_TIMEOUT_S = 30
 
 
 @pytest.fixture(scope="module")
@@ -232,8 +235,9 @@ def test_health_and_reflection_need_no_token(tls_server):
 def test_plaintext_client_cannot_talk_to_tls_server(tls_server):
     with grpc.insecure_channel(tls_server.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
-        assert _code(health.Check, health_pb2.HealthCheckRequest(), timeout=3) == grpc.StatusCode.UNAVAILABLE
-    with InferenceClient(tls_server.address, token=TOKEN, retry=NO_RETRY, timeout_s=3) as client:
+        assert _code(health.Check, health_pb2.HealthCheckRequest(),
+                     timeout=REFUSED_CALL_TIMEOUT_S) == grpc.StatusCode.UNAVAILABLE
+    with InferenceClient(tls_server.address, token=TOKEN, retry=NO_RETRY, timeout_s=REFUSED_CALL_TIMEOUT_S) as client:
         with pytest.raises(InferenceError) as exc:
             client.server_live()
         assert exc.value.code == grpc.StatusCode.UNAVAILABLE
@@ -241,7 +245,7 @@ def test_plaintext_client_cannot_talk_to_tls_server(tls_server):
 
 def test_client_that_does_not_trust_the_server_certificate_fails(tls_server, pki):
     with InferenceClient(tls_server.address, tls=TlsConfig(ca_file=pki.rogue_ca), token=TOKEN, retry=NO_RETRY,
-                         timeout_s=3) as client:
+                         timeout_s=REFUSED_CALL_TIMEOUT_S) as client:
         with pytest.raises(InferenceError) as exc:
             client.health_check()
         assert exc.value.code == grpc.StatusCode.UNAVAILABLE
@@ -250,7 +254,8 @@ def test_client_that_does_not_trust_the_server_certificate_fails(tls_server, pki
     with grpc.secure_channel(tls_server.address, wrong_name,
                              options=[("grpc.ssl_target_name_override", "attnserve.example")]) as channel:
         health = health_pb2_grpc.HealthStub(channel)
-        assert _code(health.Check, health_pb2.HealthCheckRequest(), timeout=3) == grpc.StatusCode.UNAVAILABLE
+        assert _code(health.Check, health_pb2.HealthCheckRequest(),
+                     timeout=REFUSED_CALL_TIMEOUT_S) == grpc.StatusCode.UNAVAILABLE
 
 
 # -- mutual TLS -----------------------------------------------------------------------------
@@ -275,7 +280,7 @@ def test_mtls_refuses_clients_without_a_trusted_certificate(mtls_server, pki, wh
         tls = TlsConfig(ca_file=pki.ca, cert_file=pki.rogue_client_cert, key_file=pki.rogue_client_key)
     else:
         tls = None
-    with InferenceClient(mtls_server.address, tls=tls, retry=NO_RETRY, timeout_s=3) as client:
+    with InferenceClient(mtls_server.address, tls=tls, retry=NO_RETRY, timeout_s=REFUSED_CALL_TIMEOUT_S) as client:
         for probe in (client.server_live, client.health_check):  # mTLS guards the transport: health too
             with pytest.raises(InferenceError) as exc:
                 probe()
