@@ -190,11 +190,12 @@ class Server:
         in_flight = self._admission.in_flight
         watches = await self._gate.end_watches() if self._gate is not None else 0
         grace_left = 0.0 if self._draining.hurried.is_set() else grace_s
-        logger.info("refusing new calls (GOAWAY); finishing %d call(s) in flight within %.1fs", in_flight, grace_left)
         # GOAWAY now; gRPC itself would cancel what runs past its grace, so it gets a margin
         # beyond ours: the calls refused below must still get their answers out.
         grpc_stopped = (asyncio.create_task(self._grpc.stop(grace_left + _RUNNING_MARGIN_S))
                         if self._grpc is not None else None)
+        await asyncio.sleep(0)  # the stop's first step: gRPC stops listening and sends GOAWAY
+        logger.info("refusing new calls (GOAWAY); finishing %d call(s) in flight within %.1fs", in_flight, grace_left)
         finished = await self._admission.wait_idle(grace_left, interrupt=self._draining.hurried)
         if not finished:
             logger.warning("%s with %d call(s) unfinished; refusing queued ones",

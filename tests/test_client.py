@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from attnserve.client import AsyncInferenceClient, InferenceClient, InferenceError, RetryPolicy
+from tests.gated_server import GatedServer
 from tests.server_process import ServerProcess
 
 TOLERANCE = 1e-5
@@ -176,15 +177,16 @@ def test_invalid_inputs_fail_before_sending(client):
         client.infer("cross_attention", q, k[:1], v[:1])
 
 
-def test_deadline_exceeded(client):
-    """A deadline no machine can meet (1 us) is DEADLINE_EXCEEDED (the call is not even sent: gRPC
-    could answer it, its timer firing after a fast reply), not retried, and the client
-    stays usable. (A deadline that runs out while the server holds the call: test_client_transport.)"""
+def test_deadline_exceeded(model_repository):
+    """The server holds the batch at a gate until the client's 0.5 s deadline has passed: the
+    call ends DEADLINE_EXCEEDED, is not retried, and the client stays usable."""
     q, k, v, _ = _random_inputs("self_attention", 2, 8, 8, 0, masked=False)
-    with pytest.raises(InferenceError) as exc:
-        client.infer("self_attention", q, k, v, timeout_s=1e-6)
-    assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert client.infer("self_attention", q, k, v)["output"].shape == (2, 8, 512)
+    with GatedServer(model_repository) as proc, InferenceClient(proc.address, timeout_s=30) as c:
+        with pytest.raises(InferenceError) as exc:
+            c.infer("self_attention", q, k, v, timeout_s=0.5)
+        assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and c.retry_count == 0
+        proc.gate.release(10)
+        assert c.infer("self_attention", q, k, v)["output"].shape == (2, 8, 512)
 
 
 def test_unreachable_server_is_retried_then_unavailable():
