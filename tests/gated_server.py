@@ -50,6 +50,12 @@ class Gate:
         line, self._pending = self._pending.split(b"\n", 1)
         return int(line)
 
+    def has_started(self) -> bool:
+        """Whether a batch has reached the gate that wait_started() has not yet reported."""
+        if b"\n" not in self._pending and select.select([self._started], [], [], 0)[0]:
+            self._pending += os.read(self._started, 4096)
+        return b"\n" in self._pending
+
     def release(self, batches: int = 1) -> None:
         os.write(self._release, b"x" * batches)
 
