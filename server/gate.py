@@ -111,11 +111,20 @@ class CallGate(grpc.GenericRpcHandler):
         return self._counted_call(handler)
 
     async def quiet(self, quiet_s: float, bound_s: float) -> None:
-        """Return once no call has come for quiet_s (or after bound_s): the calls gRPC has taken
-        but not yet handed to this event loop (a busy loop lags) come through the gate first,
-        and are answered, instead of being cancelled by gRPC's stop."""
+        """Return once no call has come for quiet_s: the calls gRPC has taken but not yet handed
+        to this event loop (a busy loop lags) come through the gate first, and are answered,
+        instead of being cancelled by gRPC's stop. If calls keep coming for bound_s (clients
+        retrying the UNAVAILABLE they get), return just after the next one came through, when
+        gRPC is least likely to hold another (at most quiet_s more)."""
         deadline = time.monotonic() + bound_s
-        while (now := time.monotonic()) < deadline and now - self.last_call_at < quiet_s:
+        while (now := time.monotonic()) - self.last_call_at < quiet_s:
+            if now >= deadline:
+                seen = self.last_call_at
+                until = now + quiet_s
+                while self.last_call_at == seen and time.monotonic() < until:
+                    await asyncio.sleep(0.001)
+                await asyncio.sleep(0)  # its answer goes out before the stop begins
+                return
             await asyncio.sleep(quiet_s / 4)
 
     async def end_watches(self, flush_s: float = 1.0) -> int:
