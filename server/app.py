@@ -174,10 +174,11 @@ class Server:
         """Drain, in three steps:
         1. readiness and health turn NOT_SERVING (Watch streams are told), and for drain_delay_s
            calls are still admitted: a load balancer that has not yet seen the change loses none;
-        2. then new calls are refused: gRPC sends GOAWAY (clients take new calls elsewhere,
-           transparently) and the gate answers any that still come UNAVAILABLE; Watch streams end;
-        3. every admitted call finishes within grace_s; what is still queued then is refused with
-           UNAVAILABLE (never computed) and running batches finish. hurry() cuts 1 and 3 short."""
+        2. then new calls are refused with UNAVAILABLE (never computed: retry elsewhere), and
+           every admitted call finishes within grace_s; what is still queued then is refused
+           with UNAVAILABLE and running batches finish;
+        3. Watch streams end, and after a pause in incoming calls gRPC stops: GOAWAY, the
+           listener closed. hurry() cuts 1 and 2 short."""
         started = time.monotonic()
         self._draining.begin()
         await self._health.enter_graceful_shutdown()
@@ -185,17 +186,10 @@ class Server:
             logger.info("draining: readiness NOT_SERVING, still admitting calls for %.1fs", drain_delay_s)
             await _wait_for(self._draining.hurried, drain_delay_s)
         self._draining.refuse()
-        if self._gate is not None and not self._draining.hurried.is_set():
-            await self._gate.quiet(_QUIET_S, min(_QUIET_BOUND_S, grace_s))
         in_flight = self._admission.in_flight
-        watches = await self._gate.end_watches() if self._gate is not None else 0
         grace_left = 0.0 if self._draining.hurried.is_set() else grace_s
-        # GOAWAY now; gRPC itself would cancel what runs past its grace, so it gets a margin
-        # beyond ours: the calls refused below must still get their answers out.
-        grpc_stopped = (asyncio.create_task(self._grpc.stop(grace_left + _RUNNING_MARGIN_S))
-                        if self._grpc is not None else None)
-        await asyncio.sleep(0)  # the stop's first step: gRPC stops listening and sends GOAWAY
-        logger.info("refusing new calls (GOAWAY); finishing %d call(s) in flight within %.1fs", in_flight, grace_left)
+        logger.info("refusing new calls (UNAVAILABLE); finishing %d call(s) in flight within %.1fs",
+                    in_flight, grace_left)
         finished = await self._admission.wait_idle(grace_left, interrupt=self._draining.hurried)
         if not finished:
             logger.warning("%s with %d call(s) unfinished; refusing queued ones",
@@ -203,19 +197,23 @@ class Server:
                            self._admission.in_flight)
         if self.registry is not None:
             await self.registry.close(abandon_queued=not finished)
-        if grpc_stopped is not None:
-            await grpc_stopped
+        watches = await self._gate.end_watches() if self._gate is not None else 0
+        if self._grpc is not None:
+            if self._gate is not None and not self._draining.hurried.is_set():
+                await self._gate.quiet(_QUIET_S, _QUIET_BOUND_S)
+            # GOAWAY, the listener closed. What was admitted is answered by now; gRPC cancels
+            # anything still running after the margin (the refusals' answers leave well before).
+            await self._grpc.stop(_RUNNING_MARGIN_S)
         await self._metrics_endpoint.close()
         logger.info("stopped after %.2fs (%d call(s) in flight when new calls were refused, %d watch stream(s) "
                     "ended)", time.monotonic() - started, in_flight, watches)
 
 
 # Before GOAWAY, wait for a pause in the calls coming in (at most _QUIET_BOUND_S): gRPC's stop
-# cancels the calls it received but had not yet handed to a busy event loop (CANCELLED, though
-# they were sent before the signal); through the gate they are answered: served if admitted
-# before, UNAVAILABLE (retry elsewhere) after.
+# cancels the calls it received but had not yet handed to a busy event loop (CANCELLED); through
+# the gate they are answered UNAVAILABLE (retry elsewhere).
 _QUIET_S = 0.1
-_QUIET_BOUND_S = 2.0
+_QUIET_BOUND_S = 0.5
 # gRPC cancels whatever still runs this long after our own grace: the batches already running
 # when the grace ran out (they finish: the README's promise) and the answers refused at that
 # point (UNAVAILABLE) get this long to leave.

@@ -30,7 +30,7 @@ from tests.server_process import REPO_ROOT, ServerProcess
 
 TOLERANCE = 1e-5
 INFER_HEADERS = "rpc /inference.GRPCInferenceService/ModelInfer"  # the access log's line per call
-REFUSING = "refusing new calls (GOAWAY)"
+REFUSING = "refusing new calls (UNAVAILABLE)"
 
 
 def _request(rng, b=2, lq=6, lk=5):
