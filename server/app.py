@@ -28,6 +28,7 @@ from attnserve.proto import reflection_pool
 from attnserve.server.config import ServerConfig
 from attnserve.server.engine import choose_device
 from attnserve.server.gate import CallGate, HandlerTable
+from attnserve.server.handover import CoreCalls
 from attnserve.server.lifecycle import Admission, Arrivals, Draining
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_http import MetricsEndpoint
@@ -102,6 +103,7 @@ class Server:
         self.registry: ModelRegistry | None = None
         self._grpc: grpc.aio.Server | None = None
         self._gate: CallGate | None = None
+        self._core_calls: CoreCalls | None = None  # what gRPC's core has taken (server.handover)
         self._health = health.aio.HealthServicer()
         self._draining = Draining()
         self._arrivals = Arrivals()
@@ -132,7 +134,9 @@ class Server:
         gate = CallGate(method_handlers(servicer, self._health), self._admission, self._draining, _INFER_METHODS,
                         token, cfg.access_log)
         self._gate = gate
+        servers_before = CoreCalls.server_ids()
         self._grpc = grpc.aio.server(options=options)
+        self._core_calls = CoreCalls.of_new_server(servers_before)
         self._grpc.add_generic_rpc_handlers((gate,))
         self.port = bind(self._grpc, cfg.host, cfg.port, credentials)
         await self._grpc.start()
@@ -177,8 +181,8 @@ class Server:
         2. then new calls are refused with UNAVAILABLE (never computed: retry elsewhere), and
            every admitted call finishes within grace_s; what is still queued then is refused
            with UNAVAILABLE and running batches finish;
-        3. Watch streams end, and after a pause in incoming calls gRPC stops: GOAWAY, the
-           listener closed. hurry() cuts 1 and 2 short."""
+        3. Watch streams end, and once the event loop has seen every call gRPC's core took,
+           gRPC stops: GOAWAY, the listener closed. hurry() cuts 1 and 2 short."""
         started = time.monotonic()
         self._draining.begin()
         await self._health.enter_graceful_shutdown()
@@ -200,8 +204,12 @@ class Server:
         watches = await self._gate.end_watches() if self._gate is not None else 0
         if self._grpc is not None:
             if self._gate is not None and not self._draining.hurried.is_set():
-                await self._gate.quiet(_QUIET_S, _QUIET_BOUND_S)
-            # GOAWAY, the listener closed. What was admitted is answered by now; gRPC cancels
+                if self._core_calls is None:
+                    await asyncio.sleep(_HANDOVER_PAUSE_S)  # channelz cannot tell: give the loop turns
+                elif not await self._gate.handed_over(self._core_calls, _HANDOVER_BOUND_S):
+                    logger.warning("stopping while calls still come in: gRPC may cancel some (CANCELLED)")
+            # GOAWAY, the listener closed, begun right after handed_over() (no await between:
+            # the lock inside is free). What was admitted is answered by now; gRPC cancels
             # anything still running after the margin (the refusals' answers leave well before).
             await self._grpc.stop(_RUNNING_MARGIN_S)
         await self._metrics_endpoint.close()
@@ -209,11 +217,11 @@ class Server:
                     "ended)", time.monotonic() - started, in_flight, watches)
 
 
-# Before GOAWAY, wait for a pause in the calls coming in (at most _QUIET_BOUND_S): gRPC's stop
-# cancels the calls it received but had not yet handed to a busy event loop (CANCELLED); through
-# the gate they are answered UNAVAILABLE (retry elsewhere).
-_QUIET_S = 0.1
-_QUIET_BOUND_S = 0.5
+# Before GOAWAY, wait (at most _HANDOVER_BOUND_S) until the event loop has seen every call gRPC's
+# core took: its stop cancels (CANCELLED) the ones core still holds for a busy loop, whereas
+# through the gate they are answered UNAVAILABLE (retry elsewhere). server.handover says how.
+_HANDOVER_BOUND_S = 2.0
+_HANDOVER_PAUSE_S = 0.1  # where channelz cannot tell
 # gRPC cancels whatever still runs this long after our own grace: the batches already running
 # when the grace ran out (they finish: the README's promise) and the answers refused at that
 # point (UNAVAILABLE) get this long to leave.

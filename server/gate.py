@@ -31,6 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from attnserve.server.errors import ShuttingDown, Unauthenticated, abort
+from attnserve.server.handover import CoreCalls
 from attnserve.server.lifecycle import Admission, Draining
 from attnserve.server.parsing import tolerant_handler
 from attnserve.server.security import REFUSAL, BearerToken
@@ -81,7 +82,7 @@ class CallGate(grpc.GenericRpcHandler):
         server.parsing does not wrap is a TypeError here, at startup).
         counted_methods: the inference methods Admission counts (and draining refuses)."""
         self._handlers = {method: tolerant_handler(method, h) for method, h in method_handlers.items()}
-        self.last_call_at = float("-inf")  # time.monotonic() of the latest call's headers
+        self.calls_seen = 0  # every call gRPC has handed to the event loop (server.handover)
         self._watches: dict[asyncio.Task, _WatchContext] = {}  # the handler tasks of open Watch streams
         self._ending: set[asyncio.Task] = set()  # those end_watches() cancelled
         if WATCH_METHOD in self._handlers:
@@ -93,7 +94,7 @@ class CallGate(grpc.GenericRpcHandler):
         self._access_log = access_log
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        self.last_call_at = time.monotonic()
+        self.calls_seen += 1
         method = details.method
         # The token first, unknown methods included: nothing tells an outsider what exists.
         if self._token is not None and not self._token.admits(method, details.invocation_metadata):
@@ -110,22 +111,17 @@ class CallGate(grpc.GenericRpcHandler):
             return _DRAINING_REFUSAL
         return self._counted_call(handler)
 
-    async def quiet(self, quiet_s: float, bound_s: float) -> None:
-        """Return once no call has come for quiet_s: the calls gRPC has taken but not yet handed
-        to this event loop (a busy loop lags) come through the gate first, and are answered,
-        instead of being cancelled by gRPC's stop. If calls keep coming for bound_s (clients
-        retrying the UNAVAILABLE they get), return just after the next one came through, when
-        gRPC is least likely to hold another (at most quiet_s more)."""
+    async def handed_over(self, core: CoreCalls, bound_s: float) -> bool:
+        """Return once every call gRPC's core has received on this server has come through
+        here (True), or after bound_s (False: calls kept coming, or channelz cannot tell).
+        Begin the stop right after, without giving the event loop a turn: then it cancels no
+        call that core was still holding for this loop."""
         deadline = time.monotonic() + bound_s
-        while (now := time.monotonic()) - self.last_call_at < quiet_s:
-            if now >= deadline:
-                seen = self.last_call_at
-                until = now + quiet_s
-                while self.last_call_at == seen and time.monotonic() < until:
-                    await asyncio.sleep(0.001)
-                await asyncio.sleep(0)  # its answer goes out before the stop begins
-                return
-            await asyncio.sleep(quiet_s / 4)
+        while (taken := core.started()) is not None and taken > self.calls_seen:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.001)
+        return taken is not None
 
     async def end_watches(self, flush_s: float = 1.0) -> int:
         """End every open health Watch stream, with status OK, once it has sent NOT_SERVING (or

@@ -6,12 +6,17 @@ Test side:
         ... send calls ...
         rows = proc.gate.wait_started()   # a batch is now running (held), `rows` sequences in it
         proc.gate.release()               # let one batch compute (release(n): n batches)
+        proc.stall_loop()                 # the server's event loop blocks, as on a busy machine
+        proc.gate.unstall_after(n)        # ... until gRPC's core has received n more calls
 
 Server side (`python -m tests.gated_server [server flags]`, started by GatedServer): the real
 server, batcher and servicer of `attnserve serve` through app.Server's one seam (run_batch), each
 model's run the real ONNX Runtime Engine behind a gate. Before a batch computes it writes a
 line to DIR/started and then blocks, on its worker thread, for one byte from DIR/release
-(DIR: $ATTNSERVE_TEST_GATE, two FIFOs the test made). The event loop never waits on the gate.
+(DIR: $ATTNSERVE_TEST_GATE, FIFOs the test made). The event loop never waits on the gate.
+SIGUSR1 blocks the event loop itself (a signal handler that waits on DIR/unstall, then for
+gRPC's core to receive that many calls): calls arrive and wait in core, as they do when the
+machine's cores are busy and the loop lags.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from __future__ import annotations
 import asyncio
 import os
 import select
+import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from tests.server_process import ServerProcess
@@ -34,10 +41,12 @@ class Gate:
 
     def __init__(self) -> None:
         self.directory = Path(tempfile.mkdtemp(prefix="attnserve-gate-"))
-        for name in ("started", "release"):
+        for name in ("started", "release", "stalled", "unstall"):
             os.mkfifo(self.directory / name)
         self._started = os.open(self.directory / "started", os.O_RDWR | os.O_NONBLOCK)
         self._release = os.open(self.directory / "release", os.O_RDWR)
+        self._stalled = os.open(self.directory / "stalled", os.O_RDWR | os.O_NONBLOCK)
+        self._unstall = os.open(self.directory / "unstall", os.O_RDWR)
         self._pending = b""
 
     def wait_started(self, timeout_s: float = 60.0) -> int:
@@ -59,9 +68,19 @@ class Gate:
     def release(self, batches: int = 1) -> None:
         os.write(self._release, b"x" * batches)
 
+    def wait_stalled(self, timeout_s: float = 60.0) -> None:
+        """Block until the server's event loop is stalled (after GatedServer.stall_loop())."""
+        if not select.select([self._stalled], [], [], timeout_s)[0]:
+            raise AssertionError(f"the server's event loop did not stall within {timeout_s}s")
+        os.read(self._stalled, 4096)
+
+    def unstall_after(self, calls: int) -> None:
+        """Let the stalled loop go once gRPC's core has received `calls` more calls."""
+        os.write(self._unstall, f"{calls}\n".encode())
+
     def close(self) -> None:
-        os.close(self._started)
-        os.close(self._release)
+        for fd in (self._started, self._release, self._stalled, self._unstall):
+            os.close(fd)
 
 
 class GatedServer(ServerProcess):
@@ -75,8 +94,14 @@ class GatedServer(ServerProcess):
     def __enter__(self) -> "GatedServer":
         return self
 
+    def stall_loop(self) -> None:
+        """Block the server's event loop until gate.unstall_after(n) (and n calls reached core)."""
+        self.signal(signal.SIGUSR1)
+        self.gate.wait_stalled()
+
     def __exit__(self, *exc_info: object) -> None:
-        self.gate.release(10_000)  # nothing stays held by a failed test
+        self.gate.unstall_after(0)  # nothing stays held by a failed test
+        self.gate.release(10_000)
         self.stop()
         self.gate.close()
 
@@ -111,6 +136,28 @@ def _gated_engine_factory(directory: Path, intra_op_threads: int):
     return factory
 
 
+def _stall_on_sigusr1(directory: Path) -> None:
+    """SIGUSR1 runs, on the event loop's thread, a handler that blocks it: it reads a count n
+    from DIR/unstall, then waits (at most 60 s) until gRPC's core has received n more calls."""
+    from attnserve.server.handover import CoreCalls
+
+    stalled = os.open(directory / "stalled", os.O_WRONLY)
+    unstall = os.open(directory / "unstall", os.O_RDONLY)
+
+    def stall(signum, frame) -> None:
+        core = CoreCalls(max(CoreCalls.server_ids()))  # the one gRPC server of this process
+        base = core.started()
+        os.write(stalled, b"stalled\n")
+        line = b""
+        while not line.endswith(b"\n"):
+            line += os.read(unstall, 1)
+        deadline = time.monotonic() + 60
+        while core.started() < base + int(line) and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    signal.signal(signal.SIGUSR1, stall)
+
+
 def main(argv: list[str] | None = None) -> int:
     from attnserve.server.__main__ import configure_logging, serve
     from attnserve.server.config import load_config
@@ -118,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(argv, prog="python -m tests.gated_server")
     configure_logging(config)
     factory = _gated_engine_factory(Path(os.environ[GATE_ENV]), config.intra_op_threads)
+    _stall_on_sigusr1(Path(os.environ[GATE_ENV]))
     return asyncio.run(serve(config, run_batch=factory))
 
 

@@ -9,6 +9,7 @@ feature (a grace period, a bound on the stop), with generous bounds.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import signal
 import socket
@@ -314,3 +315,30 @@ def test_calls_sent_just_before_the_signal_are_all_served(model_repository, eage
         assert proc.wait(timeout=120) == 0
     finally:
         proc.stop()
+
+
+def test_calls_core_holds_for_a_stalled_loop_are_refused_not_cancelled(model_repository, eager_modules):
+    """The drain is refusing new calls, one admitted call holds it (at the gate). The server's
+    event loop then stalls (as on a busy machine) while 16 calls arrive: gRPC's core takes them
+    and holds them for the loop. The admitted call is released, the loop goes on, and the stop
+    follows at once. Each of the 16 is answered UNAVAILABLE by the drain (retry elsewhere);
+    none is CANCELLED by gRPC's stop (it cancels the calls core still holds when it begins:
+    before the stop waited for the loop to have seen them all, most of the 16 were)."""
+    rng = np.random.default_rng(8)
+    held, *late = [_request(rng, b=1, lq=3, lk=3) for _ in range(17)]
+    with GatedServer(model_repository, "--grace-period-s", "120") as proc, \
+            proc.channel() as channel, concurrent.futures.ThreadPoolExecutor(17) as pool:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        (first,) = _submit_all(pool, stub, [held])
+        proc.gate.wait_started()
+        proc.signal(signal.SIGTERM)
+        proc.wait_for_log(REFUSING)
+        proc.stall_loop()
+        refused = _submit_all(pool, stub, late)
+        proc.gate.release()  # the held call's batch finishes; its answer waits for the loop
+        proc.gate.unstall_after(len(late))
+        assert _close(first.result(timeout=120), held, eager_modules)
+        codes = collections.Counter(_code(f).name for f in refused)
+        assert codes == {"UNAVAILABLE": len(late)}, codes
+        assert all("shutting down" in f.exception().details() for f in refused)
+        assert proc.wait(timeout=60) == 0, proc.log()
