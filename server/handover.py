@@ -10,7 +10,7 @@ server.gate.CallGate.service(), which counts them: when that count equals core's
 waiting, and a stop begun at once (without giving the loop a turn) cancels none.
 
 channelz is on by default in gRPC core; grpcio-channelz serves these same numbers. Where it is
-off or its shape differs, started() is None and the stop falls back to a pause in the calls.
+off or its shape differs, started() is None and the stop gives the loop a short pause instead.
 """
 
 from __future__ import annotations
