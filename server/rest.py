@@ -35,6 +35,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from attnserve.server.answers import Answers
 from attnserve.server.errors import (BodyTooLarge, NoSuchEndpoint, ShuttingDown, Status, Unauthenticated,
@@ -202,8 +203,8 @@ class RestPort:
         except web.HTTPRequestEntityTooLarge:
             raise BodyTooLarge(f"the request body is over the {self._max_body_bytes:,}-byte limit "
                                "(--max-message-bytes; inflated, when it came compressed)") from None
-        except HttpProcessingError as err:  # a corrupt gzip or deflate body, among others
-            raise ValueError(f"the request body cannot be read: {err.message}") from None
+        except (HttpProcessingError, RequestPayloadError) as err:  # a corrupt gzip or deflate body, among others
+            raise ValueError(f"the request body cannot be read: {getattr(err, 'message', None) or err}") from None
         except TimeoutError:
             raise ValueError(f"the request body did not arrive within {BODY_TIMEOUT_S:.0f}s") from None
 

@@ -77,7 +77,7 @@ def test_metrics_port_in_use_exits_3_with_one_line(model_repository):
         taken.listen()
         port = taken.getsockname()[1]
         done = subprocess.run([sys.executable, "-m", "attnserve", "serve", "--model-repository", str(model_repository),
-                               "--host", "127.0.0.1", "--port", "0", "--metrics-port", str(port)],
+                               "--host", "127.0.0.1", "--port", "0", "--http-port", "-1", "--metrics-port", str(port)],
                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 3, done.stderr
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
