@@ -160,7 +160,7 @@ class RestPort:
                 raise Unauthenticated(_HTTP_REFUSAL)
             route, params = _route(request.method, path)
             if self._access_log:
-                logger.info("http %s %s", request.method, path)
+                logger.info("http %s %s", request.method, path[:200])  # the client's text, bounded
             handler = getattr(self, route.handler)
             response = await (self._counted(handler, request, params) if route.infer else handler(request, **params))
         except Exception as err:
