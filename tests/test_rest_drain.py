@@ -75,3 +75,35 @@ def test_rest_readiness_is_503_at_once_and_calls_are_admitted_during_the_drain_d
         assert proc.proc.poll() is None and REFUSING not in proc.log()
         proc.signal(signal.SIGTERM)  # a second signal ends the drain delay at once
         assert proc.wait(timeout=60) == 0, proc.log()
+
+
+def test_a_rest_call_whose_body_is_still_arriving_at_sigterm_is_served(model_repository, eager_modules):
+    """Its headers came before the signal, its body after the server began refusing: it was
+    admitted (counted from its headers, as a gRPC call is), so the drain waits for it and serves it."""
+    import socket
+
+    x = _request(np.random.default_rng(2))
+    body = _json_request(x)
+    with GatedServer(model_repository, "--access-log", "--grace-period-s", "120") as proc:
+        proc.gate.release(100)  # nothing to hold: the call is held by its own body
+        with socket.create_connection(("127.0.0.1", proc.http_port), timeout=60) as conn:
+            conn.sendall(f"POST {INFER_PATH} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:100])
+            proc.wait_for_log(INFER_HEADERS)
+            proc.signal(signal.SIGTERM)
+            proc.wait_for_log(REFUSING)
+            conn.sendall(body[100:])
+            answer = b""
+            while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < _content_length(answer):
+                chunk = conn.recv(1 << 16)
+                assert chunk, answer
+                answer += chunk
+        head, payload = answer.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 200"), answer[:300]
+        assert _close(payload, x, eager_modules)
+        assert proc.wait(timeout=60) == 0, proc.log()
+
+
+def _content_length(answer: bytes) -> int:
+    head = answer.split(b"\r\n\r\n", 1)[0].decode("latin-1").lower()
+    return int(next(line.split(":", 1)[1] for line in head.split("\r\n") if line.startswith("content-length:")))
