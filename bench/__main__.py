@@ -45,6 +45,22 @@ def _rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rows(server: "_Server", model: str) -> int:
+    """Rows the server has inferred for `model` (its ModelStatistics)."""
+    from attnserve.client import InferenceClient
+
+    with InferenceClient(server.address) as client:
+        (stats,) = client.model_statistics(model)
+        return stats.inference_count
+
+
 class _Server:
     def __init__(self, repository: Path, extra: list[str], workdir: Path, module: str = "attnserve.server") -> None:
         self.ready_file = workdir / f"ready-{module}.json"
@@ -120,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def drive(server: _Server, model: str, c: int, workdir: Path, streaming: bool = False, http: bool = False) -> dict:
         spec, shape = specs[model], SHAPES[model]
+        cpu_s, rows = _cpu_s(server.proc.pid), _rows(server, model)
         if found:
             got = perf_analyzer.run(*found, server.http_address if http else server.address, model,
                                     (spec.query_dim, spec.kv_dim), shape, c, args.seconds, workdir, spec.version,
@@ -127,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             got = loadgen.run(server.address, model, (spec.query_dim, spec.kv_dim), shape, c, args.seconds)
         got["server_rss_mb"] = _rss_mb(server.proc.pid)
+        # The server's own CPU time per request, over every request of the level (perf_analyzer's
+        # warm-up too): the cost of a transport, whatever the load generator beside it takes.
+        requests = (_rows(server, model) - rows) / shape.batch
+        got["server_cpu_ms_per_request"] = (_cpu_s(server.proc.pid) - cpu_s) * 1000 / requests if requests else float("nan")
         return got
 
     streaming = bool(found) and not args.no_streaming
@@ -208,11 +229,12 @@ def _print_table(results: dict) -> None:
         for title, rows in blocks:
             print(f"  {title}")
             print(f"  {'conc':>4} {'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'÷ in-proc b32':>13} "
-                  f"{'p50 ÷ b1 call':>13} {'p99/p50':>7} {'RSS MB':>7}")
+                  f"{'p50 ÷ b1 call':>13} {'p99/p50':>7} {'RSS MB':>7} {'CPU ms/req':>10}")
             for c, s in rows.items():
                 print(f"  {c:>4} {s['requests_per_s']:>8,.0f} {s['p50_ms']:>7.2f} {s['p99_ms']:>7.2f} "
                       f"{s['requests_per_s'] / b32:>13.2f} {s['p50_ms'] / b1_ms:>13.2f} "
-                      f"{s['p99_ms'] / s['p50_ms']:>7.2f} {s['server_rss_mb']:>7.0f}")
+                      f"{s['p99_ms'] / s['p50_ms']:>7.2f} {s['server_rss_mb']:>7.0f} "
+                      f"{s.get('server_cpu_ms_per_request', float('nan')):>10.2f}")
         servers = data["server"]
         if 32 in servers:
             s = servers[32]
@@ -226,7 +248,8 @@ def _print_table(results: dict) -> None:
         for c in sorted(set(rest) & set(servers)):
             print(f"  REST vs gRPC at concurrency {c}: {rest[c]['requests_per_s']:,.0f} vs "
                   f"{servers[c]['requests_per_s']:,.0f} requests/s ({rest[c]['requests_per_s'] / servers[c]['requests_per_s']:.2f} x), "
-                  f"p50 {rest[c]['p50_ms']:.2f} vs {servers[c]['p50_ms']:.2f} ms")
+                  f"p50 {rest[c]['p50_ms']:.2f} vs {servers[c]['p50_ms']:.2f} ms, server CPU "
+                  f"{rest[c]['server_cpu_ms_per_request']:.2f} vs {servers[c]['server_cpu_ms_per_request']:.2f} ms/request")
         if 1 in servers:
             ratio = servers[1]["p50_ms"] / b1_ms
             print(f"  goal c1 p50 <= 3 x in-process b1 call: {ratio:.2f} {'met' if ratio <= 3 else 'NOT met'}")
