@@ -116,3 +116,20 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def serve_with_port_taken(model_repository: Path, flag: str) -> tuple[subprocess.CompletedProcess, int]:
+    """`attnserve serve` on 127.0.0.1 with `flag` (--http-port, --metrics-port) set to a port
+    another socket listens on, every other port free or off; (the finished run, that port)."""
+    import socket
+
+    ports = {"--port": "0", "--http-port": "-1", "--metrics-port": "-1"}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports[flag] = str(port)
+        done = subprocess.run([sys.executable, "-m", "attnserve", "serve", "--model-repository", str(model_repository),
+                               "--host", "127.0.0.1", *(x for item in ports.items() for x in item)],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    return done, port

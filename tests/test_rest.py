@@ -26,7 +26,7 @@ from tritonclient.utils import InferenceServerException
 from attnserve.contract import DATATYPES, INPUT_NAMES, OUTPUT_NAMES
 from tests.conftest import PRESET_NAMES
 from tests.oip import CASES, WIDTHS, eager, random_inputs
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, serve_with_port_taken
 
 TOLERANCE = 1e-5
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -321,17 +321,6 @@ def test_http_port_off(model_repository):
 
 
 def test_rest_port_in_use_is_a_clear_error_exit_3(model_repository):
-    import socket
-    import sys
-
-    from tests.server_process import REPO_ROOT
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "attnserve", "serve", "--model-repository", str(model_repository),
-                               "--host", "127.0.0.1", "--port", "0", "--http-port", str(port), "--metrics-port", "-1"],
-                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    done, port = serve_with_port_taken(model_repository, "--http-port")
     assert done.returncode == 3, done.stderr
     assert f"HTTP/REST port: cannot listen on 127.0.0.1:{port}" in done.stderr and "Traceback" not in done.stderr
