@@ -8,7 +8,8 @@
 2. The server (a real `attnserve serve` process, extra flags after `--`), driven at each
    concurrency by perf_analyzer (unmodified; `make bench-tools`) or, where it cannot run, by a
    multi-process load generator: one ModelInfer call per request, and (perf_analyzer only)
-   requests as messages of ModelStreamInfer streams.
+   requests as messages of ModelStreamInfer streams, and one POST .../infer per request on the
+   REST port (perf_analyzer -i http, binary tensor data), with REST vs gRPC at each level.
 3. The floor: `python -m bench.floor`, the same server stack answering without a model (decode,
    batch, zeros for the model's run, encode), driven the same way: what gRPC, Python and
    batching cost per call on this machine.
@@ -44,13 +45,29 @@ def _rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rows(server: "_Server", model: str) -> int:
+    """Rows the server has inferred for `model` (its ModelStatistics)."""
+    from attnserve.client import InferenceClient
+
+    with InferenceClient(server.address) as client:
+        (stats,) = client.model_statistics(model)
+        return stats.inference_count
+
+
 class _Server:
     def __init__(self, repository: Path, extra: list[str], workdir: Path, module: str = "attnserve.server") -> None:
         self.ready_file = workdir / f"ready-{module}.json"
         self.log = open(workdir / f"{module}.log", "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, "--model-repository", str(repository), "--host", "127.0.0.1",
-             "--port", "0", "--metrics-port", "-1", "--log-level", "WARNING", "--ready-file", str(self.ready_file),
+             "--port", "0", "--http-port", "0", "--metrics-port", "-1", "--log-level", "WARNING", "--ready-file", str(self.ready_file),
              "--drain-delay-s", "0",
              *extra], cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
@@ -58,7 +75,9 @@ class _Server:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"bench: {module} did not start; see {workdir / f'{module}.log'}")
             time.sleep(0.05)
-        self.address = f"127.0.0.1:{json.loads(self.ready_file.read_text())['grpc_port']}"
+        ports = json.loads(self.ready_file.read_text())
+        self.address = f"127.0.0.1:{ports['grpc_port']}"
+        self.http_address = f"127.0.0.1:{ports['http_port']}"  # the REST port
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -82,6 +101,7 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                    help="ONNX Runtime's device, in process and in the server (--device is passed on)")
     p.add_argument("--no-floor", action="store_true", help="skip the floor (bench.floor, no model)")
     p.add_argument("--no-streaming", action="store_true", help="skip ModelStreamInfer (perf_analyzer --streaming)")
+    p.add_argument("--no-http", action="store_true", help="skip the REST port (perf_analyzer -i http)")
     p.add_argument("--soak-s", type=float, default=0.0, help="then run the first model at concurrency 32 "
                    "this long, sampling the server's memory")
     p.add_argument("--output", type=Path, default=REPO_ROOT / "bench" / "results")
@@ -114,29 +134,39 @@ def main(argv: list[str] | None = None) -> int:
         results["models"][model] = {"shape": vars(SHAPES[model]), "in_process": inprocess.measure(
             specs[model], SHAPES[model], IN_PROCESS_BATCHES, seconds=min(args.seconds, 3.0), providers=providers)}
 
-    def drive(server: _Server, model: str, c: int, workdir: Path, streaming: bool = False) -> dict:
+    def drive(server: _Server, model: str, c: int, workdir: Path, streaming: bool = False, http: bool = False) -> dict:
         spec, shape = specs[model], SHAPES[model]
+        cpu_s, rows = _cpu_s(server.proc.pid), _rows(server, model)
         if found:
-            got = perf_analyzer.run(*found, server.address, model, (spec.query_dim, spec.kv_dim), shape, c,
-                                    args.seconds, workdir, spec.version, streaming=streaming)
+            got = perf_analyzer.run(*found, server.http_address if http else server.address, model,
+                                    (spec.query_dim, spec.kv_dim), shape, c, args.seconds, workdir, spec.version,
+                                    streaming=streaming, protocol="http" if http else "grpc")
         else:
             got = loadgen.run(server.address, model, (spec.query_dim, spec.kv_dim), shape, c, args.seconds)
         got["server_rss_mb"] = _rss_mb(server.proc.pid)
+        # The server's own CPU time per request, over every request of the level (perf_analyzer's
+        # warm-up too): the cost of a transport, whatever the load generator beside it takes.
+        requests = (_rows(server, model) - rows) / shape.batch
+        got["server_cpu_ms_per_request"] = (_cpu_s(server.proc.pid) - cpu_s) * 1000 / requests if requests else float("nan")
         return got
 
     streaming = bool(found) and not args.no_streaming
+    http = bool(found) and not args.no_http  # the python load generator speaks gRPC only
     with tempfile.TemporaryDirectory(prefix="attnserve-bench-") as tmp:
         server = _Server(args.repository, server_args, Path(tmp))
         try:
             for model in models:
                 data = results["models"][model]
-                data["server"], data["server_streaming"] = {}, {}
+                data["server"], data["server_streaming"], data["server_http"] = {}, {}, {}
                 for c in levels:
                     print(f"server, {model}, concurrency {c} ...", flush=True)
                     data["server"][c] = drive(server, model, c, Path(tmp))
                     if streaming:
                         print(f"server, {model}, concurrency {c}, ModelStreamInfer ...", flush=True)
                         data["server_streaming"][c] = drive(server, model, c, Path(tmp), streaming=True)
+                    if http:
+                        print(f"server, {model}, concurrency {c}, REST (perf_analyzer -i http) ...", flush=True)
+                        data["server_http"][c] = drive(server, model, c, Path(tmp), http=True)
             if args.soak_s > 0:
                 results["soak"] = _soak(server, specs[models[0]], models[0], found, args.soak_s, Path(tmp))
         finally:
@@ -191,16 +221,20 @@ def _print_table(results: dict) -> None:
         blocks = [("ModelInfer", data["server"])]
         if data.get("server_streaming"):
             blocks.append(("ModelStreamInfer", data["server_streaming"]))
+        if data.get("server_http"):
+            blocks.append(("REST: POST /v2/models/{m}/infer, binary tensor data (perf_analyzer -i http)",
+                           data["server_http"]))
         if floor:
             blocks.append(("floor: same stack, no model (bench.floor), ModelInfer", floor))
         for title, rows in blocks:
             print(f"  {title}")
             print(f"  {'conc':>4} {'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'÷ in-proc b32':>13} "
-                  f"{'p50 ÷ b1 call':>13} {'p99/p50':>7} {'RSS MB':>7}")
+                  f"{'p50 ÷ b1 call':>13} {'p99/p50':>7} {'RSS MB':>7} {'CPU ms/req':>10}")
             for c, s in rows.items():
                 print(f"  {c:>4} {s['requests_per_s']:>8,.0f} {s['p50_ms']:>7.2f} {s['p99_ms']:>7.2f} "
                       f"{s['requests_per_s'] / b32:>13.2f} {s['p50_ms'] / b1_ms:>13.2f} "
-                      f"{s['p99_ms'] / s['p50_ms']:>7.2f} {s['server_rss_mb']:>7.0f}")
+                      f"{s['p99_ms'] / s['p50_ms']:>7.2f} {s['server_rss_mb']:>7.0f} "
+                      f"{s.get('server_cpu_ms_per_request', float('nan')):>10.2f}")
         servers = data["server"]
         if 32 in servers:
             s = servers[32]
@@ -210,6 +244,12 @@ def _print_table(results: dict) -> None:
             if 32 in floor:
                 print(f"    the floor (no model at all) reaches {floor[32]['requests_per_s'] / b32:.2f} x; "
                       f"the server has {s['requests_per_s'] / floor[32]['requests_per_s']:.2f} x the floor's throughput")
+        rest = data.get("server_http", {})
+        for c in sorted(set(rest) & set(servers)):
+            print(f"  REST vs gRPC at concurrency {c}: {rest[c]['requests_per_s']:,.0f} vs "
+                  f"{servers[c]['requests_per_s']:,.0f} requests/s ({rest[c]['requests_per_s'] / servers[c]['requests_per_s']:.2f} x), "
+                  f"p50 {rest[c]['p50_ms']:.2f} vs {servers[c]['p50_ms']:.2f} ms, server CPU "
+                  f"{rest[c]['server_cpu_ms_per_request']:.2f} vs {servers[c]['server_cpu_ms_per_request']:.2f} ms/request")
         if 1 in servers:
             ratio = servers[1]["p50_ms"] / b1_ms
             print(f"  goal c1 p50 <= 3 x in-process b1 call: {ratio:.2f} {'met' if ratio <= 3 else 'NOT met'}")
@@ -238,6 +278,7 @@ def _plot(results: dict, path: Path) -> None:
         ax = axes[0][col]
         ax.plot(levels, thr, "o-", label="server, ModelInfer")
         for key, style, label in (("server_streaming", "^-", "server, ModelStreamInfer"),
+                                  ("server_http", "s-", "server, REST (HTTP)"),
                                   ("floor", "x--", "floor: same stack, no model")):
             if data.get(key):
                 ax.plot(list(data[key]), [v["requests_per_s"] for v in data[key].values()], style, label=label)

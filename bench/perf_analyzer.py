@@ -39,21 +39,26 @@ def find() -> tuple[Path, dict[str, str]] | None:
 
 
 def run(binary: Path, env: dict[str, str], address: str, model: str, spec_dims: tuple[int, int], shape: Shape,
-        concurrency: int, seconds: float, workdir: Path, version: int, streaming: bool = False) -> dict[str, float]:
+        concurrency: int, seconds: float, workdir: Path, version: int, streaming: bool = False,
+        protocol: str = "grpc") -> dict[str, float]:
     """One concurrency level; returns requests/s and p50/p90/p99 latency in ms. `streaming`:
     requests as messages of ModelStreamInfer streams (perf_analyzer's --streaming) instead of
-    one ModelInfer call each."""
+    one ModelInfer call each. protocol "http": the REST port at `address` (perf_analyzer -i http,
+    binary tensor data), one POST .../infer per request."""
     q_dim, kv_dim = spec_dims
-    report = workdir / f"pa-{model}-c{concurrency}{'-stream' if streaming else ''}.csv"
+    report = workdir / f"pa-{model}-c{concurrency}-{protocol}{'-stream' if streaming else ''}.csv"
     args = [
         # The version named: with it perf_analyzer reads the model's statistics by name and
         # version rather than waiting for a version to show up in them.
-        str(binary), "-m", model, "-x", str(version), "-i", "grpc", "-u", address,
+        str(binary), "-m", model, "-x", str(version), "-i", protocol, "-u", address,
         *(["--streaming"] if streaming else []),
         "--shape", f"query:{shape.batch},{shape.q_len},{q_dim}",
         "--shape", f"key:{shape.batch},{shape.k_len},{kv_dim}",
         "--shape", f"value:{shape.batch},{shape.k_len},{kv_dim}",
         "--shape", f"mask:{shape.batch},{shape.q_len},{shape.k_len}",
+        # Zeros: perf_analyzer's random data fills a BOOL with random bytes, which the server
+        # refuses (a BOOL byte is 0 or 1); zeros cost ONNX Runtime the same (every key masked).
+        "--input-data", "zero",
         "--concurrency-range", f"{concurrency}:{concurrency}",
         "--measurement-interval", str(int(seconds * 1000)),
         "--stability-percentage", "50", "--max-trials", "10",  # a shared 2-core machine is noisy

@@ -1,11 +1,12 @@
-"""Server(config): the gRPC server with health, reflection, metrics, and a draining stop.
+"""Server(config): the gRPC server with health, reflection, metrics, the REST port, and a draining stop.
 
 Used by `attnserve serve` and by the tests alike:
     server = Server(config); port = await server.start(); ...; await server.stop(grace_s)
 
 It creates the state its layers share (server.lifecycle: Draining, Arrivals, Admission) and
-hands it down: the gate and the servicer hold Draining, the gate updates Arrivals and Admission,
-every Batcher reads Arrivals.
+hands it down: the gate, the REST port and Answers hold Draining, the gate and the REST port
+update Arrivals and Admission, every Batcher reads Arrivals. Both transports answer through one
+Answers (server.answers): gRPC's servicer and the REST port are adapters over it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -30,10 +30,13 @@ from attnserve.server.engine import choose_device
 from attnserve.server.gate import CallGate, HandlerTable
 from attnserve.server.handover import CoreCalls
 from attnserve.server.lifecycle import Admission, Arrivals, Draining
+from attnserve.server.listen import listen_addresses
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_http import MetricsEndpoint
 from attnserve.server.models import ModelRegistry, RunBatchFactory
-from attnserve.server.security import bearer_token, server_credentials
+from attnserve.server.answers import Answers
+from attnserve.server.rest import RestPort
+from attnserve.server.security import bearer_token, server_credentials, server_ssl_context
 from attnserve.server.service import InferenceServicer
 
 logger = logging.getLogger(__name__)
@@ -61,21 +64,11 @@ def method_handlers(servicer: InferenceServicer, health_servicer: health.aio.Hea
     return {method: h for method, h in table.handlers.items() if method not in _NOT_SERVED}
 
 
-_WILDCARDS = ("", "0.0.0.0", "::", "[::]")
-
-
 def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
     """Listen on every address `host` resolves to (localhost: 127.0.0.1 and ::1), all on one
     port, or raise OSError naming the one that failed: never serve on part of them silently.
     Returns the port (the one chosen by the system when `port` is 0)."""
-    if host in _WILDCARDS:
-        addresses = [host.strip("[]") or "0.0.0.0"]
-    else:
-        try:
-            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-        except socket.gaierror as err:
-            raise OSError(f"--host {host}: cannot resolve it ({err.strerror})") from None
-        addresses = list(dict.fromkeys(info[4][0] for info in infos))
+    addresses = listen_addresses(host)
     for address in addresses:
         target = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
         try:
@@ -97,7 +90,9 @@ class Server:
         self.config = config
         self._run_batch = run_batch
         self.port: int | None = None
+        self.http_port: int | None = None
         self.metrics_port: int | None = None
+        self._rest: RestPort | None = None
         self.metrics = Metrics()
         self._metrics_endpoint = MetricsEndpoint(self.metrics.registry)
         self.registry: ModelRegistry | None = None
@@ -115,6 +110,7 @@ class Server:
         cfg = self.config
         # TLS files and the token are checked before anything slow: a bad one fails at once.
         credentials = server_credentials(cfg)
+        ssl_context = server_ssl_context(cfg)
         token = bearer_token(cfg)
         device = choose_device(cfg.device)
         if device.why_not_cuda:
@@ -123,7 +119,8 @@ class Server:
         self.registry = ModelRegistry.load(cfg, device, self.metrics, arrivals=self._arrivals,
                                            run_batch=self._run_batch)
         self.registry.start()
-        servicer = InferenceServicer(self.registry, self.metrics, self._draining)
+        answers = Answers(self.registry, self.metrics, self._draining)
+        servicer = InferenceServicer(answers)
 
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -151,14 +148,25 @@ class Server:
         await self._health.set("", overall)
         await self._health.set(SERVICE_NAME, overall)
 
+        if cfg.http_port >= 0:
+            self._rest = RestPort(answers, self._admission, self._draining, token, cfg.max_message_bytes,
+                                  cfg.access_log)
+            try:
+                self.http_port = await self._rest.start(cfg.host, cfg.http_port, ssl_context)
+            except OSError as err:
+                await self._grpc.stop(None)
+                raise OSError(f"HTTP/REST port: {err}") from None
         if cfg.metrics_port >= 0:
             try:
                 self.metrics_port = await self._metrics_endpoint.start(cfg.host, cfg.metrics_port)
             except OSError as err:
                 await self._grpc.stop(None)
+                if self._rest is not None:
+                    await self._rest.close(0)
                 raise OSError(f"metrics port {cfg.host}:{cfg.metrics_port}: {err.strerror or err}") from None
-        logger.info("serving %d model(s) %s on %s:%d (metrics %s, max message %d bytes)%s",
+        logger.info("serving %d model(s) %s on %s:%d (REST %s, metrics %s, max message %d bytes)%s",
                     len(self.registry.loaded), sorted(self.registry.loaded), cfg.host, self.port,
+                    f"http{'s' if ssl_context else ''}://{cfg.host}:{self.http_port}/v2" if self.http_port else "off",
                     f"http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
                     cfg.max_message_bytes,
                     f"; not ready: {sorted(self.registry.failed)}" if self.registry.failed else "")
@@ -167,7 +175,8 @@ class Server:
         return self.port
 
     def _write_ready_file(self, path: Path) -> None:
-        write_json_atomic(path, {"grpc_port": self.port, "metrics_port": self.metrics_port, "pid": os.getpid()})
+        write_json_atomic(path, {"grpc_port": self.port, "http_port": self.http_port, "metrics_port": self.metrics_port,
+                                 "pid": os.getpid()})
 
     def hurry(self) -> None:
         """A second signal: end the drain delay and the grace period now; what has not started
@@ -178,11 +187,13 @@ class Server:
         """Drain, in three steps:
         1. readiness and health turn NOT_SERVING (Watch streams are told), and for drain_delay_s
            calls are still admitted: a load balancer that has not yet seen the change loses none;
-        2. then new calls are refused with UNAVAILABLE (never computed: retry elsewhere), and
+        2. then new calls are refused with UNAVAILABLE (REST: 503; never computed: retry elsewhere), and
            every admitted call finishes within grace_s; what is still queued then is refused
            with UNAVAILABLE and running batches finish;
         3. Watch streams end, and once the event loop has seen every call gRPC's core took,
-           gRPC stops: GOAWAY, the listener closed. hurry() cuts 1 and 2 short."""
+           gRPC stops: GOAWAY, the listener closed; then the REST port's listeners and
+           connections close. hurry() cuts 1 and 2 short. Readiness on REST
+           (/v2/health/ready) is 503 from step 1 on."""
         started = time.monotonic()
         self._draining.begin()
         await self._health.enter_graceful_shutdown()
@@ -212,6 +223,10 @@ class Server:
             # the lock inside is free). What was admitted is answered by now; gRPC cancels
             # anything still running after the margin (the refusals' answers leave well before).
             await self._grpc.stop(_RUNNING_MARGIN_S)
+        if self._rest is not None:
+            # Listeners closed; each connection closes once its answer is out (what was admitted
+            # is answered by now, refusals take a moment).
+            await self._rest.close(_RUNNING_MARGIN_S)
         await self._metrics_endpoint.close()
         logger.info("stopped after %.2fs (%d call(s) in flight when new calls were refused, %d watch stream(s) "
                     "ended)", time.monotonic() - started, in_flight, watches)

@@ -27,6 +27,7 @@ class ServerConfig:
     model_repository: Path = Path("models")
     host: str = "0.0.0.0"
     port: int = 8001  # gRPC: Open Inference Protocol, grpc.health.v1, reflection
+    http_port: int = 8000  # HTTP/REST: the same protocol (server.rest); 0 = any free port, -1 = off
     metrics_port: int = 8002  # Prometheus text over HTTP; 0 = any free port, -1 = off
     device: str = "cpu"  # cpu | cuda (refuse to start without it) | auto (cuda if it works)
     # Per-model batching and limits come from config.json; these override every model's.
@@ -62,8 +63,9 @@ class ServerConfig:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)} (any case), got {self.log_level!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if not -1 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in -1..65535, got {self.metrics_port}")
+        for name in ("http_port", "metrics_port"):
+            if not -1 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in -1..65535, got {getattr(self, name)}")
         for name in ("max_queue_size", "batches_in_flight", "max_message_bytes", "max_attention_bytes",
                      "max_queued_bytes"):
             if getattr(self, name) < 1:
@@ -96,6 +98,7 @@ _HELP: dict[str, str] = {
     "model_repository": "model repository written by `attnserve export`",
     "host": "address to bind",
     "port": "gRPC port (0 = any free port)",
+    "http_port": "HTTP/REST port, the same protocol (0 = any free port, -1 = off)",
     "metrics_port": "Prometheus metrics HTTP port (0 = any free port, -1 = off)",
     "device": "cpu, cuda (refuse to start without it) or auto",
     "max_batch_size": "sequences per ONNX Runtime run, for every model (default: config.json)",
@@ -105,12 +108,12 @@ _HELP: dict[str, str] = {
     "max_attention_bytes": "largest attention matrix (B*H*Lq*Lk*4 bytes) one request may need",
     "batches_in_flight": "ONNX Runtime runs at once per model",
     "intra_op_threads": "ONNX Runtime intra-op threads (0 = one per core)",
-    "max_message_bytes": "largest gRPC message received or sent",
+    "max_message_bytes": "largest gRPC message received or sent; largest REST body received (inflated)",
     "max_queued_bytes": "input bytes queued per model before RESOURCE_EXHAUSTED",
     "drain_delay_s": "seconds after SIGTERM that calls are still admitted (readiness already NOT_SERVING)",
     "grace_period_s": "seconds to finish admitted requests once the drain delay is over",
     "model_versions": "pin versions: NAME=VERSION[,NAME=VERSION...] (default: highest)",
-    "ready_file": "write {grpc_port, metrics_port} as JSON here once serving",
+    "ready_file": "write {grpc_port, http_port, metrics_port} as JSON here once serving",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "access_log": "log every RPC (a switch; or true/false)",
     "tls_cert": "PEM certificate chain: serve TLS (with --tls-key)",
@@ -172,7 +175,7 @@ _FIELD_PARSERS: dict[str, Callable[[str], Any]] = {name: _parser_for(name, hint)
 def build_parser(prog: str = "attnserve serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Serve attention models over the Open Inference Protocol (KServe V2) on gRPC. "
+        description="Serve attention models over the Open Inference Protocol (KServe V2) on gRPC and HTTP/REST. "
         f"Every flag can also be set by its environment variable ({ENV_PREFIX}<FLAG>).",
     )
     for f in dataclasses.fields(ServerConfig):

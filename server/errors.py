@@ -1,12 +1,15 @@
-"""Every error a call can meet, mapped to its gRPC status once: one table, one function.
+"""Every error a call can meet, mapped to its status once: one table, one function.
 
-    status = status_for(err)     # Status(code, details); anything not in the table is INTERNAL
-    await abort(context, err)    # a call ends with status_for(err)
+    status = status_for(err)     # Status(code, details, http); anything not in the table is INTERNAL
+    await abort(context, err)    # a gRPC call ends with status_for(err)
     status.stream_message()      # "CODE: details": a ModelStreamInferResponse's error_message
+    status.http                  # the HTTP status the REST port (server.rest) answers with
 
-The servicer (unary RPCs, stream answers, metadata RPCs), the gate (token, draining) and the
-parsing layer all answer through here. The layers below raise their own exceptions and know
-nothing of gRPC; the exceptions defined here are those of the gRPC edge itself.
+The table has two columns: the gRPC status, and the HTTP status of the same error on the REST
+port (the README's table). The servicer (unary RPCs, stream answers, metadata RPCs), the gate
+(token, draining), the parsing layer and the REST adapter all answer through here. The layers
+below raise their own exceptions and know nothing of gRPC or HTTP; the exceptions defined here
+are those of the edges themselves.
 """
 
 from __future__ import annotations
@@ -37,18 +40,36 @@ class MalformedMessage(Exception):
         super().__init__(f"the request message does not parse: {type(error).__name__}: {error}")
 
 
-# The most specific class in an error's MRO decides. Anything else is INTERNAL.
-_STATUS: dict[type[BaseException], grpc.StatusCode] = {
-    ValueError: grpc.StatusCode.INVALID_ARGUMENT,  # codec.decode: the request does not fit the model
-    MalformedMessage: grpc.StatusCode.INVALID_ARGUMENT,
-    ModelNotFound: grpc.StatusCode.NOT_FOUND,
-    ModelUnavailable: grpc.StatusCode.UNAVAILABLE,
-    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    DeadlineExpired: grpc.StatusCode.DEADLINE_EXCEEDED,
-    BatcherClosed: grpc.StatusCode.UNAVAILABLE,  # never computed: safe to retry elsewhere
-    ShuttingDown: grpc.StatusCode.UNAVAILABLE,  # likewise
-    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-    BatchFailed: grpc.StatusCode.INTERNAL,  # details: its public message; logged by the batcher
+class BodyTooLarge(Exception):
+    """A REST request body over --max-message-bytes (inflated, when it came compressed)."""
+
+
+class NoSuchEndpoint(LookupError):
+    """A REST path or method this server does not serve (gRPC's UNIMPLEMENTED)."""
+
+    def __init__(self, message: str, http: int = 404) -> None:
+        super().__init__(message)
+        self.http = http  # 404 for an unknown path, 405 for a known path with another method
+
+
+_S = grpc.StatusCode
+# The most specific class in an error's MRO decides. Anything else is INTERNAL (500).
+# NOT_FOUND is 404 (Triton answers 400 for an unknown model; tritonclient.http reads the body's
+# error either way). RESOURCE_EXHAUSTED is 429 for a full queue (retry later) and 413 for a body
+# too large (do not retry); UNAVAILABLE's 503 says: never computed, retry elsewhere.
+_STATUS: dict[type[BaseException], tuple[grpc.StatusCode, int]] = {
+    ValueError: (_S.INVALID_ARGUMENT, 400),  # codec.decode: the request does not fit the model
+    MalformedMessage: (_S.INVALID_ARGUMENT, 400),
+    ModelNotFound: (_S.NOT_FOUND, 404),
+    NoSuchEndpoint: (_S.UNIMPLEMENTED, 404),  # or 405: NoSuchEndpoint.http
+    ModelUnavailable: (_S.UNAVAILABLE, 503),
+    QueueFull: (_S.RESOURCE_EXHAUSTED, 429),
+    BodyTooLarge: (_S.RESOURCE_EXHAUSTED, 413),
+    DeadlineExpired: (_S.DEADLINE_EXCEEDED, 504),
+    BatcherClosed: (_S.UNAVAILABLE, 503),  # never computed: safe to retry elsewhere
+    ShuttingDown: (_S.UNAVAILABLE, 503),  # likewise
+    Unauthenticated: (_S.UNAUTHENTICATED, 401),
+    BatchFailed: (_S.INTERNAL, 500),  # details: its public message; logged by the batcher
 }
 
 
@@ -56,29 +77,32 @@ _STATUS: dict[type[BaseException], grpc.StatusCode] = {
 class Status:
     code: grpc.StatusCode
     details: str
+    http: int = 500  # the same status on the REST port
 
     def stream_message(self) -> str:
         """The status as ModelStreamInfer reports a failed request, in its answer's error_message."""
         return f"{self.code.name}: {self.details}"
 
 
-OK = Status(grpc.StatusCode.OK, "")
-CANCELLED = Status(grpc.StatusCode.CANCELLED, "the client went away")
+OK = Status(grpc.StatusCode.OK, "", 200)
+CANCELLED = Status(grpc.StatusCode.CANCELLED, "the client went away", 499)  # nginx's code; nobody reads it
 
 
 def status_for(err: BaseException) -> Status:
     """The status a client gets for `err`. An INTERNAL error is logged here with its traceback,
     unless it was already (BatchFailed.logged); the client is told that it failed and where to
     look, never the internals (paths, ONNX Runtime's text)."""
-    code = next((_STATUS[cls] for cls in type(err).__mro__ if cls in _STATUS), grpc.StatusCode.INTERNAL)
+    code, http = next((_STATUS[cls] for cls in type(err).__mro__ if cls in _STATUS), (_S.INTERNAL, 500))
+    if isinstance(err, NoSuchEndpoint):
+        http = err.http
     if code is not grpc.StatusCode.INTERNAL:
-        return Status(code, capped(str(err)))  # whatever quoted the client, the trailer stays small
+        return Status(code, capped(str(err)), http)  # whatever quoted the client, the trailer stays small
     if isinstance(err, BatchFailed):
         if not err.logged:
             logger.error("internal error: %s", err, exc_info=err)
-        return Status(code, err.public)
+        return Status(code, err.public, http)
     logger.error("internal error: %s", err, exc_info=err)
-    return Status(code, f"internal error ({type(err).__name__}); the server log has the details")
+    return Status(code, f"internal error ({type(err).__name__}); the server log has the details", http)
 
 
 async def abort(context: grpc.aio.ServicerContext, err: BaseException) -> None:

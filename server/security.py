@@ -1,6 +1,7 @@
 """Callers the server does not trust: TLS, mutual TLS, bearer tokens.
 
     credentials = server_credentials(config)  # None: plaintext
+    context = server_ssl_context(config)      # the same for the REST port (server.rest); None: plaintext
     token = bearer_token(config)  # None: no token asked for; used by server.gate per call
 
 TLS is served when --tls-cert and --tls-key are given; with --tls-client-ca too, every client
@@ -38,6 +39,8 @@ OPEN_METHOD_PREFIXES = (
     "/grpc.reflection.v1alpha.ServerReflection/",
     "/grpc.reflection.v1.ServerReflection/",
 )
+# On the REST port: the probes' paths, the server's liveness and readiness.
+OPEN_PATH_PREFIXES = ("/v2/health/",)
 _REFUSAL_LOG_EVERY_S = 10.0  # refusals are counted; the log gets one line per interval at most
 # What a refused caller is told (with UNAUTHENTICATED).
 REFUSAL = "missing or invalid bearer token: send metadata 'authorization: Bearer <token>'"
@@ -76,6 +79,20 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
                 if client_ca is not None else "")
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
                                        require_client_auth=client_ca is not None)
+
+
+def server_ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
+    """The same TLS for the REST port: the same files, mutual TLS when config.tls_client_ca is
+    set; None for plaintext. Call after server_credentials, which checks the files first."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2  # as gRPC's own default
+    context.load_cert_chain(certfile=str(config.tls_cert), keyfile=str(config.tls_key), password=_no_password)
+    if config.tls_client_ca is not None:
+        context.load_verify_locations(cafile=str(config.tls_client_ca))
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 def _check_key_pair(cert: Path, key: Path) -> None:

@@ -1,33 +1,23 @@
-"""The Open Inference Protocol servicer: decode -> submit -> encode; errors -> server.errors.
+"""The Open Inference Protocol servicer: gRPC's adapter over server.answers (decode -> submit
+-> encode, shared with the REST port); errors -> server.errors.
 
-Also Triton's ModelConfig and ModelStatistics extensions, which perf_analyzer and tritonclient
-call. Protobuf stops here: below this module everything is numpy. Every error becomes its
-status in server.errors: `_mapped_errors` for the metadata RPCs, `_answered` for each inference
-request (ModelInfer's, and each of a stream's).
+Also Triton's ModelConfig, ModelStatistics and RepositoryIndex extensions, which perf_analyzer
+and tritonclient call. Every error becomes its status in server.errors: `_mapped_errors` for
+the metadata RPCs, `_answered` for each inference request (ModelInfer's, and each of a stream's).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import time
 
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
-from attnserve.server import __version__, codec
-from attnserve.server.echo import echo
-from attnserve.server.errors import CANCELLED, OK, Status, abort, status_for
-from attnserve.server.lifecycle import Draining
-from attnserve.server.metrics import Metrics
-from attnserve.server.models import ModelNotFound, ModelRegistry
-from attnserve.contract import TensorSpec
+from attnserve.server.answers import Answers
+from attnserve.server.errors import Status, abort
 
-SERVER_NAME = "attnserve"
 # Requests of one ModelStreamInfer stream in the server at once; reading pauses beyond it.
 STREAM_WINDOW = 64
-EXTENSIONS = ("model_configuration", "statistics")  # "model_repository" also means load/unload
-# Triton's model states, as RepositoryIndex reports them.
-READY, UNAVAILABLE = "READY", "UNAVAILABLE"
 
 
 def _mapped_errors(rpc):
@@ -43,23 +33,10 @@ def _mapped_errors(rpc):
     return handler
 
 
-_DATA_TYPES = {"FP32": pb.TYPE_FP32, "BOOL": pb.TYPE_BOOL}
-
-
-def _tensor_metadata(t: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:
-    return pb.ModelMetadataResponse.TensorMetadata(name=t.name, datatype=t.datatype, shape=t.shape)
-
-
-def _duration(d) -> pb.StatisticDuration:
-    return pb.StatisticDuration(count=d.count, ns=d.ns)
-
-
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, registry: ModelRegistry, metrics: Metrics, draining: Draining) -> None:
-        """draining: the server's (shared with server.gate): not ready from SIGTERM on."""
-        self._registry = registry
-        self._metrics = metrics
-        self._draining = draining
+    def __init__(self, answers: Answers) -> None:
+        """answers: the request path both transports share (server.answers)."""
+        self._answers = answers
 
     # -- health and metadata -----------------------------------------------------------------
 
@@ -69,106 +46,36 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_mapped_errors
     async def ServerReady(self, request, context):
-        return pb.ServerReadyResponse(ready=not self._draining.active and bool(self._registry.loaded))
+        return pb.ServerReadyResponse(ready=self._answers.server_ready())
 
     @_mapped_errors
     async def ModelReady(self, request, context):
-        ready = self._registry.ready(request.name, request.version)
-        return pb.ModelReadyResponse(ready=ready and not self._draining.active)
+        return pb.ModelReadyResponse(ready=self._answers.model_ready(request.name, request.version))
 
     @_mapped_errors
     async def ServerMetadata(self, request, context):
-        return pb.ServerMetadataResponse(name=SERVER_NAME, version=__version__, extensions=EXTENSIONS)
+        return self._answers.server_metadata()
 
     @_mapped_errors
     async def ModelMetadata(self, request, context):
-        spec = self._registry.get(request.name, request.version).spec
-        return pb.ModelMetadataResponse(
-            name=spec.name, versions=[str(spec.version)], platform=spec.platform,
-            inputs=[_tensor_metadata(t) for t in spec.inputs], outputs=[_tensor_metadata(t) for t in spec.outputs])
+        return self._answers.model_metadata(request.name, request.version)
 
     @_mapped_errors
     async def ModelConfig(self, request, context):
-        spec = self._registry.get(request.name, request.version).spec
-        config = pb.ModelConfig(
-            name=spec.name, platform=spec.platform, backend="onnxruntime",
-            max_batch_size=0,  # the batch dim is explicit in every shape; the server batches itself
-            input=[pb.ModelInput(name=t.name, data_type=_DATA_TYPES[t.datatype], dims=t.shape, optional=t.optional)
-                   for t in spec.inputs],
-            output=[pb.ModelOutput(name=t.name, data_type=_DATA_TYPES[t.datatype], dims=t.shape)
-                    for t in spec.outputs])
-        return pb.ModelConfigResponse(config=config)
+        return self._answers.model_config(request.name, request.version)
 
     @_mapped_errors
     async def RepositoryIndex(self, request, context):
-        """Every model of the repository: READY with its version, or UNAVAILABLE with the reason
-        it failed to load (`ready: true` asks for the ready ones only)."""
-        if request.repository_name:
-            raise ModelNotFound(f"unknown repository {echo(request.repository_name)}: this server serves "
-                                "one, ask with an empty repository_name")
-        response = pb.RepositoryIndexResponse()
-        for name in sorted({*self._registry.loaded, *self._registry.failed}):
-            model = self._registry.loaded.get(name)
-            if model is not None:
-                response.models.add(name=name, version=str(model.spec.version), state=READY)
-            elif not request.ready:
-                response.models.add(name=name, state=UNAVAILABLE, reason=self._registry.failed[name])
-        return response
+        return self._answers.repository_index(request.repository_name, request.ready)
 
     @_mapped_errors
     async def ModelStatistics(self, request, context):
-        names = [request.name] if request.name else sorted(self._registry.loaded)
-        response = pb.ModelStatisticsResponse()
-        for name in names:
-            spec = self._registry.get(name, request.version).spec
-            s = self._metrics.statistics[name]
-            response.model_stats.add(
-                name=name, version=str(spec.version), last_inference=s.last_inference_ms,
-                inference_count=s.inference_count, execution_count=s.execution_count,
-                inference_stats=pb.InferStatistics(
-                    success=_duration(s.success), fail=_duration(s.fail), queue=_duration(s.queue),
-                    compute_input=_duration(s.compute_input), compute_infer=_duration(s.compute_infer),
-                    compute_output=_duration(s.compute_output)),
-                batch_stats=[pb.InferBatchStatistics(
-                    batch_size=size, compute_input=_duration(d.compute_input),
-                    compute_infer=_duration(d.compute_infer), compute_output=_duration(d.compute_output))
-                    for size, d in sorted(s.batches.items())])
-        return response
+        return self._answers.model_statistics(request.name, request.version)
 
     # -- inference ---------------------------------------------------------------------------
 
-    async def _infer(self, request: pb.ModelInferRequest, time_remaining: float | None) -> pb.ModelInferResponse:
-        # Draining is decided per call when its headers arrive (server.gate), not here: a
-        # call admitted before SIGTERM is served even if its message arrives after. No await
-        # before submit: lifecycle.Arrivals counts a request as on its way until its handler
-        # starts, and the batcher must find it queued from then on.
-        model = self._registry.get(request.model_name, request.model_version)
-        decoded = codec.decode(request, model.spec, model.limits)
-        deadline = None if time_remaining is None else time.monotonic() + time_remaining
-        result = await model.batcher.submit(decoded.work, deadline)
-        return codec.encode(request, decoded, result, model.spec.version)
-
-    def _metric_label(self, model_name: str) -> str:
-        # Only known names become label values: a client must not grow the metrics without bound.
-        known = model_name in self._registry.loaded or model_name in self._registry.failed
-        return model_name if known else "_unknown"
-
     async def _answered(self, request: pb.ModelInferRequest, context) -> tuple[pb.ModelInferResponse | None, Status]:
-        """One inference request: its response and OK, or None and the status for what was
-        raised. Its outcome is counted in the metrics either way; cancelled (the client went
-        away), it is counted as CANCELLED and the cancellation goes on."""
-        started = time.monotonic()
-        status = CANCELLED
-        try:
-            response = await self._infer(request, context.time_remaining())
-            status = OK
-            return response, status
-        except Exception as err:
-            status = status_for(err)
-            return None, status
-        finally:
-            self._metrics.request_done(self._metric_label(request.model_name), status.code.name,
-                                       time.monotonic() - started)
+        return await self._answers.infer(request, context.time_remaining())
 
     async def ModelInfer(self, request, context):
         response, status = await self._answered(request, context)

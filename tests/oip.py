@@ -10,6 +10,15 @@ _DATATYPE = {np.dtype(np.float32): "FP32", np.dtype(np.bool_): "BOOL"}
 _TYPED_FIELD = {"FP32": "fp32_contents", "BOOL": "bool_contents"}
 
 
+# Both presets over the clients' parity tests (tritonclient over gRPC and over REST).
+CASES = {  # case -> (model, b, lq, lk, masked)
+    "a.self_attention": ("self_attention", 2, 10, 10, False),
+    "b.self_attention": ("self_attention", 3, 7, 12, True),
+    "c.cross_attention": ("cross_attention", 4, 256, 77, False),
+    "d.cross_attention": ("cross_attention", 1, 256, 77, True),
+}
+WIDTHS = {"self_attention": 512, "cross_attention": 32}
+
 def infer_request(model: str, raw: bool = True, outputs: tuple[str, ...] = (), version: str = "",
                   request_id: str = "", **tensors: np.ndarray | None) -> pb.ModelInferRequest:
     request = pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)

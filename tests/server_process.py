@@ -19,7 +19,7 @@ STARTUP_TIMEOUT_S = 60.0
 
 
 class ServerProcess:
-    """Starts the server with --port 0 and reads the bound ports from its --ready-file.
+    """Starts the server with --port 0 and --http-port 0 and reads the bound ports from its --ready-file.
 
     For a TLS server pass `credentials` (grpc.ssl_channel_credentials): channel() and health()
     then use them (and `server_name`, the name to check in the server's certificate)."""
@@ -36,7 +36,7 @@ class ServerProcess:
         args = [
             sys.executable, *self.COMMAND,
             "--model-repository", str(model_repository),
-            "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+            "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--metrics-port", "0",
             "--ready-file", str(self.ready_file),
             # No load balancer watches a test's server: stop at once unless a test asks for a delay.
             "--drain-delay-s", "0",
@@ -45,17 +45,19 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
-        self.port, self.metrics_port = self._wait_ready()
+        self.port, self.http_port, self.metrics_port = self._wait_ready()
         self.address = f"127.0.0.1:{self.port}"
+        self.http_address = f"127.0.0.1:{self.http_port}"  # the REST port (0: off)
 
-    def _wait_ready(self) -> tuple[int, int]:
+    def _wait_ready(self) -> tuple[int, int, int]:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode} before it was ready:\n{self.log()}")
             if self.ready_file.exists():
                 info = json.loads(self.ready_file.read_text())
-                return int(info["grpc_port"]), int(info.get("metrics_port") or 0)
+                return (int(info["grpc_port"]), int(info.get("http_port") or 0),
+                        int(info.get("metrics_port") or 0))
             time.sleep(0.05)
         self.proc.kill()
         raise RuntimeError(f"server not ready within {STARTUP_TIMEOUT_S}s:\n{self.log()}")
@@ -114,3 +116,20 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def serve_with_port_taken(model_repository: Path, flag: str) -> tuple[subprocess.CompletedProcess, int]:
+    """`attnserve serve` on 127.0.0.1 with `flag` (--http-port, --metrics-port) set to a port
+    another socket listens on, every other port free or off; (the finished run, that port)."""
+    import socket
+
+    ports = {"--port": "0", "--http-port": "-1", "--metrics-port": "-1"}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports[flag] = str(port)
+        done = subprocess.run([sys.executable, "-m", "attnserve", "serve", "--model-repository", str(model_repository),
+                               "--host", "127.0.0.1", *(x for item in ports.items() for x in item)],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    return done, port

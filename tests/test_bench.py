@@ -25,7 +25,7 @@ def test_bench_runs_and_writes_its_report(model_repository, tmp_path):
     for level in [*data["server"].values(), *data["floor"].values()]:
         assert level["requests_per_s"] > 0 and level["errors"] == 0
         assert 0 < level["p50_ms"] <= level["p99_ms"]
-    assert data["server_streaming"] == {}  # perf_analyzer alone drives ModelStreamInfer
+    assert data["server_streaming"] == {} and data["server_http"] == {}  # perf_analyzer alone drives these
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "goal c32 throughput" not in done.stdout  # no level 32 was run: no verdict printed for it
     assert "÷ in-proc b32" in done.stdout and "floor: same stack, no model" in done.stdout

@@ -213,16 +213,18 @@ def test_every_value_given_to_the_server_is_one_it_accepts():
 
 
 def test_ports_are_the_servers():
-    assert (DEFAULTS.port, DEFAULTS.metrics_port) == (8001, 8002)
+    assert (DEFAULTS.http_port, DEFAULTS.port, DEFAULTS.metrics_port) == (8000, 8001, 8002)
     for path, stages in DOCKERFILES.items():
         env = stages["serve"].env()
         exposed = {int(p) for args in stages["serve"].all("EXPOSE") for p in args.split()}
-        assert exposed == {setting(env, "port"), setting(env, "metrics_port")} == {8001, 8002}, path
+        assert exposed == {setting(env, "http_port"), setting(env, "port"), setting(env, "metrics_port")} == \
+            {8000, 8001, 8002}, path
     for service in SERVER_SERVICES:
         env = {**built_stage(service).env(), **compose_env(service)}
         port, metrics_port = setting(env, "port"), setting(env, "metrics_port")
         published = [str(p).rsplit(":", 1)[-1] for p in SERVICES[service].get("ports", [])]
-        assert published == [str(metrics_port)], f"{service} publishes only its metrics port"
+        assert published == [str(metrics_port), str(setting(env, "http_port"))], \
+            f"{service} publishes its metrics and REST ports (on loopback), not gRPC's"
         assert upstream_port() == port, "nginx must reach the replicas on their gRPC port"
 
 
@@ -484,10 +486,13 @@ def test_k8s_deployment_uses_the_servers_port_probes_and_repository():
     pod = deployment["spec"]["template"]["spec"]
     container = _deployment_container()
     env = env_list(container)
-    port, metrics_port = setting(env, "port"), setting(env, "metrics_port")
+    port, metrics_port, http_port = setting(env, "port"), setting(env, "metrics_port"), setting(env, "http_port")
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": port, "metrics": metrics_port} == {"grpc": 8001, "metrics": 8002}
-    _assert_grpc_probes(container, port)
+    assert ports == {"http": http_port, "grpc": port, "metrics": metrics_port} == \
+        {"http": 8000, "grpc": 8001, "metrics": 8002}
+    _assert_grpc_probes(container, port, names=("startupProbe", "livenessProbe"))
+    # Readiness on the REST port, the path that answers 503 from SIGTERM on (tests/test_rest_drain.py).
+    assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": http_port}
     mount = _mount_path(container, "models")
     assert mount["mountPath"] == str(setting(env, "model_repository")) and mount["readOnly"] is True
     (init,) = pod["initContainers"]

@@ -9,27 +9,31 @@ import grpc
 import pytest
 
 from attnserve.server.batcher import BatcherClosed, BatchFailed, DeadlineExpired, QueueFull
-from attnserve.server.errors import _STATUS, MalformedMessage, ShuttingDown, Status, Unauthenticated, status_for
+from attnserve.server.errors import (
+    _STATUS, BodyTooLarge, MalformedMessage, NoSuchEndpoint, ShuttingDown, Status, Unauthenticated, status_for)
 from attnserve.server.models import ModelNotFound, ModelUnavailable
 from tests.server_process import REPO_ROOT
 
 Code = grpc.StatusCode
 
 
-@pytest.mark.parametrize("err, code", [
-    (ValueError("expected last dim 512, got 3"), Code.INVALID_ARGUMENT),
-    (MalformedMessage(ValueError("truncated")), Code.INVALID_ARGUMENT),
-    (ModelNotFound("unknown model 'x'"), Code.NOT_FOUND),  # a LookupError: the table's own entry wins
-    (ModelUnavailable("model m is not ready: bad graph"), Code.UNAVAILABLE),  # a RuntimeError
-    (QueueFull("512 requests queued"), Code.RESOURCE_EXHAUSTED),
-    (DeadlineExpired("deadline passed"), Code.DEADLINE_EXCEEDED),
-    (BatcherClosed("shutting down"), Code.UNAVAILABLE),
-    (ShuttingDown("server is shutting down; retry on another replica"), Code.UNAVAILABLE),
-    (Unauthenticated("missing or invalid bearer token"), Code.UNAUTHENTICATED),
+@pytest.mark.parametrize("err, code, http", [
+    (ValueError("expected last dim 512, got 3"), Code.INVALID_ARGUMENT, 400),
+    (MalformedMessage(ValueError("truncated")), Code.INVALID_ARGUMENT, 400),
+    (ModelNotFound("unknown model 'x'"), Code.NOT_FOUND, 404),  # a LookupError: the table's own entry wins
+    (NoSuchEndpoint("no such path"), Code.UNIMPLEMENTED, 404),  # a LookupError too
+    (NoSuchEndpoint("use POST", http=405), Code.UNIMPLEMENTED, 405),
+    (ModelUnavailable("model m is not ready: bad graph"), Code.UNAVAILABLE, 503),  # a RuntimeError
+    (QueueFull("512 requests queued"), Code.RESOURCE_EXHAUSTED, 429),
+    (BodyTooLarge("body over 64 MiB"), Code.RESOURCE_EXHAUSTED, 413),
+    (DeadlineExpired("deadline passed"), Code.DEADLINE_EXCEEDED, 504),
+    (BatcherClosed("shutting down"), Code.UNAVAILABLE, 503),
+    (ShuttingDown("server is shutting down; retry on another replica"), Code.UNAVAILABLE, 503),
+    (Unauthenticated("missing or invalid bearer token"), Code.UNAUTHENTICATED, 401),
 ])
-def test_each_error_gets_its_status_with_its_own_message(err, code, caplog):
+def test_each_error_gets_its_status_with_its_own_message(err, code, http, caplog):
     with caplog.at_level(logging.ERROR, logger="attnserve.server.errors"):
-        assert status_for(err) == Status(code, str(err))
+        assert status_for(err) == Status(code, str(err), http)
     assert not caplog.records  # only INTERNAL errors are logged here
 
 
@@ -38,9 +42,9 @@ def test_a_failed_batch_is_internal_with_its_public_message_logged_once(caplog):
     logged = BatchFailed(f"the batch failed: {cause}", public="the batch this request was in failed", logged=True)
     unlogged = BatchFailed(f"the batch failed: {cause}", public="the batch this request was in failed", logged=False)
     with caplog.at_level(logging.ERROR, logger="attnserve.server.errors"):
-        assert status_for(logged) == Status(Code.INTERNAL, "the batch this request was in failed")
+        assert status_for(logged) == Status(Code.INTERNAL, "the batch this request was in failed", 500)
         assert not caplog.records  # the batcher logged it, once for the batch
-        assert status_for(unlogged) == Status(Code.INTERNAL, "the batch this request was in failed")
+        assert status_for(unlogged) == Status(Code.INTERNAL, "the batch this request was in failed", 500)
         assert len(caplog.records) == 1
 
 
@@ -50,7 +54,7 @@ def test_anything_else_is_internal_without_its_text_and_logged_with_a_traceback(
     except KeyError as err:
         with caplog.at_level(logging.ERROR, logger="attnserve.server.errors"):
             status = status_for(err)
-    assert status.code == Code.INTERNAL
+    assert status.code == Code.INTERNAL and status.http == 500
     assert "secret" not in status.details and "KeyError" in status.details and "server log" in status.details
     (record,) = caplog.records
     assert record.exc_info is not None
@@ -64,4 +68,13 @@ def test_the_readme_error_table_names_the_codes_the_server_answers():
     readme = (REPO_ROOT / "README.md").read_text()
     table = readme[readme.index("### Errors"):readme.index("A bad request fails alone")]
     documented = {Code[name] for name in re.findall(r"^\| `([A-Z_]+)`", table, re.M)}
-    assert documented == set(_STATUS.values())
+    assert documented == {code for code, _http in _STATUS.values()} - {Code.UNIMPLEMENTED}  # REST only
+
+
+def test_the_readme_http_table_is_the_status_table():
+    """Each row of the README's REST table (`| gRPC | HTTP | ...`) is a row of _STATUS, and back."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    table = readme[readme.index("### REST errors"):]
+    table = table[:table.index("\n\n", table.index("|"))]
+    documented = {(Code[name], int(http)) for name, http in re.findall(r"^\| `([A-Z_]+)` \| (\d{3}) \|", table, re.M)}
+    assert documented == set(_STATUS.values()) | {(Code.INTERNAL, 500)}

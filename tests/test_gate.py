@@ -18,11 +18,12 @@ from attnserve.server.lifecycle import Admission, Arrivals, Draining
 from attnserve.server.metrics import Metrics
 from attnserve.server.models import ModelRegistry
 from attnserve.server.parsing import SUPPORTED_KINDS, handler_kind
+from attnserve.server.answers import Answers
 from attnserve.server.service import InferenceServicer
 
 
 def _served() -> dict[str, grpc.RpcMethodHandler]:
-    return method_handlers(InferenceServicer(ModelRegistry(), Metrics(), Draining()), health.aio.HealthServicer())
+    return method_handlers(InferenceServicer(Answers(ModelRegistry(), Metrics(), Draining())), health.aio.HealthServicer())
 
 
 def test_every_registered_method_has_a_kind_the_gate_wraps():
@@ -133,7 +134,7 @@ def test_one_draining_state_for_gate_and_servicer():
     draining = Draining()
     registry = ModelRegistry()
     registry.loaded["m"] = object()  # a loaded model, as far as readiness goes
-    servicer = InferenceServicer(registry, Metrics(), draining)
+    servicer = InferenceServicer(Answers(registry, Metrics(), draining))
     arrivals = Arrivals()
     infer = f"/{SERVICE_NAME}/ModelInfer"
     gate = CallGate(method_handlers(servicer, health.aio.HealthServicer()), Admission(arrivals), draining,

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 
 import pytest
 from grpc_health.v1 import health_pb2
 
-from tests.server_process import REPO_ROOT, ServerProcess
+from tests.server_process import ServerProcess, serve_with_port_taken
 
 
 def _get(port: int, path: str, method: str = "GET") -> tuple[int, bytes]:
@@ -72,13 +70,7 @@ def test_unfinished_requests_start_no_threads(metrics_server):
 
 
 def test_metrics_port_in_use_exits_3_with_one_line(model_repository):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "attnserve", "serve", "--model-repository", str(model_repository),
-                               "--host", "127.0.0.1", "--port", "0", "--metrics-port", str(port)],
-                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    done, port = serve_with_port_taken(model_repository, "--metrics-port")
     assert done.returncode == 3, done.stderr
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
     errors = [line for line in done.stderr.splitlines() if " ERROR " in line]

@@ -77,7 +77,7 @@ def test_device_cuda_without_cuda_refuses_to_start(model_repository):
     if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
         pytest.skip("this machine has CUDA: the refusal path cannot be shown here")
     done = _run_server("--model-repository", str(model_repository), "--device", "cuda", "--port", "0",
-                       "--metrics-port", "-1")
+                       "--http-port", "-1", "--metrics-port", "-1")
     assert done.returncode == 3
     assert "CUDAExecutionProvider not in" in done.stderr
 
@@ -97,7 +97,7 @@ def test_device_auto_falls_back_to_cpu_and_says_why(model_repository):
 
 def test_port_in_use_is_a_clear_error(server, model_repository):
     done = _run_server("--model-repository", str(model_repository), "--host", "127.0.0.1",
-                       "--port", str(server.port), "--metrics-port", "-1")
+                       "--port", str(server.port), "--http-port", "-1", "--metrics-port", "-1")
     assert done.returncode == 3
     assert "cannot start" in done.stderr
 

@@ -18,15 +18,8 @@ from attnserve.client import InferenceClient
 from attnserve.contract import DATATYPES, INPUT_NAMES, OUTPUT_NAMES
 from attnserve.proto import inference_pb2 as pb
 from tests.conftest import PRESET_NAMES
-from tests.oip import eager, random_inputs
+from tests.oip import CASES, WIDTHS, eager, random_inputs
 
-CASES = {  # case -> (model, b, lq, lk, masked)
-    "a.self_attention": ("self_attention", 2, 10, 10, False),
-    "b.self_attention": ("self_attention", 3, 7, 12, True),
-    "c.cross_attention": ("cross_attention", 4, 256, 77, False),
-    "d.cross_attention": ("cross_attention", 1, 256, 77, True),
-}
-WIDTHS = {"self_attention": 512, "cross_attention": 32}
 TOLERANCE = 1e-5
 
 

@@ -12,6 +12,10 @@ MODELS with that virtualenv's `attnserve serve`, then checks, each in a process 
 * our client and KServe's SDK in one process: kserve.InferenceGRPCClient (asyncio) calls
   ServerLive/ServerReady/ModelReady and infers (same numbers); ModelMetadata through KServe's
   own generated stub, as its client has no call for it;
+* KServe's InferenceRESTClient against the REST port: health, readiness, inference with JSON
+  and with binary tensors (same numbers as our gRPC client), an error's status and message
+  (kserve cannot be installed into the main .venv: it needs a newer grpcio-tools than the dev
+  extra's pin, so this is where it is tested);
 * `import proto; proto.Message` (proto-plus) beside attnserve, and again after
   `pip uninstall -y attnserve`, when `import attnserve` must fail.
 
@@ -209,6 +213,70 @@ def child_kserve(address: str) -> list[tuple[str, Check]]:
     ]
 
 
+def child_kserve_rest(addresses: str) -> list[tuple[str, Check]]:
+    """KServe's InferenceRESTClient (httpx) against the REST port; addresses: "GRPC,HTTP"."""
+    import asyncio
+
+    import httpx
+    import kserve
+    from kserve.inference_client import InferenceRESTClient, RESTConfig
+
+    grpc_address, http_address = addresses.split(",")
+    base_url = f"http://{http_address}"
+
+    async def with_client(call):
+        client = InferenceRESTClient(RESTConfig(protocol="v2", timeout=30, retries=0))
+        try:
+            return await call(client)
+        finally:
+            await client.close()
+
+    def readiness() -> str:
+        async def calls(client):
+            return (await client.is_server_live(base_url), await client.is_server_ready(base_url),
+                    await client.is_model_ready(base_url, MODEL))
+        live, ready, model_ready = asyncio.run(with_client(calls))
+        assert live is True and ready is True and model_ready is True, (live, ready, model_ready)
+        return "GET /v2/health/live, /v2/health/ready, /v2/models/{m}/ready"
+
+    def infer(binary: bool) -> Check:
+        def check() -> str:
+            inputs = _inputs(masked=True)
+
+            async def call(client):
+                tensors = []
+                for name, array in inputs.items():
+                    tensor = kserve.InferInput(name, list(array.shape), "BOOL" if name == "mask" else "FP32")
+                    tensor.set_data_from_numpy(array, binary_data=binary)
+                    tensors.append(tensor)
+                response = await client.infer(base_url, kserve.InferRequest(MODEL, tensors, request_id="rest"),
+                                              model_name=MODEL)
+                return {n: response.get_output_by_name(n).as_numpy() for n in ("output", "attn_probs")}
+            return _same(_ours(grpc_address, inputs), asyncio.run(with_client(call)), "kserve REST")
+        return check
+
+    def error() -> str:
+        async def call(client):
+            tensor = kserve.InferInput("query", [1, 1, 3], "FP32")
+            tensor.set_data_from_numpy(__import__("numpy").zeros((1, 1, 3), dtype="float32"))
+            await client.infer(base_url, kserve.InferRequest("nope", [tensor]), model_name="nope")
+        try:
+            asyncio.run(with_client(call))
+        except httpx.HTTPStatusError as err:
+            assert err.response.status_code == 404 and "unknown model 'nope'" in str(err), err
+            return str(err).split(",")[0]
+        raise AssertionError("no error for an unknown model")
+
+    return [
+        ("kserve.InferenceRESTClient: server liveness, readiness, model readiness", readiness),
+        (f"kserve.InferenceRESTClient infers {MODEL} with a mask, JSON tensors: same numbers as attnserve.client",
+         infer(binary=False)),
+        (f"kserve.InferenceRESTClient infers {MODEL} with a mask, binary tensors: same numbers as attnserve.client",
+         infer(binary=True)),
+        ("kserve.InferenceRESTClient: an unknown model is HTTPStatusError 404 with our message", error),
+    ]
+
+
 def child_proto_plus(installed: str) -> list[tuple[str, Check]]:
     import importlib.metadata
 
@@ -239,7 +307,8 @@ def child_proto_plus(installed: str) -> list[tuple[str, Check]]:
     ]
 
 
-CHILDREN = {"triton": child_triton, "kserve": child_kserve, "proto-plus": child_proto_plus}
+CHILDREN = {"triton": child_triton, "kserve": child_kserve, "kserve-rest": child_kserve_rest,
+            "proto-plus": child_proto_plus}
 
 
 # -- the driver -------------------------------------------------------------------------------
@@ -288,7 +357,7 @@ class _Server:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [str(command), "serve", "--model-repository", str(model_repository), "--host", "127.0.0.1",
-             "--port", "0", "--metrics-port", "-1", "--ready-file", str(self.ready_file)],
+             "--port", "0", "--http-port", "0", "--metrics-port", "-1", "--ready-file", str(self.ready_file)],
             cwd=workdir, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not self.ready_file.exists():
@@ -296,7 +365,9 @@ class _Server:
                 self.stop()
                 raise RuntimeError(f"the server did not become ready:\n{self.log_path.read_text(errors='replace')}")
             time.sleep(0.05)  # the ready file appears only once the port is bound and serving
-        self.address = f"127.0.0.1:{json.loads(self.ready_file.read_text())['grpc_port']}"
+        ports = json.loads(self.ready_file.read_text())
+        self.address = f"127.0.0.1:{ports['grpc_port']}"
+        self.http_address = f"127.0.0.1:{ports['http_port']}"
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -343,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         server = _Server(ns.model_repository.resolve(), workdir)
         try:
             print(f"serving {ns.model_repository} on {server.address}", flush=True)
-            for mode, argument in (("triton", server.address), ("kserve", server.address), ("proto-plus", "yes")):
+            for mode, argument in (("triton", server.address), ("kserve", server.address),
+                                   ("kserve-rest", f"{server.address},{server.http_address}"), ("proto-plus", "yes")):
                 p, f = _child(workdir, mode, argument)
                 passed, failed = passed + p, failed + f
         finally:

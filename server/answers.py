@@ -1,0 +1,151 @@
+"""What the server answers, whichever transport asked: the Open Inference Protocol's messages.
+
+    answers = Answers(registry, metrics, draining)
+    answers.server_ready()                            # health: bool
+    answers.model_metadata(name, version)            # pb.ModelMetadataResponse (and config, stats, index)
+    response, status = await answers.infer(request, time_remaining_s)  # decode -> batcher -> encode
+
+Both transports are thin adapters over this one request path: the gRPC servicer (server.service)
+returns these messages as they are; the REST port (server.rest) turns its JSON into a
+pb.ModelInferRequest and these messages into JSON (server.rest_codec). Errors are raised as the
+layers below raise them (ModelNotFound, ValueError, ...), except infer's, which come back as the
+Status of server.errors with the outcome counted in the metrics.
+"""
+
+from __future__ import annotations
+
+import time
+
+from attnserve.contract import TensorSpec
+from attnserve.proto import inference_pb2 as pb
+from attnserve.server import __version__, codec
+from attnserve.server.echo import echo
+from attnserve.server.errors import CANCELLED, OK, Status, status_for
+from attnserve.server.lifecycle import Draining
+from attnserve.server.metrics import Metrics
+from attnserve.server.models import ModelNotFound, ModelRegistry
+
+SERVER_NAME = "attnserve"
+# "model_repository" also means load/unload; binary_tensor_data is the REST port's.
+EXTENSIONS = ("model_configuration", "statistics", "binary_tensor_data")
+# Triton's model states, as RepositoryIndex reports them.
+READY, UNAVAILABLE = "READY", "UNAVAILABLE"
+_DATA_TYPES = {"FP32": pb.TYPE_FP32, "BOOL": pb.TYPE_BOOL}
+
+
+def _tensor_metadata(t: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:
+    return pb.ModelMetadataResponse.TensorMetadata(name=t.name, datatype=t.datatype, shape=t.shape)
+
+
+def _duration(d) -> pb.StatisticDuration:
+    return pb.StatisticDuration(count=d.count, ns=d.ns)
+
+
+class Answers:
+    def __init__(self, registry: ModelRegistry, metrics: Metrics, draining: Draining) -> None:
+        """draining: the server's (shared with the gates): not ready from SIGTERM on."""
+        self._registry = registry
+        self._metrics = metrics
+        self._draining = draining
+
+    # -- health and metadata -----------------------------------------------------------------
+
+    def server_ready(self) -> bool:
+        return not self._draining.active and bool(self._registry.loaded)
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        """False for a model that failed to load, or while draining; ModelNotFound if unknown."""
+        return self._registry.ready(name, version) and not self._draining.active
+
+    def server_metadata(self) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=__version__, extensions=EXTENSIONS)
+
+    def model_metadata(self, name: str, version: str = "") -> pb.ModelMetadataResponse:
+        spec = self._registry.get(name, version).spec
+        return pb.ModelMetadataResponse(
+            name=spec.name, versions=[str(spec.version)], platform=spec.platform,
+            inputs=[_tensor_metadata(t) for t in spec.inputs], outputs=[_tensor_metadata(t) for t in spec.outputs])
+
+    def model_config(self, name: str, version: str = "") -> pb.ModelConfigResponse:
+        spec = self._registry.get(name, version).spec
+        config = pb.ModelConfig(
+            name=spec.name, platform=spec.platform, backend="onnxruntime",
+            max_batch_size=0,  # the batch dim is explicit in every shape; the server batches itself
+            input=[pb.ModelInput(name=t.name, data_type=_DATA_TYPES[t.datatype], dims=t.shape, optional=t.optional)
+                   for t in spec.inputs],
+            output=[pb.ModelOutput(name=t.name, data_type=_DATA_TYPES[t.datatype], dims=t.shape)
+                    for t in spec.outputs])
+        return pb.ModelConfigResponse(config=config)
+
+    def repository_index(self, repository_name: str = "", ready_only: bool = False) -> pb.RepositoryIndexResponse:
+        """Every model of the repository: READY with its version, or UNAVAILABLE with the reason
+        it failed to load (ready_only: the ready ones only)."""
+        if repository_name:
+            raise ModelNotFound(f"unknown repository {echo(repository_name)}: this server serves "
+                                "one, ask with an empty repository_name")
+        response = pb.RepositoryIndexResponse()
+        for name in sorted({*self._registry.loaded, *self._registry.failed}):
+            model = self._registry.loaded.get(name)
+            if model is not None:
+                response.models.add(name=name, version=str(model.spec.version), state=READY)
+            elif not ready_only:
+                response.models.add(name=name, state=UNAVAILABLE, reason=self._registry.failed[name])
+        return response
+
+    def model_statistics(self, name: str = "", version: str = "") -> pb.ModelStatisticsResponse:
+        names = [name] if name else sorted(self._registry.loaded)
+        response = pb.ModelStatisticsResponse()
+        for name in names:
+            spec = self._registry.get(name, version).spec
+            s = self._metrics.statistics[name]
+            response.model_stats.add(
+                name=name, version=str(spec.version), last_inference=s.last_inference_ms,
+                inference_count=s.inference_count, execution_count=s.execution_count,
+                inference_stats=pb.InferStatistics(
+                    success=_duration(s.success), fail=_duration(s.fail), queue=_duration(s.queue),
+                    compute_input=_duration(s.compute_input), compute_infer=_duration(s.compute_infer),
+                    compute_output=_duration(s.compute_output)),
+                batch_stats=[pb.InferBatchStatistics(
+                    batch_size=size, compute_input=_duration(d.compute_input),
+                    compute_infer=_duration(d.compute_infer), compute_output=_duration(d.compute_output))
+                    for size, d in sorted(s.batches.items())])
+        return response
+
+    # -- inference ---------------------------------------------------------------------------
+
+    async def _infer(self, request: pb.ModelInferRequest, time_remaining: float | None) -> pb.ModelInferResponse:
+        # Draining is decided per call when its headers arrive (server.gate, server.rest), not
+        # here: a call admitted before SIGTERM is served even if its message arrives after. No
+        # await before submit: lifecycle.Arrivals counts a request as on its way until its
+        # handler starts, and the batcher must find it queued from then on.
+        model = self._registry.get(request.model_name, request.model_version)
+        decoded = codec.decode(request, model.spec, model.limits)
+        deadline = None if time_remaining is None else time.monotonic() + time_remaining
+        result = await model.batcher.submit(decoded.work, deadline)
+        return codec.encode(request, decoded, result, model.spec.version)
+
+    def _metric_label(self, model_name: str) -> str:
+        # Only known names become label values: a client must not grow the metrics without bound.
+        known = model_name in self._registry.loaded or model_name in self._registry.failed
+        return model_name if known else "_unknown"
+
+    async def infer(self, request: pb.ModelInferRequest, time_remaining: float | None
+                    ) -> tuple[pb.ModelInferResponse | None, Status]:
+        """One inference request: its response and OK, or None and the status for what was
+        raised. Its outcome is counted in the metrics either way; cancelled (the client went
+        away), it is counted as CANCELLED and the cancellation goes on."""
+        started = time.monotonic()
+        status = CANCELLED
+        try:
+            response = await self._infer(request, time_remaining)
+            status = OK
+            return response, status
+        except Exception as err:
+            status = status_for(err)
+            return None, status
+        finally:
+            self.request_done(request.model_name, status, started)
+
+    def request_done(self, model_name: str, status: Status, started: float) -> None:
+        """Count one inference request's outcome (also a REST one refused before it parsed)."""
+        self._metrics.request_done(self._metric_label(model_name), status.code.name, time.monotonic() - started)

@@ -1,0 +1,191 @@
+"""REST bodies <-> the protocol's messages: JSON tensors, Triton's binary tensor data extension.
+
+    request, binary = parse_infer(body, header_length, model, version)   # -> pb.ModelInferRequest
+    body, header_length = encode_infer(response, binary)                  # pb.ModelInferResponse ->
+    as_json(message)                                                      # any other message -> dict
+
+The REST port is a thin adapter: it turns a request body into the same pb.ModelInferRequest a
+gRPC client sends, with every input's bytes in raw_input_contents (JSON `data` is converted
+here, binary data is sliced out of the body), so codec.decode validates it exactly as it does
+a gRPC request. Only what is REST's own is checked here: the JSON's structure, the binary
+section's sizes, and that JSON `data` holds numbers (FP32) or true/false (BOOL), as many as the
+shape needs. Every error is a ValueError (400, server.errors).
+
+Wire facts: ../shared/reference/open-inference-protocol-rest.md. Elements are little-endian and
+row-major; BOOL is one byte, 1 = true.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from attnserve.proto import inference_pb2 as pb
+from attnserve.server.echo import echo
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+_DTYPES = {"FP32": np.dtype("<f4"), "BOOL": np.dtype("?")}
+_KINDS = {"FP32": "fiu", "BOOL": "b"}  # numpy kinds JSON `data` may have: numbers; true/false
+_WHAT = {"FP32": "numbers", "BOOL": "true/false"}
+
+
+def _object(value: Any, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _list(value: Any, what: str) -> list:
+    if not isinstance(value, list):
+        raise ValueError(f"{what} must be a JSON array, got {type(value).__name__}")
+    return value
+
+
+def _flag(parameters: dict, key: str, what: str) -> bool:
+    value = parameters.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{what}: parameter {key!r} must be true or false, got {echo(value)}")
+    return value
+
+
+def _json(text: bytes | memoryview) -> Any:
+    try:
+        return json.loads(bytes(text))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"the request's JSON does not parse: {err}") from None
+
+
+def _json_bytes(data: Any, name: str, datatype: str, count: int) -> bytes:
+    """JSON `data` (flat or nested, row-major) as the tensor's little-endian bytes."""
+    try:
+        array = np.asarray(data)
+    except ValueError:  # ragged nesting
+        raise ValueError(f"input {name!r}: data is not a regular array (ragged nested lists)") from None
+    if array.size and array.dtype.kind not in _KINDS[datatype]:
+        raise ValueError(f"input {name!r}: {datatype} data must be {_WHAT[datatype]}, got {array.dtype.kind!r} values "
+                         f"(first: {echo(array.ravel()[0].item())})")
+    if array.size != count:
+        raise ValueError(f"input {name!r}: its shape needs {count} values in data, got {array.size}")
+    return np.ascontiguousarray(array, dtype=_DTYPES[datatype]).tobytes()
+
+
+def _shape(value: Any, name: str) -> list[int]:
+    shape = _list(value, f"input {name!r}: shape")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in shape):
+        raise ValueError(f"input {name!r}: shape must be non-negative integers, got {echo(shape)}")
+    return shape
+
+
+def parse_infer(body: bytes, header_length: int | None, model_name: str, model_version: str
+                ) -> tuple[pb.ModelInferRequest, dict[str, bool]]:
+    """A REST inference body -> (the request, output name -> answer it binary). header_length:
+    the Inference-Header-Content-Length header (None: the whole body is JSON). An output not in
+    the map follows the request's `binary_data_output` (the map's key "")."""
+    view = memoryview(body)
+    if header_length is None:
+        header_length = len(body)
+    if not 0 <= header_length <= len(body):
+        raise ValueError(f"{HEADER_LENGTH} is {header_length}, but the body has {len(body)} bytes")
+    document = _object(_json(view[:header_length]), "the request")
+    binary = view[header_length:]
+
+    request = pb.ModelInferRequest(model_name=model_name, model_version=model_version)
+    request_id = document.get("id", "")
+    if not isinstance(request_id, str):
+        raise ValueError(f"id must be a string, got {echo(request_id)}")
+    request.id = request_id
+    parameters = _object(document.get("parameters", {}), "parameters")
+    binary_all = _flag(parameters, "binary_data_output", "the request")
+
+    offset = 0
+    for entry in _list(document.get("inputs", []), "inputs"):
+        entry = _object(entry, "each input")
+        name = entry.get("name")
+        if not isinstance(name, str):
+            raise ValueError(f"each input needs a string name, got {echo(name)}")
+        datatype = entry.get("datatype")
+        if not isinstance(datatype, str):
+            raise ValueError(f"input {name!r}: datatype must be a string, got {echo(datatype)}")
+        shape = _shape(entry.get("shape"), name)
+        request.inputs.add(name=name, datatype=datatype, shape=shape)
+        size = _object(entry.get("parameters", {}), f"input {name!r}: parameters").get("binary_data_size")
+        if size is not None:
+            if "data" in entry:
+                raise ValueError(f"input {name!r}: has data and binary_data_size; use one")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise ValueError(f"input {name!r}: binary_data_size must be a non-negative integer, got {echo(size)}")
+            if offset + size > len(binary):
+                raise ValueError(f"input {name!r}: binary_data_size {size} runs past the body's binary section "
+                                 f"({len(binary)} bytes, {offset} taken by the inputs before it)")
+            request.raw_input_contents.append(binary[offset:offset + size].tobytes())
+            offset += size
+        elif "data" in entry:
+            if datatype not in _DTYPES:  # codec.decode names the datatype the input needs
+                request.raw_input_contents.append(b"")
+                continue
+            request.raw_input_contents.append(_json_bytes(entry["data"], name, datatype, math.prod(shape)))
+        else:
+            raise ValueError(f"input {name!r}: no data (give data, or binary_data_size and the bytes)")
+    if offset != len(binary):
+        raise ValueError(f"the body has {len(binary)} bytes of binary data after its JSON, the inputs' "
+                         f"binary_data_size take {offset}")
+
+    binary_outputs = {"": binary_all}
+    for entry in _list(document.get("outputs", []), "outputs"):
+        entry = _object(entry, "each output")
+        name = entry.get("name")
+        if not isinstance(name, str):
+            raise ValueError(f"each output needs a string name, got {echo(name)}")
+        request.outputs.add(name=name)
+        output_parameters = _object(entry.get("parameters", {}), f"output {name!r}: parameters")
+        binary_outputs[name] = _flag(output_parameters, "binary_data", f"output {name!r}") or binary_all
+    return request, binary_outputs
+
+
+def encode_infer(response: pb.ModelInferResponse, binary_outputs: dict[str, bool]) -> tuple[bytes, int | None]:
+    """The answer's body, and its Inference-Header-Content-Length (None: all JSON). The response
+    has raw_output_contents (parse_infer's requests are raw), one per output."""
+    document: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version}
+    if response.id:
+        document["id"] = response.id
+    outputs, tail = [], []
+    for tensor, raw in zip(response.outputs, response.raw_output_contents):
+        entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
+        if binary_outputs.get(tensor.name, binary_outputs[""]):
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            tail.append(raw)
+        else:
+            entry["data"] = np.frombuffer(raw, dtype=_DTYPES[tensor.datatype]).tolist()
+        outputs.append(entry)
+    document["outputs"] = outputs
+    head = json.dumps(document, separators=(",", ":")).encode()
+    if not tail:
+        return head, None
+    return b"".join([head, *tail]), len(head)
+
+
+def as_json(message: Message) -> dict[str, Any]:
+    """A message as Triton's REST port writes it: field names as in the .proto, every field (the
+    defaults too), enums by name, and 64-bit integers as JSON numbers (protobuf's own JSON
+    mapping writes them as strings, which perf_analyzer does not read)."""
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.label == FieldDescriptor.LABEL_REPEATED:
+            out[field.name] = [_value(field, v) for v in value]
+        else:
+            out[field.name] = _value(field, value)
+    return out
+
+
+def _value(field: FieldDescriptor, value: Any) -> Any:
+    if field.type == FieldDescriptor.TYPE_MESSAGE:
+        return as_json(value)
+    if field.type == FieldDescriptor.TYPE_ENUM:
+        return field.enum_type.values_by_number[value].name
+    return value
