@@ -71,6 +71,25 @@ def random_mask(b: int, lq: int, lk: int, seed: int) -> torch.Tensor:
     return mask
 
 
+def key_mask(b: int, lk: int, seed: int) -> torch.Tensor:
+    """(b, lk) True = attend: random keys masked; item 0 padded (its last third masked) and,
+    with b > 1, the last item fully masked (each of its query rows is then uniform)."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(b, lk, generator=g) > 0.3
+    keep[0, 0] = True
+    keep[0, lk - lk // 3:] = False
+    if b > 1:
+        keep[-1] = False
+    return keep
+
+
+def eager_output(module, query, key, value, keep=None) -> torch.Tensor:
+    """The module itself, the key mask given as the contract's (b, lq, lk) mask."""
+    mask = None if keep is None else keep[:, None, :].expand(query.shape[0], query.shape[1], key.shape[1])
+    with torch.no_grad():
+        return module(query, key, value, mask=mask)[0]
+
+
 def ort_session(path: Path):
     import onnxruntime as ort
 
