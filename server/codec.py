@@ -3,7 +3,9 @@
 decode() validates a request against its model before anything large is allocated (names,
 datatypes, ranks, widths, batch and length agreement, byte counts, limits) and raises ValueError
 with the tensor's name and the expectation; a bad request therefore fails alone, before it can
-join a batch. Raw contents are wrapped with np.frombuffer, without a copy.
+join a batch. Raw contents are wrapped with np.frombuffer, without a copy. The attention-matrix
+bound is checked last, against the graph that will run the request (server.graphs), once its
+mask is read.
 """
 
 from __future__ import annotations
@@ -15,8 +17,18 @@ import numpy as np
 
 from attnserve.proto import inference_pb2 as pb
 from attnserve.server.batcher import Result, Work
-from attnserve.contract import DATATYPES, INPUT_NAMES, OUTPUT_NAMES, REQUIRED_INPUTS
+from attnserve.contract import (
+    ALL_OUTPUTS,
+    DATATYPES,
+    FUSED,
+    FUSED_KEY_PADDING,
+    INPUT_NAMES,
+    OUTPUT_NAMES,
+    OUTPUT_ONLY,
+    REQUIRED_INPUTS,
+)
 from attnserve.server.echo import echo
+from attnserve.server.graphs import GraphSet, attention_bytes
 from attnserve.server.repository import ModelSpec
 
 # Little-endian on the wire, whatever this machine is.
@@ -30,8 +42,12 @@ _REQUIRED = REQUIRED_INPUTS
 class Limits:
     max_q_len: int
     max_kv_len: int
-    max_attention_bytes: int  # B * H * Lq * Lk * 4 for one request
+    # B * H * Lq * Lk * 4 for one request, in the graph that will run it: the fused graph without
+    # a mask (flash attention) holds no attention matrix, so this bound never refuses its runs.
+    max_attention_bytes: int
     max_response_bytes: int | None = None  # the gRPC send limit: the answer must fit in it
+    # The graphs the model can run (its Engine's); None: every run holds the whole matrix.
+    graphs: GraphSet | None = None
 
 
 @dataclass(slots=True)
@@ -99,7 +115,35 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> De
 
     work = Work(arrays["query"], arrays["key"], arrays["value"], arrays.get("mask"),
                 want_probs="attn_probs" in outputs)
+    _check_attention_bytes(work, spec, limits)
     return Decoded(work=work, outputs=outputs, raw=raw)
+
+
+# Why a graph holds the attention matrix, for the message that refuses a request over the bound.
+_WHY_HELD = {
+    ALL_OUTPUTS: "it asks for attn_probs",
+    OUTPUT_ONLY: "the unfused graph runs it",
+    FUSED_KEY_PADDING: "its key mask runs on the fused key padding graph, which holds every score",
+}
+
+
+def _check_attention_bytes(work: Work, spec: ModelSpec, limits: Limits) -> None:
+    """The attention matrix of the graph this request would run alone (server.graphs): the
+    unfused graphs and the key padding one hold B*H*Lq*Lk*4 bytes, flash attention none. (Its
+    mask is read first: whether it is the same for every query row decides the graph.)"""
+    b, lq, lk = work.rows, work.q_len, work.k_len
+    if limits.graphs is None:
+        kind = ALL_OUTPUTS if work.want_probs else OUTPUT_ONLY
+    else:
+        kind = limits.graphs.graph_for(work.masking, work.want_probs, lq, lk)
+    needed = attention_bytes(kind, b, spec.num_heads, lq, lk)
+    if needed > limits.max_attention_bytes:
+        hint = (" (without a mask, or with one that is the same for every query row, and asking for `output` "
+                "alone, it would run on fused attention)" if limits.graphs is not None
+                and FUSED in limits.graphs.kinds else "")
+        raise ValueError(f"request needs a {needed:,}-byte attention matrix (batch {b} x {spec.num_heads} "
+                         f"heads x {lq} x {lk} x 4: {_WHY_HELD.get(kind, kind)}); the limit is "
+                         f"{limits.max_attention_bytes:,} bytes{hint}")
 
 
 def _check_bool_bytes(name: str, data: bytes) -> None:
@@ -131,10 +175,6 @@ def _check_shapes(shapes: dict[str, tuple[int, ...]], spec: ModelSpec, limits: L
         raise ValueError(f"input 'query': length {lq} exceeds this model's max_q_len {limits.max_q_len}")
     if lk > limits.max_kv_len:
         raise ValueError(f"input 'key': length {lk} exceeds this model's max_kv_len {limits.max_kv_len}")
-    attention_bytes = b * spec.num_heads * lq * lk * 4
-    if attention_bytes > limits.max_attention_bytes:
-        raise ValueError(f"request needs a {attention_bytes:,}-byte attention matrix (batch {b} x {spec.num_heads} "
-                         f"heads x {lq} x {lk} x 4); the limit is {limits.max_attention_bytes:,} bytes")
 
 
 # Room for what a response holds besides tensor bytes: names, shapes, datatypes, field tags.
