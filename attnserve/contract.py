@@ -115,8 +115,8 @@ def dynamic_axes(names: tuple[str, ...] = INPUT_NAMES) -> dict[str, dict[int, st
 class ServingDefaults:
     max_batch_size: int = 32  # sequences (rows) merged into one ONNX Runtime run
     max_queue_delay_ms: float = 1.0  # longest a request waits for company while the model is busy
-    max_q_len: int = 4096  # longest query accepted
-    max_kv_len: int = 4096  # longest key/value accepted
+    max_q_len: int = 8192  # longest query accepted
+    max_kv_len: int = 8192  # longest key/value accepted
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_q_len", "max_kv_len"):

@@ -45,8 +45,8 @@ def _parser(prog: str = "attnserve export") -> argparse.ArgumentParser:
     serving = p.add_argument_group("serving defaults written to config.json")
     serving.add_argument("--max-batch-size", type=int, help="sequences per ONNX Runtime run (default 32)")
     serving.add_argument("--max-queue-delay-ms", type=float, help="batching wait while busy (default 1.0)")
-    serving.add_argument("--max-q-len", type=int, help="longest query accepted (default 4096)")
-    serving.add_argument("--max-kv-len", type=int, help="longest key/value accepted (default 4096)")
+    serving.add_argument("--max-q-len", type=int, help="longest query accepted (default 8192)")
+    serving.add_argument("--max-kv-len", type=int, help="longest key/value accepted (default 8192)")
     return p
 
 
