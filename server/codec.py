@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnserve.proto import inference_pb2 as pb
+from attnserve.proto import wire
 from attnserve.server.batcher import Result, Work
 from attnserve.contract import (
     ALL_OUTPUTS,
@@ -211,13 +212,64 @@ def _requested_outputs(request: pb.ModelInferRequest, spec: ModelSpec) -> tuple[
 
 
 def encode(request: pb.ModelInferRequest, decoded: Decoded, result: Result, version: int
-           ) -> pb.ModelInferResponse:
+           ) -> "InferResponse":
     response = pb.ModelInferResponse(model_name=request.model_name, model_version=str(version), id=request.id)
+    raw_outputs: list[np.ndarray] = []
     for name in decoded.outputs:
         array = result.output if name == "output" else result.attn_probs
         tensor = response.outputs.add(name=name, datatype="FP32", shape=array.shape)
         if decoded.raw:
-            response.raw_output_contents.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
+            raw_outputs.append(np.ascontiguousarray(array, dtype="<f4"))  # written by serialize_infer_response
         else:
             tensor.contents.fp32_contents.extend(array.ravel().tolist())
-    return response
+    return InferResponse(response, raw_outputs)
+
+
+# -- the wire: raw tensor bytes without protobuf's copies (attnserve.proto.wire) -------------------
+
+
+class InferRequest:
+    """A ModelInferRequest as received: every field from protobuf, except raw_input_contents,
+    which are views into the received message's bytes (read-only, never copied)."""
+
+    __slots__ = ("message", "raw_input_contents")
+
+    def __init__(self, message: pb.ModelInferRequest, raw_input_contents: list[memoryview]) -> None:
+        self.message = message
+        self.raw_input_contents = raw_input_contents
+
+    def __getattr__(self, name: str):  # model_name, inputs, outputs, id, ...: the message's own
+        return getattr(self.message, name)
+
+
+class InferResponse:
+    """A ModelInferResponse to send: the message, and the raw outputs it will carry, as arrays
+    (little-endian fp32, contiguous) written straight into the serialized answer."""
+
+    __slots__ = ("message", "raw_output_contents")
+
+    def __init__(self, message: pb.ModelInferResponse, raw_output_contents: list[np.ndarray]) -> None:
+        self.message = message
+        self.raw_output_contents = raw_output_contents
+
+    def as_message(self) -> pb.ModelInferResponse:
+        """The whole answer as one protobuf message (copies the raw outputs: streams nest it)."""
+        for array in self.raw_output_contents:
+            self.message.raw_output_contents.append(array.tobytes())
+        self.raw_output_contents = []
+        return self.message
+
+
+def parse_infer_request(data: bytes) -> InferRequest:
+    """The request deserializer of ModelInfer and ModelStreamInfer: raw_input_contents as views
+    into `data`, the rest parsed by protobuf. Malformed bytes raise (server.parsing answers
+    INVALID_ARGUMENT)."""
+    return InferRequest(*wire.parse_with_raw(pb.ModelInferRequest, data, "raw_input_contents"))
+
+
+def serialize_infer_response(response: InferResponse | pb.ModelInferResponse) -> bytes:
+    """The response serializer of ModelInfer: the message, then each raw output as its field,
+    copied once (into the answer's bytes)."""
+    if isinstance(response, pb.ModelInferResponse):
+        return response.SerializeToString()
+    return wire.serialize_with_raw(response.message, "raw_output_contents", response.raw_output_contents)
