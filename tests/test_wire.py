@@ -61,12 +61,18 @@ def test_serialize_with_raw_writes_what_protobuf_writes():
     assert pb.ModelInferResponse.FromString(data) == expected
 
 
-def test_codec_request_and_response_objects():
-    request = codec.parse_infer_request(_request([b"\x00" * 16]).SerializeToString())
+def test_codec_takes_the_wire_path_for_large_messages_only():
+    big = b"\x01" * codec.WIRE_MIN_BYTES
+    request = codec.parse_infer_request(_request([big]).SerializeToString())
+    assert isinstance(request, codec.InferRequest)
     assert request.model_name == "m" and request.id == "r" and request.inputs[0].name == "query"
-    assert [bytes(v) for v in request.raw_input_contents] == [b"\x00" * 16]
-    response = codec.InferResponse(pb.ModelInferResponse(model_name="m"), [np.arange(3, dtype="<f4")])
+    assert [bytes(v) for v in request.raw_input_contents] == [big]
+    small = codec.parse_infer_request(_request([b"\x00" * 16]).SerializeToString())
+    assert isinstance(small, pb.ModelInferRequest) and small.raw_input_contents[0] == b"\x00" * 16
+
+    array = np.arange(codec.WIRE_MIN_BYTES // 4, dtype="<f4")
+    response = codec.InferResponse(pb.ModelInferResponse(model_name="m"), [array])
     data = codec.serialize_infer_response(response)
     assert pb.ModelInferResponse.FromString(data) == response.as_message()
-    assert response.as_message().raw_output_contents[0] == np.arange(3, dtype="<f4").tobytes()
+    assert response.as_message().raw_output_contents[0] == array.tobytes()
     assert codec.serialize_infer_response(pb.ModelInferResponse(id="x")) == pb.ModelInferResponse(id="x").SerializeToString()
