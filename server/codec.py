@@ -28,6 +28,7 @@ from attnserve.contract import (
     OUTPUT_ONLY,
     REQUIRED_INPUTS,
 )
+from attnserve.server import heap
 from attnserve.server.echo import echo
 from attnserve.server.graphs import GraphSet, attention_bytes
 from attnserve.server.repository import ModelSpec
@@ -275,7 +276,9 @@ def parse_infer_request(data: bytes) -> InferRequest | pb.ModelInferRequest:
     INVALID_ARGUMENT)."""
     if len(data) < WIRE_MIN_BYTES:
         return pb.ModelInferRequest.FromString(data)
-    return InferRequest(*wire.parse_with_raw(pb.ModelInferRequest, data, "raw_input_contents"))
+    request = InferRequest(*wire.parse_with_raw(pb.ModelInferRequest, data, "raw_input_contents"))
+    heap.release_after(len(data))  # gRPC's own copy of a large message is freed by now
+    return request
 
 
 def serialize_infer_response(response: InferResponse | pb.ModelInferResponse) -> bytes:
