@@ -283,12 +283,16 @@ def _cell(got: dict | None) -> str:
     if not got:
         return "-"
     if "ms" in got:
-        return f"{got['ms']:.1f} ms / {got['peak_rss_increase_mb']:.0f} MB"
+        return f"{_ms(got['ms'])} / {got['peak_rss_increase_mb']:.0f} MB"
     return "skipped" if "skipped" in got else "failed"
 
 
 def _client_cell(got: dict | None) -> str:
-    return f"{got['attnserve_client_ms']:.1f} ms" if got and "attnserve_client_ms" in got else "-"
+    return _ms(got["attnserve_client_ms"]) if got and "attnserve_client_ms" in got else "-"
+
+
+def _ms(ms: float) -> str:
+    return f"{ms:,.0f} ms" if ms >= 100 else f"{ms:.3g} ms"
 
 
 def print_table(results: dict) -> None:
