@@ -137,7 +137,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # -- inference ---------------------------------------------------------------------------
 
-    async def _infer(self, request: pb.ModelInferRequest, time_remaining: float | None) -> pb.ModelInferResponse:
+    async def _infer(self, request: codec.InferRequest | pb.ModelInferRequest, time_remaining: float | None) -> codec.InferResponse:
         # Draining is decided per call when its headers arrive (server.gate), not here: a
         # call admitted before SIGTERM is served even if its message arrives after. No await
         # before submit: lifecycle.Arrivals counts a request as on its way until its handler
@@ -153,7 +153,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         known = model_name in self._registry.loaded or model_name in self._registry.failed
         return model_name if known else "_unknown"
 
-    async def _answered(self, request: pb.ModelInferRequest, context) -> tuple[pb.ModelInferResponse | None, Status]:
+    async def _answered(self, request: codec.InferRequest | pb.ModelInferRequest, context) -> tuple[codec.InferResponse | None, Status]:
         """One inference request: its response and OK, or None and the status for what was
         raised. Its outcome is counted in the metrics either way; cancelled (the client went
         away), it is counted as CANCELLED and the cancellation goes on."""
@@ -201,10 +201,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         finally:
             await answers.put(None)
 
-    async def _stream_answer(self, request: pb.ModelInferRequest, context) -> pb.ModelStreamInferResponse:
+    async def _stream_answer(self, request: codec.InferRequest | pb.ModelInferRequest, context) -> pb.ModelStreamInferResponse:
         response, status = await self._answered(request, context)
         if response is None:  # the stream goes on
             return pb.ModelStreamInferResponse(
                 error_message=status.stream_message(),
                 infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id))
-        return pb.ModelStreamInferResponse(infer_response=response)
+        return pb.ModelStreamInferResponse(infer_response=response.as_message())
