@@ -17,12 +17,15 @@ padded keys are masked, padded query rows are dropped when the batch is split. A
 takes a request if its padded share of the attention matrix stays under `max_padding_ratio`
 (the oldest request is always taken, so nothing starves), and if the scores its run would hold
 (`scores_of`, handed in: which graph runs is the engine's business) stay within
-`max_batch_scores`.
+`max_batch_scores`. A batch whose run holds no scores (flash attention) takes only requests that
+keep it so: one that would pad its keys, bring a mask or ask for attn_probs waits for the next
+batch instead of moving the whole batch onto a graph that holds every score.
 
 Masks. `merge` feeds the least a run needs (server.graphs' maskings): no mask when no request
 has one and no key is padded (padded query rows need none: they are dropped), a key padding mask
-(B, Lk) when every request's mask is the same for all its query rows (or absent), the full
-(B, Lq, Lk) mask otherwise. The first two let the engine take ONNX Runtime's fused attention.
+(B, Lk) when every request's mask is the same for all its query rows (or absent) and attends at
+least one key in each, the full (B, Lq, Lk) mask otherwise. The first two let the engine take
+ONNX Runtime's fused attention.
 
 Exactness. A masked key scores -1e10 (the seeds' fill), so a row that masks all its real keys is
 a uniform distribution over the keys it sees; padding keys onto it would widen that uniform
@@ -50,7 +53,7 @@ logger = logging.getLogger(__name__)
 # (B, Lk) int32 (1 = attend), neither = every key attended -> (output, attn_probs or None); blocking.
 RunBatch = Callable[[dict[str, np.ndarray], bool], tuple[np.ndarray, "np.ndarray | None"]]
 # (rows, q_len, k_len, masking, want_probs) of a merged batch -> the attention scores per head its
-# run holds at once (server.graphs.GraphSet.scores); the default: all rows x Lq x Lk of them.
+# run holds at once (server.graphs.GraphSet.scores_held); the default: all rows x Lq x Lk of them.
 ScoresOf = Callable[[int, int, int, str, bool], int]
 
 
@@ -94,7 +97,8 @@ class Work:
     # True if some query row masks all of its keys: see "Exactness" above.
     exact_k_len: bool = field(init=False)
     # server.graphs' NO_MASK (no mask, or one that masks nothing), KEY_PADDING (every query row
-    # masks the same keys: then key_mask is that (b, lk) row) or GENERAL.
+    # masks the same keys and attends at least one: then key_mask is that (b, lk) row) or
+    # GENERAL (anything else, fully masked rows included: see server.graphs).
     masking: str = field(init=False)
     key_mask: np.ndarray | None = field(init=False)
 
@@ -104,15 +108,12 @@ class Work:
         if mask is None or mask.size == 0:
             self.exact_k_len = False
             return
+        self.exact_k_len = not mask.any(axis=-1).all()
         first = mask[:, :1, :]  # (b, 1, lk)
-        if np.array_equal(mask, np.broadcast_to(first, mask.shape)):
-            key_mask = first[:, 0, :]  # (b, lk)
-            self.exact_k_len = not key_mask.any(axis=-1).all()
-            if not key_mask.all():
-                self.masking, self.key_mask = KEY_PADDING, key_mask
-        else:
+        if self.exact_k_len or not np.array_equal(mask, np.broadcast_to(first, mask.shape)):
             self.masking = GENERAL
-            self.exact_k_len = not mask.any(axis=-1).all()
+        elif not first.all():
+            self.masking, self.key_mask = KEY_PADDING, first[:, 0, :]  # (b, lk)
 
     @property
     def rows(self) -> int:
@@ -319,6 +320,7 @@ class Batcher:
         maskings: set[str] = set()
         same_k_len = True  # every chosen request has the batch's key length (no key is padded)
         want_probs = False
+        held = 0  # scores per head the chosen batch's run holds (scores_of)
         while self._pending:
             p = self._pending.popleft()
             if p.future.done():  # cancelled by its caller (client gone, deadline hit in gRPC)
@@ -333,18 +335,22 @@ class Batcher:
                 new_q, new_k = max(q_len, w.q_len), max(k_len, w.k_len)
                 new_useful = useful + w.rows * w.q_len * w.k_len
                 exact = exact_k_lens | ({w.k_len} if w.exact_k_len else set())
+                new_held = self._scores_of(new_rows, new_q, new_k,
+                                           batch_masking(maskings | {w.masking}, same_k_len and k_len == w.k_len),
+                                           want_probs or w.want_probs)
                 fits = (
                     new_rows <= self.policy.max_batch_size
                     and 1.0 - new_useful / (new_rows * new_q * new_k) <= self.policy.max_padding_ratio
                     and all(k == new_k for k in exact)
-                    and (self.policy.max_batch_scores is None
-                         or self._scores_of(new_rows, new_q, new_k,
-                                            batch_masking(maskings | {w.masking}, same_k_len and k_len == w.k_len),
-                                            want_probs or w.want_probs) <= self.policy.max_batch_scores)
+                    and (self.policy.max_batch_scores is None or new_held <= self.policy.max_batch_scores)
+                    and (held > 0 or new_held == 0)  # a batch on the flash path stays on it
                 )
                 if not fits:
                     kept.append(p)
                     continue
+                held = new_held
+            else:
+                held = self._scores_of(w.rows, w.q_len, w.k_len, w.masking, w.want_probs)
             same_k_len = not chosen or (same_k_len and k_len == w.k_len)
             chosen.append(p)
             rows += w.rows

@@ -30,7 +30,7 @@ from attnserve.contract import (
 )
 from attnserve.server import heap
 from attnserve.server.echo import echo
-from attnserve.server.graphs import GraphSet, attention_bytes
+from attnserve.server.graphs import UNFUSED, GraphSet, attention_bytes
 from attnserve.server.repository import ModelSpec
 
 # Little-endian on the wire, whatever this machine is.
@@ -48,8 +48,8 @@ class Limits:
     # a mask (flash attention) holds no attention matrix, so this bound never refuses its runs.
     max_attention_bytes: int
     max_response_bytes: int | None = None  # the gRPC send limit: the answer must fit in it
-    # The graphs the model can run (its Engine's); None: every run holds the whole matrix.
-    graphs: GraphSet | None = None
+    # The graphs the model can run (its Engine's); UNFUSED: every run holds the whole matrix.
+    graphs: GraphSet = UNFUSED
 
 
 @dataclass(slots=True)
@@ -134,15 +134,11 @@ def _check_attention_bytes(work: Work, spec: ModelSpec, limits: Limits) -> None:
     unfused graphs and the key padding one hold B*H*Lq*Lk*4 bytes, flash attention none. (Its
     mask is read first: whether it is the same for every query row decides the graph.)"""
     b, lq, lk = work.rows, work.q_len, work.k_len
-    if limits.graphs is None:
-        kind = ALL_OUTPUTS if work.want_probs else OUTPUT_ONLY
-    else:
-        kind = limits.graphs.graph_for(work.masking, work.want_probs, lq, lk)
+    kind = limits.graphs.graph_for(work.masking, work.want_probs, lq, lk)
     needed = attention_bytes(kind, b, spec.num_heads, lq, lk)
     if needed > limits.max_attention_bytes:
-        hint = (" (without a mask, or with one that is the same for every query row, and asking for `output` "
-                "alone, it would run on fused attention)" if limits.graphs is not None
-                and FUSED in limits.graphs.kinds else "")
+        hint = (" (without a mask and asking for `output` alone it would run on flash attention, which holds none)"
+                if FUSED in limits.graphs.kinds else "")
         raise ValueError(f"request needs a {needed:,}-byte attention matrix (batch {b} x {spec.num_heads} "
                          f"heads x {lq} x {lk} x 4: {_WHY_HELD.get(kind, kind)}); the limit is "
                          f"{limits.max_attention_bytes:,} bytes{hint}")

@@ -18,7 +18,7 @@ from attnserve.server.codec import Limits
 from attnserve.server.config import ServerConfig
 from attnserve.server.echo import echo
 from attnserve.server.engine import DeviceChoice, Engine
-from attnserve.server.graphs import GraphSet
+from attnserve.server.graphs import UNFUSED, GraphSet
 from attnserve.server.metrics import Metrics
 from attnserve.server.repository import ModelLoadError, ModelSpec, model_names, read_model_spec
 
@@ -62,7 +62,7 @@ class ModelRegistry:
         for name in model_names(root):
             try:
                 spec = read_model_spec(root / name, pins.get(name))
-                graphs = None  # a run_batch without an Engine: every run counts its whole matrix
+                graphs = UNFUSED  # a run_batch without an Engine: every run counts its whole matrix
                 if run_batch is None:
                     engine = Engine(spec, device, config.intra_op_threads)
                     run, runs_on, graphs = engine.run, ",".join(engine.providers), engine.graphs
@@ -85,8 +85,7 @@ class ModelRegistry:
                 max_batch_scores=max(config.max_attention_bytes // (4 * spec.num_heads), 1),
             )
             # A merged batch's run, like a request's, is bounded by what the graph that runs it holds.
-            batcher = Batcher(name, run, policy, metrics.observer(name), arrivals,
-                              scores_of=graphs.scores if graphs is not None else None)
+            batcher = Batcher(name, run, policy, metrics.observer(name), arrivals, scores_of=graphs.scores_held)
             limits = Limits(spec.max_q_len, spec.max_kv_len, config.max_attention_bytes,
                             max_response_bytes=config.max_message_bytes, graphs=graphs)
             registry.loaded[name] = LoadedModel(spec, batcher, limits)
@@ -125,10 +124,8 @@ class ModelRegistry:
             await model.batcher.close(abandon_queued)
 
 
-def _describe(graphs: GraphSet | None) -> str:
+def _describe(graphs: GraphSet) -> str:
     """The graphs a model runs, and from which length the fused ones do, for the startup line."""
-    if graphs is None:
-        return "-"
     parts = []
     for kind in (ALL_OUTPUTS, OUTPUT_ONLY, *FUSED_KINDS):
         if kind in graphs.kinds:

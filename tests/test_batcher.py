@@ -852,9 +852,15 @@ def test_work_masking_is_read_from_its_mask():
     w = _plain_work(2, 3, 4, keys)
     assert w.masking == KEY_PADDING and not w.exact_k_len
     np.testing.assert_array_equal(w.key_mask, keys[:, 0, :])
-    fully = np.zeros((1, 3, 4), np.bool_)  # every row masks every key: a key mask, and uniform rows
+    # A fully masked row is uniform only on the unfused graph's -1e10 fill (the key padding kernel
+    # adds -1e10 to its scores, which keeps them apart once |score| >= 512): the general mask.
+    fully = np.zeros((1, 3, 4), np.bool_)
     w = _plain_work(1, 3, 4, fully)
-    assert w.masking == KEY_PADDING and w.exact_k_len
+    assert w.masking == GENERAL and w.exact_k_len
+    one_item_fully = keys.copy()
+    one_item_fully[1] = False  # the same keys for every row, but item 1 attends none
+    w = _plain_work(2, 3, 4, one_item_fully)
+    assert w.masking == GENERAL and w.exact_k_len and w.key_mask is None
     rows_differ = keys.copy()
     rows_differ[0, 1, 0] = False
     assert _plain_work(2, 3, 4, rows_differ).masking == GENERAL
@@ -899,7 +905,7 @@ def test_merged_batch_is_bounded_by_what_its_run_holds():
     from attnserve.server.graphs import GraphSet
 
     bound = 100
-    scores_of = GraphSet(frozenset(contract.GRAPH_FILES)).scores  # every graph, fused at any length
+    scores_of = GraphSet(frozenset(contract.GRAPH_FILES)).scores_held  # every graph, fused at any length
 
     async def run(works):
         model = Model()
@@ -924,6 +930,43 @@ def test_merged_batch_is_bounded_by_what_its_run_holds():
     assert [c.rows for c in model.calls[1:]] == [1, 1]  # padded: 2 x 8 x 8 = 128 scores > 100
     for w, r in zip(unequal, results):
         assert_matches_alone(w, r)
+
+
+def test_a_batch_on_the_flash_path_takes_only_requests_that_keep_it_there():
+    """With the fused graphs at every length, a batch of unmasked requests of one key length
+    holds no scores: a request that would pad its keys, bring a key mask or ask for attn_probs
+    waits for the next batch (which it then leads) instead of moving the batch onto a graph that
+    holds every score. Without the fused graphs (scores_of: every score) they all run together."""
+    from attnserve import contract
+    from attnserve.server.graphs import UNFUSED, GraphSet
+
+    async def run(works, scores_of):
+        model = Model()
+        batcher = Batcher("test", model, BatchPolicy(max_queue_delay_s=0.0), scores_of=scores_of)
+        batcher.start()
+        try:
+            blocker, tasks = await queue_while_busy(batcher, model, works)
+            await blocker
+            results = await asyncio.gather(*tasks)
+        finally:
+            await stop(batcher, model)
+        return model, results
+
+    keys = np.ones((1, 8, 8), np.bool_)
+    keys[..., 5:] = False
+    works = [make_work(1, 8, 8, mask=None, want_probs=False), make_work(1, 8, 7, mask=None, want_probs=False),
+             make_work(1, 6, 8, mask=None, want_probs=False), make_work(1, 8, 8, mask=keys, want_probs=False),
+             make_work(1, 8, 8, mask=None, want_probs=True), make_work(2, 8, 8, mask=None, want_probs=False)]
+    fused = GraphSet(frozenset(contract.GRAPH_FILES)).scores_held
+    model, results = asyncio.run(run(works, fused))
+    # The flash batch: requests 0, 2 (queries padded only) and 5; then the 8 x 7 one, on the flash
+    # path alone (the rest would pad its keys); then the key mask and attn_probs together.
+    assert [c.rows for c in model.calls[1:]] == [4, 1, 2]
+    assert [sorted(c.feeds) for c in model.calls[1:3]] == [["key", "query", "value"]] * 2
+    for w, r in zip(works, results):
+        assert_matches_alone(w, r)
+    model, _ = asyncio.run(run(works, UNFUSED.scores_held))
+    assert [c.rows for c in model.calls[1:]] == [7]
 
 
 def test_policy_rejects_out_of_range_values():

@@ -38,13 +38,13 @@ def test_graph_for_each_case():
     assert graphs.graph_for(GENERAL, False, 4096, 4096) == contract.OUTPUT_ONLY
     assert graphs.graph_for(KEY_PADDING, True, 4096, 4096) == contract.ALL_OUTPUTS
     # What each run holds: nothing on the flash path, every score elsewhere.
-    assert graphs.scores(2, 4096, 4096, NO_MASK, False) == 0
-    assert graphs.scores(2, 4096, 4096, KEY_PADDING, False) == 2 * 4096 * 4096
-    assert graphs.scores(2, 10, 10, NO_MASK, False) == 200  # below the crossover: the unfused graph
+    assert graphs.scores_held(2, 4096, 4096, NO_MASK, False) == 0
+    assert graphs.scores_held(2, 4096, 4096, KEY_PADDING, False) == 2 * 4096 * 4096
+    assert graphs.scores_held(2, 10, 10, NO_MASK, False) == 200  # below the crossover: the unfused graph
     # A version without the fused graphs (an older export): the unfused ones, as before.
     old = GraphSet(frozenset({contract.ALL_OUTPUTS, contract.OUTPUT_ONLY}))
     assert {old.graph_for(m, False, 4096, 4096) for m in (NO_MASK, KEY_PADDING, GENERAL)} == {contract.OUTPUT_ONLY}
-    assert old.scores(1, 4096, 4096, NO_MASK, False) == 4096 * 4096
+    assert old.scores_held(1, 4096, 4096, NO_MASK, False) == 4096 * 4096
     with pytest.raises(ValueError, match="masking must be one of"):
         graphs.graph_for("causal", False, 1, 1)
 
@@ -68,13 +68,16 @@ def test_engine_runs_the_chosen_graph_and_matches_eager(model_repository, eager_
     rng = np.random.default_rng(11)
     key_mask = np.ones((2, long, long), np.bool_)
     key_mask[0, :, long // 2:] = False  # padding-like
-    key_mask[1] = False  # fully masked
+    key_mask[1, :, : long // 3] = False
+    fully = key_mask.copy()
+    fully[1] = False  # item 1 attends no key: uniform rows, exact on the unfused graph only
     general = rng.random((2, long, long)) > 0.3
     all_true = np.ones((1, long, long), np.bool_)
     cases = {
         "no mask": ([_work(spec, rng, 2, long, long)], contract.FUSED),
         "a mask that masks nothing": ([_work(spec, rng, 1, long, long, all_true)], contract.FUSED),
         "key mask": ([_work(spec, rng, 2, long, long, key_mask)], contract.FUSED_KEY_PADDING),
+        "key mask, one item fully masked": ([_work(spec, rng, 2, long, long, fully)], contract.OUTPUT_ONLY),
         "general mask": ([_work(spec, rng, 2, long, long, general)], contract.OUTPUT_ONLY),
         "attn_probs wanted": ([_work(spec, rng, 1, long, long, want_probs=True)], contract.ALL_OUTPUTS),
         "padded keys": ([_work(spec, rng, 1, long, long), _work(spec, rng, 1, long - 5, long - 3)],
@@ -105,6 +108,33 @@ def test_engine_runs_the_chosen_graph_and_matches_eager(model_repository, eager_
                 np.testing.assert_allclose(probs[start:start + w.rows, :, : w.q_len, : w.k_len], want_p.numpy(),
                                            atol=TOLERANCE, rtol=0)
             start += w.rows
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_fully_masked_rows_are_uniform_whatever_the_scores(model_repository, eager_modules, name):
+    """Inputs large enough that scaled scores pass 512: the key padding kernel adds -1e10 to them,
+    and s - 1e10 no longer rounds to -1e10 itself (fp32 steps there are 1,024), so a fully masked
+    row on it would not be the seeds' uniform distribution (measured: 0.9 off at 30x inputs).
+    Such a request takes the unfused graph and equals eager; its partly masked rows would be exact
+    on either."""
+    spec = read_model_spec(model_repository / name)
+    engine = Engine(spec, choose_device("cpu"))
+    long = 2 * max(dict(spec.crossover).values())
+    rng = np.random.default_rng(30)
+    keep = np.ones((2, long, long), np.bool_)
+    keep[0] = False  # every query row of item 0 masks every key
+    keep[1, :, long // 2:] = False
+    w = Work(30 * rng.standard_normal((2, long, spec.query_dim), dtype=np.float32),
+             30 * rng.standard_normal((2, long, spec.kv_dim), dtype=np.float32),
+             rng.standard_normal((2, long, spec.kv_dim), dtype=np.float32), keep, False)
+    feeds, _ = merge([w])
+    assert engine.graph_for(feeds, False) == contract.OUTPUT_ONLY
+    output, _ = engine.run(feeds, False)
+    with torch.no_grad():
+        want, _ = eager_modules[name](torch.from_numpy(w.query[:1]), torch.from_numpy(w.key[:1]),
+                                      torch.from_numpy(w.value[:1]), mask=torch.from_numpy(keep[:1]))
+    # Item 0 is uniform over its keys: the mean of its projected values, exactly as eager has it.
+    assert float(np.max(np.abs(output[:1] - want.numpy()))) <= TOLERANCE
 
 
 def test_engine_on_an_old_layout_runs_the_unfused_graphs(model_repository, eager_modules, tmp_path, caplog):

@@ -183,7 +183,7 @@ def test_attention_bound_applies_to_the_graph_that_will_run():
         "general mask": (fused, ("output",), general, "the unfused graph runs it"),
         "key mask": (fused, ("output",), keys, "fused key padding graph, which holds every score"),
         "old layout": (unfused_only, ("output",), None, "the unfused graph runs it"),
-        "no graphs known": (None, ("output",), None, "the unfused graph runs it"),
+        "no graphs known": (GraphSet(), ("output",), None, "the unfused graph runs it"),
     }
     for case, (graphs, outputs, mask, why) in cases.items():
         with pytest.raises(ValueError) as exc:
