@@ -104,3 +104,29 @@ def test_fused_graph_without_bias_matches_eager(tmp_path):
         assert max_abs(got, eager_output(module, query, key, value, keep if kind != contract.FUSED else None)) <= TOLERANCE
 
 
+
+
+@pytest.mark.parametrize("kind", contract.FUSED_KINDS)
+def test_the_parity_gate_refuses_a_fused_graph_that_differs(tmp_path, monkeypatch, kind):
+    """The export's own gate covers the fused graphs: one of them built with the scores' scale 1 %
+    off (a real graph, run by ONNX Runtime) and the export is refused, naming it, with nothing
+    written."""
+    from attnserve.export import onnx_export
+
+    build = fused.build
+
+    def off_by_a_percent(module, path, which, opset):
+        build(module, path, which, opset)
+        if which == kind:
+            model = onnx.load(str(path))
+            (attention,) = [n for n in model.graph.node if n.op_type == "MultiHeadAttention"]
+            for attr in attention.attribute:
+                if attr.name == "scale":
+                    attr.f *= 1.01
+            onnx.save(model, str(path))
+
+    monkeypatch.setattr(fused, "build", off_by_a_percent)
+    module = demo_module(PRESETS["cross_attention"].replace(query_dim=16, kv_dim=8, out_dim=8), seed=4).eval()
+    with pytest.raises(onnx_export.ParityError, match=f"{kind}.output"):
+        onnx_export.export_model(module, tmp_path, "m", weights={"source": "demo", "seed": 4})
+    assert not (tmp_path / "m").exists() or not any(p.name.isdigit() for p in (tmp_path / "m").iterdir())
