@@ -16,7 +16,9 @@ in a fresh process, so one's memory cannot pollute another's figures:
                  tensors without protobuf's copies (attnserve.proto.wire); the project's
                  InferenceClient on the same request is reported beside it
 
-Time: the median of the runs after the first (at least 3, up to --budget-s). Peak RSS increase:
+Time: the median of the runs after the first (at least 3, up to --budget-s); then, for issue #16's
+ratio at self_attention (1, 4096, 512), the in-process fused run and the server alternated round by
+round in one process (`pair`: the same load for both). Peak RSS increase:
 the process's VmHWM (peak resident set, /proc) once one request of this size was built and
 computed, less its VmRSS just before, with the peak reset (/proc/PID/clear_refs) after loading
 the model and a small warm-up run; for the server, the server process's, with the request built
@@ -159,26 +161,16 @@ def _measure_server(repository: Path, model: str, spec, shape: tuple[int, int, i
     import numpy as np
 
     from attnserve.client import InferenceClient
-    from attnserve.proto import inference_pb2 as pb
-    from attnserve.proto import wire
     from bench.__main__ import _Server
 
     def call(channel, x):
-        message = pb.ModelInferRequest(model_name=model)
-        for name, array in x.items():
-            message.inputs.add(name=name, datatype="FP32", shape=array.shape)
-        message.outputs.add(name="output")
-        data = wire.serialize_with_raw(message, "raw_input_contents", list(x.values()))
-        answer = channel(data, timeout=600)
-        response, raw = wire.parse_with_raw(pb.ModelInferResponse, answer, "raw_output_contents")
-        return np.frombuffer(raw[0], dtype="<f4").reshape(tuple(response.outputs[0].shape))
+        return _raw_call(channel, model, x)
 
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="attnserve-sweep-") as tmp:
         server = _Server(repository, server_args, Path(tmp))
         try:
-            options = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
-            with grpc.insecure_channel(server.address, options=options) as channel:
+            with grpc.insecure_channel(server.address, options=_CHANNEL_OPTIONS) as channel:
                 infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")  # bytes in, bytes out
                 call(infer, _inputs(spec, (1, 16, 16), rng))  # warm-up
                 x = _inputs(spec, shape, rng)
@@ -194,6 +186,69 @@ def _measure_server(repository: Path, model: str, spec, shape: tuple[int, int, i
     return {"ms": ms, "peak_rss_increase_mb": peak, "runs": len(times), "attnserve_client_ms": client_ms}
 
 
+_CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+
+
+def _raw_call(channel, model: str, x: dict):
+    """One ModelInfer for `output` alone, raw contents written and read without protobuf's copies
+    (attnserve.proto.wire); `channel` a bytes-in, bytes-out unary_unary callable."""
+    import numpy as np
+
+    from attnserve.proto import inference_pb2 as pb
+    from attnserve.proto import wire
+
+    message = pb.ModelInferRequest(model_name=model)
+    for name, array in x.items():
+        message.inputs.add(name=name, datatype="FP32", shape=array.shape)
+    message.outputs.add(name="output")
+    data = wire.serialize_with_raw(message, "raw_input_contents", list(x.values()))
+    answer = channel(data, timeout=600)
+    response, raw = wire.parse_with_raw(pb.ModelInferResponse, answer, "raw_output_contents")
+    return np.frombuffer(raw[0], dtype="<f4").reshape(tuple(response.outputs[0].shape))
+
+
+def _measure_pair(repository: Path, model: str, spec, shape: tuple[int, int, int], rounds: int,
+                  server_args: list[str]) -> dict:
+    """Time only, for the issue's ratio: in this process ONNX Runtime on model_fused.onnx with the
+    server's own session options, and a fresh server's ModelInfer for the same request (the lean
+    client above), alternating one of each per round, so that both see the same machine load
+    (on a shared machine the load drifts between the sweep's separate processes). Medians, and
+    the median of the per-round ratios server / in-process."""
+    import grpc
+    import numpy as np
+    import onnxruntime as ort
+
+    from attnserve import contract
+    from attnserve.server.engine import session_options
+    from bench.__main__ import _Server
+
+    rng = np.random.default_rng(0)
+    x = _inputs(spec, shape, rng)
+    session = ort.InferenceSession(str(spec.graph_path(contract.FUSED)), sess_options=session_options(0),
+                                   providers=["CPUExecutionProvider"])
+    in_process, served = [], []
+    with tempfile.TemporaryDirectory(prefix="attnserve-sweep-") as tmp:
+        server = _Server(repository, server_args, Path(tmp))
+        try:
+            with grpc.insecure_channel(server.address, options=_CHANNEL_OPTIONS) as channel:
+                infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+                session.run(None, x)  # the first of each: arenas grow, the connection opens
+                _raw_call(infer, model, x)
+                for _ in range(rounds):
+                    t0 = time.perf_counter()
+                    session.run(None, x)
+                    t1 = time.perf_counter()
+                    _raw_call(infer, model, x)
+                    t2 = time.perf_counter()
+                    in_process.append(t1 - t0)
+                    served.append(t2 - t1)
+        finally:
+            server.stop()
+    return {"in_process_ms": statistics.median(in_process) * 1000, "server_ms": statistics.median(served) * 1000,
+            "ratio": statistics.median(s / i for s, i in zip(served, in_process)), "rounds": rounds,
+            "load": os.getloadavg()[0]}
+
+
 def _one(args: argparse.Namespace) -> int:
     """--one SIDE: measure one configuration in this (fresh) process, print one JSON line."""
     from attnserve.server.repository import read_model_spec
@@ -202,6 +257,8 @@ def _one(args: argparse.Namespace) -> int:
     shape = (1, args.q_len, args.k_len)
     if args.one == "server":
         result = _measure_server(args.repository, args.model, spec, shape, args.budget_s, args.server_args)
+    elif args.one == "pair":
+        result = _measure_pair(args.repository, args.model, spec, shape, args.pair_rounds, args.server_args)
     else:
         result = _measure_in_process(args.one, spec, shape, args.budget_s)
     print(json.dumps(result))
@@ -226,7 +283,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help=f"skip {', '.join(QUADRATIC_SIDES)} where Lq*Lk is larger (default 4096^2)")
     p.add_argument("--budget-s", type=float, default=2.0, help="timing budget per configuration after its first run")
     p.add_argument("--output", type=Path, default=REPO_ROOT / "bench" / "results")
-    p.add_argument("--one", choices=SIDES, help=argparse.SUPPRESS)
+    p.add_argument("--pair-rounds", type=int, default=10,
+                   help=f"rounds of the paired in-process fused / server timing at self_attention (1, {DONE_WHEN_L}, "
+                        "512), after the sweep (0: none)")
+    p.add_argument("--one", choices=(*SIDES, "pair"), help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--q-len", type=int, help=argparse.SUPPRESS)
     p.add_argument("--k-len", type=int, help=argparse.SUPPRESS)
@@ -269,6 +329,16 @@ def main(argv: list[str] | None = None) -> int:
                 figure = (f"{got['ms']:.2f} ms, +{got['peak_rss_increase_mb']:.0f} MB" if "ms" in got
                           else json.dumps(got))
                 print(f"  {model} {b}x{lq}x{lk} {side}: {figure}", flush=True)
+    self_lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else LENGTHS["self_attention"]
+    if args.pair_rounds and "self_attention" in models and DONE_WHEN_L in self_lengths:
+        b, lq, lk = shape_of("self_attention", DONE_WHEN_L)
+        command = [sys.executable, "-m", "bench.sweep", "--one", "pair", "--model", "self_attention",
+                   "--q-len", str(lq), "--k-len", str(lk), "--repository", str(args.repository),
+                   "--pair-rounds", str(args.pair_rounds), "--", *args.server_args]
+        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+        results["pair"] = (json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0
+                           else {"failed": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]})
+        print(f"  self_attention {b}x{lq}x{lk} pair: {json.dumps(results['pair'])}", flush=True)
     results["seconds"] = round(time.monotonic() - started, 1)
     results["load_after"] = os.getloadavg()
     print_table(results)
@@ -314,6 +384,12 @@ def print_table(results: dict) -> None:
         print(f"\nissue #16, self_attention (1, {DONE_WHEN_L}, 512), output alone: server / in-process fused: "
               f"time {t:.2f} x (goal <= 1.3: {'met' if t <= 1.3 else 'NOT met'}), "
               f"peak RSS increase {m:.2f} x (goal <= 1.5: {'met' if m <= 1.5 else 'NOT met'})")
+    pair = results.get("pair", {})
+    if "ratio" in pair:
+        t = pair["ratio"]
+        print(f"  paired ({pair['rounds']} alternating rounds, in-process with the server's session options): "
+              f"in-process {_ms(pair['in_process_ms'])}, server {_ms(pair['server_ms'])}, median ratio {t:.2f} x "
+              f"(goal <= 1.3: {'met' if t <= 1.3 else 'NOT met'})")
     print(f"load average before {results['load_before'][0]:.2f}, after {results['load_after'][0]:.2f}")
 
 
