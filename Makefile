@@ -8,7 +8,7 @@ PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
 PRESETS := self_attention cross_attention
 
-.PHONY: install test test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-tools clean nginx
+.PHONY: install test test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-sweep bench-tools clean nginx
 
 install: $(STAMP)
 
@@ -87,10 +87,16 @@ export: $(STAMP)
 serve: export
 	exec $(VENV)/bin/attnserve serve --model-repository $(MODELS)
 
-# The benchmark (bench/): server vs in-process ONNX Runtime; figures in bench/results/.
+# The benchmark (bench/): server vs in-process ONNX Runtime under load, then the sequence-length
+# sweep (bench/sweep.py: one request per length, eager PyTorch, in-process ONNX Runtime unfused and
+# fused, the server; a fresh process per configuration); figures in bench/results/.
 BENCH_VENV := .venv-bench
 bench: export bench-tools
 	$(PY) -m bench --repository $(MODELS) $(BENCH_ARGS)
+	$(PY) -m bench.sweep --repository $(MODELS) $(SWEEP_ARGS)
+
+bench-sweep: export
+	$(PY) -m bench.sweep --repository $(MODELS) $(SWEEP_ARGS)
 
 # NVIDIA's perf_analyzer: its binary ships in tritonclient 2.45's wheel; it links libcudart.so.12
 # (pip: nvidia-cuda-runtime-cu12, no GPU needed) and libb64 (Debian: libb64-0d). If it cannot be

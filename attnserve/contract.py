@@ -16,12 +16,18 @@ Masking is the seeds' own: a masked score (the seeds' `mask == 0`) is filled wit
 distribution over them instead of NaN. Without a mask every key is attended.
 
 Layout:
-    <repository>/<name>/config.json                         dims, this contract, batching, limits
+    <repository>/<name>/config.json                         dims, this contract, batching, limits,
+                                                            the fused graphs' crossover lengths
     <repository>/<name>/<version>/model.onnx                outputs `output` and `attn_probs`
     <repository>/<name>/<version>/model_output_only.onnx    `output` alone
+    <repository>/<name>/<version>/model_fused.onnx          `output` alone, ONNX Runtime's fused
+                                                            attention, no mask (query, key, value)
+    <repository>/<name>/<version>/model_fused_key_padding.onnx
+                                                            the same with key_padding_mask (B, Lk)
     <repository>/<name>/<version>/export.json               parity figures, weights' source
 A version is an integer directory holding model.onnx; anything else (an export's staging
-directory) is not a version.
+directory) is not a version. The two fused graphs are optional (older repositories and fp16
+exports have none): a server serves without them exactly as before.
 """
 
 from __future__ import annotations
@@ -57,6 +63,13 @@ _VARIABLE_DIMS = (BATCH, Q_LEN, K_LEN)
 # The seeds fill masked scores with -1e10 before the softmax; False in the mask = masked.
 MASK_FILL = -1e10
 MASKED = False
+
+# Graph-side only (never on the wire): the fused key-padding graph's mask, one entry per key,
+# int32 (batch, k_len), 1 = attend, 0 = masked (ONNX Runtime's MultiHeadAttention
+# key_padding_mask). A contract mask whose rows are all alike, mask[b, i, :] == mask[b, 0, :],
+# is this mask for every query row.
+KEY_PADDING_MASK = "key_padding_mask"
+KEY_PADDING_SHAPE = (BATCH, K_LEN)
 
 
 @dataclass(frozen=True)
@@ -102,8 +115,8 @@ def dynamic_axes(names: tuple[str, ...] = INPUT_NAMES) -> dict[str, dict[int, st
 class ServingDefaults:
     max_batch_size: int = 32  # sequences (rows) merged into one ONNX Runtime run
     max_queue_delay_ms: float = 1.0  # longest a request waits for company while the model is busy
-    max_q_len: int = 4096  # longest query accepted
-    max_kv_len: int = 4096  # longest key/value accepted
+    max_q_len: int = 8192  # longest query accepted
+    max_kv_len: int = 8192  # longest key/value accepted
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_q_len", "max_kv_len"):
@@ -130,7 +143,24 @@ CONFIG_FILE = "config.json"
 EXPORT_FILE = "export.json"
 GRAPH_ALL_OUTPUTS = "model.onnx"
 GRAPH_OUTPUT_ONLY = "model_output_only.onnx"
+GRAPH_FUSED = "model_fused.onnx"
+GRAPH_FUSED_KEY_PADDING = "model_fused_key_padding.onnx"
 PLATFORM = "onnxruntime_onnx"
+
+# The graphs of a version by kind, as config.json's "graphs" names them. all_outputs is the one
+# every version has; the others are optional. Inputs of each kind, in graph order:
+ALL_OUTPUTS, OUTPUT_ONLY, FUSED, FUSED_KEY_PADDING = "all_outputs", "output_only", "fused", "fused_key_padding"
+GRAPH_FILES = {ALL_OUTPUTS: GRAPH_ALL_OUTPUTS, OUTPUT_ONLY: GRAPH_OUTPUT_ONLY,
+               FUSED: GRAPH_FUSED, FUSED_KEY_PADDING: GRAPH_FUSED_KEY_PADDING}
+GRAPH_INPUTS = {ALL_OUTPUTS: INPUT_NAMES, OUTPUT_ONLY: INPUT_NAMES,
+                FUSED: REQUIRED_INPUTS, FUSED_KEY_PADDING: (*REQUIRED_INPUTS, KEY_PADDING_MASK)}
+GRAPH_OUTPUTS = {ALL_OUTPUTS: OUTPUT_NAMES, OUTPUT_ONLY: ("output",), FUSED: ("output",),
+                 FUSED_KEY_PADDING: ("output",)}
+FUSED_KINDS = (FUSED, FUSED_KEY_PADDING)
+# config.json's "crossover": {"fused": L, "fused_key_padding": L, ...}. A fused graph runs when
+# sqrt(Lq * Lk) >= its L (below it the unfused graph was measured faster); a kind without an L
+# runs at every length.
+CROSSOVER = "crossover"
 
 
 def versions(model_dir: Path) -> list[int]:

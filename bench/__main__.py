@@ -1,7 +1,8 @@
 """`python -m bench`: the server under load vs in-process ONNX Runtime, measured in one run.
 
-    make bench                                    # both presets, concurrency 1, 8, 32, 64
+    make bench                                    # both presets, concurrency 1, 8, 32, 64; then the sweep
     .venv/bin/python -m bench --models self_attention --soak-s 300 -- --batches-in-flight 2
+    .venv/bin/python -m bench --sweep [bench.sweep's flags]   # time and memory against sequence length
 
 1. In-process ONNX Runtime on the served graph (the server's own Engine and session options),
    k requests merged per run for k in 1, 8, 32, 64: the ceiling.
@@ -109,6 +110,11 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--sweep"]:  # the sequence-length sweep: bench.sweep, with the rest of the flags
+        from bench import sweep
+
+        return sweep.main(argv[1:])
     args, server_args = _parse_args(argv)
     server_args = ["--device", args.device, *server_args]
     try:

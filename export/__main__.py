@@ -45,8 +45,8 @@ def _parser(prog: str = "attnserve export") -> argparse.ArgumentParser:
     serving = p.add_argument_group("serving defaults written to config.json")
     serving.add_argument("--max-batch-size", type=int, help="sequences per ONNX Runtime run (default 32)")
     serving.add_argument("--max-queue-delay-ms", type=float, help="batching wait while busy (default 1.0)")
-    serving.add_argument("--max-q-len", type=int, help="longest query accepted (default 4096)")
-    serving.add_argument("--max-kv-len", type=int, help="longest key/value accepted (default 4096)")
+    serving.add_argument("--max-q-len", type=int, help="longest query accepted (default 8192)")
+    serving.add_argument("--max-kv-len", type=int, help="longest key/value accepted (default 8192)")
     return p
 
 
@@ -93,11 +93,19 @@ def _resolve(args: argparse.Namespace):
 def _print_report(result) -> None:
     parity = result.parity
     print(f"wrote {result.model_dir / str(result.version)}  (model {result.name!r}, version {result.version})")
+    long_shapes = parity.get("long_shapes", {})
+    longest = "; fused graphs also at " + ", ".join(sorted({"x".join(map(str, s)) for v in long_shapes.values()
+                                                            for s in v})) if long_shapes else ""
     print(f"parity vs eager PyTorch over {parity['cases']} cases "
-          f"(batch 1/7, q_len 1/300, k_len 1/77, with and without mask), tolerance {parity['tolerance']:g}:")
+          f"(batch 1/7, q_len 1/300, k_len 1/77, with and without mask{longest}), tolerance {parity['tolerance']:g}:")
     for graph, errors in parity["max_abs_error"].items():
         figures = ", ".join(f"{out} {err:.2e}" for out, err in errors.items())
-        print(f"  {graph:<12} max abs error: {figures}")
+        print(f"  {graph:<17} max abs error: {figures}")
+    crossover = result.crossover
+    if crossover:
+        print("fused graphs run from sqrt(Lq*Lk) >= " + ", ".join(
+            f"{kind} {crossover[kind]}" for kind in ("fused", "fused_key_padding") if kind in crossover)
+            + " (measured here; config.json \"crossover\")")
 
 
 def main(argv: list[str] | None = None, prog: str = "attnserve export") -> int:

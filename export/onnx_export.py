@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from attnserve.export import fused
 from attnserve.export.attention import MultiHeadAttention
 from attnserve.export.config import AttentionConfig
 from attnserve import contract
@@ -60,6 +61,7 @@ class ExportResult:
     version: int
     model_dir: Path
     parity: dict[str, Any] = field(default_factory=dict)
+    crossover: dict[str, Any] | None = None
 
 
 class _Graph(nn.Module):
@@ -148,18 +150,23 @@ def trace(module: MultiHeadAttention, path: Path, with_probs: bool, opset: int, 
     _check_graph_signature(path, config, with_probs)
 
 
-def _check_graph_signature(path: Path, config: AttentionConfig, with_probs: bool) -> None:
-    """Every batch/length dim must be symbolic, every width the config's."""
+def _check_graph_signature(path: Path, config: AttentionConfig, with_probs: bool = False,
+                           kind: str | None = None) -> None:
+    """Every batch/length dim must be symbolic, every width the config's. `kind` names the
+    graph (contract.GRAPH_INPUTS/GRAPH_OUTPUTS); without it, the traced graph `with_probs` says."""
     import onnx
 
     graph = onnx.load(str(path), load_external_data=False).graph
     widths = {"query_dim": config.query_dim, "kv_dim": config.kv_dim, "out_dim": config.out_dim,
               "num_heads": config.num_heads}
     # The contract's symbolic shapes with this model's widths: a str is a dynamic dim, an int fixed.
-    expected = {name: tuple(widths.get(d, d) for d in dims) for name, dims in contract.SYMBOLIC_SHAPES.items()}
+    shapes = contract.SYMBOLIC_SHAPES | {contract.KEY_PADDING_MASK: contract.KEY_PADDING_SHAPE}
+    expected = {name: tuple(widths.get(d, d) for d in dims) for name, dims in shapes.items()}
     values = list(graph.input) + list(graph.output)
     names = [v.name for v in values]
-    wanted = list(contract.INPUT_NAMES) + (list(contract.OUTPUT_NAMES) if with_probs else ["output"])
+    if kind is None:
+        kind = contract.ALL_OUTPUTS if with_probs else contract.OUTPUT_ONLY
+    wanted = list(contract.GRAPH_INPUTS[kind]) + list(contract.GRAPH_OUTPUTS[kind])
     if names != wanted:
         raise ExportError(f"{path.name}: expected tensors {wanted}, the graph has {names}")
     for v in values:
@@ -177,10 +184,14 @@ def _check_graph_signature(path: Path, config: AttentionConfig, with_probs: bool
 def check_parity(module: MultiHeadAttention, graphs: dict[str, Path], tolerance: float = PARITY_TOLERANCE
                  ) -> dict[str, Any]:
     """Run ONNX Runtime on each written graph against eager PyTorch (fp32, the seeds' -1e10
-    fill); return the figures. Raises ParityError if any max abs error exceeds `tolerance`."""
+    fill); return the figures. Raises ParityError if any max abs error exceeds `tolerance`.
+    The unfused graphs run every case with and without a (b, lq, lk) mask; the fused ones
+    (export.fused) the same shapes plus a long sequence, with the inputs they take."""
     import onnxruntime as ort
 
     config = module.config
+    fused_graphs = {kind: p for kind, p in graphs.items() if kind in contract.FUSED_KINDS}
+    graphs = {kind: p for kind, p in graphs.items() if kind not in contract.FUSED_KINDS}
     sessions = {kind: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for kind, p in graphs.items()}
     worst = {kind: {"output": 0.0, "attn_probs": 0.0} for kind in graphs}
     cases = []
@@ -209,10 +220,17 @@ def check_parity(module: MultiHeadAttention, graphs: dict[str, Path], tolerance:
     for kind in graphs:
         if kind == "output_only":
             del worst[kind]["attn_probs"]
+    long_shapes = {}
+    if fused_graphs:
+        fused_worst, fused_cases = fused.parity(module, fused_graphs, PARITY_SHAPES, _random_inputs, generator)
+        worst |= fused_worst
+        cases += fused_cases
+        long_shapes = {kind: [list(s) for s in fused.LONG_PARITY_SHAPES[kind]] for kind in fused_graphs}
     report = {
         "tolerance": tolerance,
         "max_abs_error": worst,
         "shapes": [list(s) for s in PARITY_SHAPES],
+        **({"long_shapes": long_shapes} if long_shapes else {}),
         "cases": len(cases),
         "onnxruntime": ort.__version__,
         "torch": torch.__version__,
@@ -232,13 +250,18 @@ def next_version(model_dir: Path) -> int:
     return max(taken, default=0) + 1
 
 
-def model_config(name: str, config: AttentionConfig, serving: ServingDefaults) -> dict[str, Any]:
+def model_config(name: str, config: AttentionConfig, serving: ServingDefaults,
+                 kinds: tuple[str, ...] = (contract.ALL_OUTPUTS, contract.OUTPUT_ONLY),
+                 crossover: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json: `kinds` are the graphs a version holds; `crossover` (fused graphs only) the
+    lengths from which the fused graphs run (export.fused.measure_crossover)."""
     return {
         "name": name,
         "platform": contract.PLATFORM,
         "attention": config.to_dict(),
         **contract.tensor_contract(config.query_dim, config.kv_dim, config.out_dim, config.num_heads),
-        "graphs": {"all_outputs": contract.GRAPH_ALL_OUTPUTS, "output_only": contract.GRAPH_OUTPUT_ONLY},
+        "graphs": {kind: contract.GRAPH_FILES[kind] for kind in kinds},
+        **({contract.CROSSOVER: crossover} if crossover else {}),
         "batching": serving.batching(),
         "limits": serving.limits(),
     }
@@ -261,9 +284,11 @@ def export_model(
     serving: ServingDefaults = ServingDefaults(),
     precision: str = "fp32",
 ) -> ExportResult:
-    """Trace both graphs into a temporary directory, prove parity, then move it into place.
+    """Trace both graphs into a temporary directory, build the fused ones (export.fused), prove
+    parity, measure the fused graphs' crossover, then move it into place.
     precision "fp16": the graphs compute in half precision (for GPUs), parity within
-    PARITY_TOLERANCE_FP16 of the fp32 module; their inputs and outputs stay fp32.
+    PARITY_TOLERANCE_FP16 of the fp32 module; their inputs and outputs stay fp32. fp16 versions
+    have no fused graphs: ONNX Runtime's CPU MultiHeadAttention, where parity runs, is fp32 only.
 
     A version directory appears whole (one rename) or not at all; config.json is replaced
     atomically after it. Raises ExportError/ParityError without touching existing versions."""
@@ -291,11 +316,20 @@ def export_model(
     model_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".export-{version}-", dir=model_dir))
     try:
-        graphs = {"all_outputs": staging / contract.GRAPH_ALL_OUTPUTS, "output_only": staging / contract.GRAPH_OUTPUT_ONLY}
-        trace(module, graphs["all_outputs"], with_probs=True, opset=opset, precision=precision)
-        trace(module, graphs["output_only"], with_probs=False, opset=opset, precision=precision)
+        kinds = (contract.ALL_OUTPUTS, contract.OUTPUT_ONLY) + (contract.FUSED_KINDS if precision == "fp32" else ())
+        graphs = {kind: staging / contract.GRAPH_FILES[kind] for kind in kinds}
+        trace(module, graphs[contract.ALL_OUTPUTS], with_probs=True, opset=opset, precision=precision)
+        trace(module, graphs[contract.OUTPUT_ONLY], with_probs=False, opset=opset, precision=precision)
+        for kind in kinds:
+            if kind in contract.FUSED_KINDS:
+                fused.build(module, graphs[kind], kind, opset)
+                _check_graph_signature(graphs[kind], config, kind=kind)
         parity = check_parity(module, graphs,
                               tolerance=PARITY_TOLERANCE_FP16 if precision == "fp16" else PARITY_TOLERANCE)
+        crossover = None
+        if precision == "fp32":
+            crossover = fused.measure_crossover(
+                config, graphs[contract.OUTPUT_ONLY], {k: graphs[k] for k in contract.FUSED_KINDS})
         record = {
             "version": version,
             "exported_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -305,8 +339,11 @@ def export_model(
             "graph_mask_fill": max(config.mask_fill, FP16_MASK_FILL) if precision == "fp16" else config.mask_fill,
             "attention": config.to_dict(),
             "weights": weights,
+            "graphs": {kind: contract.GRAPH_FILES[kind] for kind in kinds},
             "parity": parity,
+            **({contract.CROSSOVER: crossover} if crossover else {}),
         }
+        new_config = model_config(name, config, serving, kinds, crossover)
         write_json_atomic(staging / contract.EXPORT_FILE, record)
         staging.chmod(0o755)  # mkdtemp makes it 0700; servers may run as another user
         staging.rename(target)  # atomic: the version appears whole
@@ -316,4 +353,4 @@ def export_model(
         raise
     write_json_atomic(config_path, new_config | {"last_export": record})
     logger.info("wrote %s (parity %s)", target, parity["max_abs_error"])
-    return ExportResult(name=name, version=version, model_dir=model_dir, parity=parity)
+    return ExportResult(name=name, version=version, model_dir=model_dir, parity=parity, crossover=crossover)

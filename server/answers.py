@@ -113,7 +113,8 @@ class Answers:
 
     # -- inference ---------------------------------------------------------------------------
 
-    async def _infer(self, request: pb.ModelInferRequest, time_remaining: float | None) -> pb.ModelInferResponse:
+    async def _infer(self, request: codec.InferRequest | pb.ModelInferRequest, time_remaining: float | None
+                     ) -> codec.InferResponse:
         # Draining is decided per call when its headers arrive (server.gate, server.rest), not
         # here: a call admitted before SIGTERM is served even if its message arrives after. No
         # await before submit: lifecycle.Arrivals counts a request as on its way until its
@@ -129,8 +130,8 @@ class Answers:
         known = model_name in self._registry.loaded or model_name in self._registry.failed
         return model_name if known else "_unknown"
 
-    async def infer(self, request: pb.ModelInferRequest, time_remaining: float | None
-                    ) -> tuple[pb.ModelInferResponse | None, Status]:
+    async def infer(self, request: codec.InferRequest | pb.ModelInferRequest, time_remaining: float | None
+                    ) -> tuple[codec.InferResponse | None, Status]:
         """One inference request: its response and OK, or None and the status for what was
         raised. Its outcome is counted in the metrics either way; cancelled (the client went
         away), it is counted as CANCELLED and the cancellation goes on."""

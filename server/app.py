@@ -25,6 +25,7 @@ from attnserve.files import write_json_atomic
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.proto import reflection_pool
+from attnserve.server import codec
 from attnserve.server.config import ServerConfig
 from attnserve.server.engine import choose_device
 from attnserve.server.gate import CallGate, HandlerTable
@@ -61,7 +62,17 @@ def method_handlers(servicer: InferenceServicer, health_servicer: health.aio.Hea
     services = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
         reflection.aio.ReflectionServicer(services, pool=reflection_pool(services)), table)
-    return {method: h for method, h in table.handlers.items() if method not in _NOT_SERVED}
+    handlers = {method: h for method, h in table.handlers.items() if method not in _NOT_SERVED}
+    # Inference messages carry their tensors' raw bytes: server.codec reads and writes those
+    # itself, without protobuf's copies (see "the wire" there).
+    infer, stream = f"/{SERVICE_NAME}/ModelInfer", f"/{SERVICE_NAME}/ModelStreamInfer"
+    handlers[infer] = grpc.unary_unary_rpc_method_handler(
+        handlers[infer].unary_unary, request_deserializer=codec.parse_infer_request,
+        response_serializer=codec.serialize_infer_response)
+    handlers[stream] = grpc.stream_stream_rpc_method_handler(
+        handlers[stream].stream_stream, request_deserializer=codec.parse_infer_request,
+        response_serializer=handlers[stream].response_serializer)
+    return handlers
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:

@@ -13,9 +13,19 @@ Under load the gRPC layer, not the model, is often the slower stage; without tha
 request would run alone as it trickles in, at several times the per-request cost of a batch.
 
 Padding. Requests of different lengths are padded to the longest query and key of their batch:
-padded keys are masked (False), padded query rows are dropped when the batch is split. A batch
-only takes a request if its padded share of the attention matrix stays under
-`max_padding_ratio` (the oldest request is always taken, so nothing starves).
+padded keys are masked, padded query rows are dropped when the batch is split. A batch only
+takes a request if its padded share of the attention matrix stays under `max_padding_ratio`
+(the oldest request is always taken, so nothing starves), and if the scores its run would hold
+(`scores_of`, handed in: which graph runs is the engine's business) stay within
+`max_batch_scores`. A batch whose run holds no scores (flash attention) takes only requests that
+keep it so: one that would pad its keys, bring a mask or ask for attn_probs waits for the next
+batch instead of moving the whole batch onto a graph that holds every score.
+
+Masks. `merge` feeds the least a run needs (server.graphs' maskings): no mask when no request
+has one and no key is padded (padded query rows need none: they are dropped), a key padding mask
+(B, Lk) when every request's mask is the same for all its query rows (or absent) and attends at
+least one key in each, the full (B, Lq, Lk) mask otherwise. The first two let the engine take
+ONNX Runtime's fused attention.
 
 Exactness. A masked key scores -1e10 (the seeds' fill), so a row that masks all its real keys is
 a uniform distribution over the keys it sees; padding keys onto it would widen that uniform
@@ -34,10 +44,21 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from attnserve.contract import KEY_PADDING_MASK
+from attnserve.server.graphs import GENERAL, KEY_PADDING, NO_MASK
+
 logger = logging.getLogger(__name__)
 
-# feeds {"query", "key", "value", "mask"} -> (output, attn_probs or None); blocking.
+# feeds {"query", "key", "value"} and at most one of "mask" (B, Lq, Lk) bool, "key_padding_mask"
+# (B, Lk) int32 (1 = attend), neither = every key attended -> (output, attn_probs or None); blocking.
 RunBatch = Callable[[dict[str, np.ndarray], bool], tuple[np.ndarray, "np.ndarray | None"]]
+# (rows, q_len, k_len, masking, want_probs) of a merged batch -> the attention scores per head its
+# run holds at once (server.graphs.GraphSet.scores_held); the default: all rows x Lq x Lk of them.
+ScoresOf = Callable[[int, int, int, str, bool], int]
+
+
+def _all_scores(rows: int, q_len: int, k_len: int, masking: str, want_probs: bool) -> int:
+    return rows * q_len * k_len
 
 
 class QueueFull(Exception):
@@ -75,9 +96,24 @@ class Work:
     want_probs: bool
     # True if some query row masks all of its keys: see "Exactness" above.
     exact_k_len: bool = field(init=False)
+    # server.graphs' NO_MASK (no mask, or one that masks nothing), KEY_PADDING (every query row
+    # masks the same keys and attends at least one: then key_mask is that (b, lk) row) or
+    # GENERAL (anything else, fully masked rows included: see server.graphs).
+    masking: str = field(init=False)
+    key_mask: np.ndarray | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.exact_k_len = self.mask is not None and self.mask.size > 0 and not self.mask.any(axis=-1).all()
+        self.masking, self.key_mask = NO_MASK, None
+        mask = self.mask
+        if mask is None or mask.size == 0:
+            self.exact_k_len = False
+            return
+        self.exact_k_len = not mask.any(axis=-1).all()
+        first = mask[:, :1, :]  # (b, 1, lk)
+        if self.exact_k_len or not np.array_equal(mask, np.broadcast_to(first, mask.shape)):
+            self.masking = GENERAL
+        elif not first.all():
+            self.masking, self.key_mask = KEY_PADDING, first[:, 0, :]  # (b, lk)
 
     @property
     def rows(self) -> int:
@@ -168,10 +204,12 @@ class _Pending:
 
 class Batcher:
     def __init__(self, name: str, run_batch: RunBatch, policy: BatchPolicy,
-                 observer: BatchObserver | None = None, arrivals: ArrivalSignal | None = None) -> None:
+                 observer: BatchObserver | None = None, arrivals: ArrivalSignal | None = None,
+                 scores_of: ScoresOf | None = None) -> None:
         self.name = name
         self._run_batch = run_batch
         self.policy = policy
+        self._scores_of = scores_of or _all_scores  # what a merged batch's run holds, for max_batch_scores
         self._observer = observer
         self._pending: collections.deque[_Pending] = collections.deque()
         self._queued_bytes = 0  # sum of work.nbytes over _pending
@@ -279,6 +317,10 @@ class Batcher:
         rows = q_len = k_len = 0
         useful = 0  # sum of rows * lq * lk over chosen requests
         exact_k_lens: set[int] = set()
+        maskings: set[str] = set()
+        same_k_len = True  # every chosen request has the batch's key length (no key is padded)
+        want_probs = False
+        held = 0  # scores per head the chosen batch's run holds (scores_of)
         while self._pending:
             p = self._pending.popleft()
             if p.future.done():  # cancelled by its caller (client gone, deadline hit in gRPC)
@@ -293,22 +335,31 @@ class Batcher:
                 new_q, new_k = max(q_len, w.q_len), max(k_len, w.k_len)
                 new_useful = useful + w.rows * w.q_len * w.k_len
                 exact = exact_k_lens | ({w.k_len} if w.exact_k_len else set())
+                new_held = self._scores_of(new_rows, new_q, new_k,
+                                           batch_masking(maskings | {w.masking}, same_k_len and k_len == w.k_len),
+                                           want_probs or w.want_probs)
                 fits = (
                     new_rows <= self.policy.max_batch_size
                     and 1.0 - new_useful / (new_rows * new_q * new_k) <= self.policy.max_padding_ratio
                     and all(k == new_k for k in exact)
-                    and (self.policy.max_batch_scores is None
-                         or new_rows * new_q * new_k <= self.policy.max_batch_scores)
+                    and (self.policy.max_batch_scores is None or new_held <= self.policy.max_batch_scores)
+                    and (held > 0 or new_held == 0)  # a batch on the flash path stays on it
                 )
                 if not fits:
                     kept.append(p)
                     continue
+                held = new_held
+            else:
+                held = self._scores_of(w.rows, w.q_len, w.k_len, w.masking, w.want_probs)
+            same_k_len = not chosen or (same_k_len and k_len == w.k_len)
             chosen.append(p)
             rows += w.rows
             q_len, k_len = max(q_len, w.q_len), max(k_len, w.k_len)
             useful += w.rows * w.q_len * w.k_len
             if w.exact_k_len:
                 exact_k_lens.add(w.k_len)
+            maskings.add(w.masking)
+            want_probs = want_probs or w.want_probs
         self._pending = kept
         self._queued_bytes = sum(p.work.nbytes for p in kept)
         self._report_depth()
@@ -375,42 +426,72 @@ def _compute(run_batch: RunBatch, works: list[Work]
     return results, padding_ratio, (t1 - t0, t2 - t1, time.perf_counter() - t2)
 
 
+def batch_masking(maskings: set[str] | frozenset[str], same_k_len: bool) -> str:
+    """The masking a batch's run needs: that of its requests, KEY_PADDING once keys are padded."""
+    if GENERAL in maskings:
+        return GENERAL
+    if KEY_PADDING in maskings or not same_k_len:
+        return KEY_PADDING
+    return NO_MASK
+
+
 def merge(works: list[Work]) -> tuple[dict[str, np.ndarray], float]:
-    """Pad to the longest query and key, mask padded keys; returns feeds and padding ratio."""
-    if len(works) == 1:
-        w = works[0]
-        mask = w.mask if w.mask is not None else np.ones((w.rows, w.q_len, w.k_len), dtype=np.bool_)
-        return {"query": w.query, "key": w.key, "value": w.value, "mask": mask}, 0.0
+    """Pad to the longest query and key, mask padded keys; returns feeds and padding ratio.
+    The feeds carry the least mask the batch needs (module docstring, "Masks")."""
     rows = sum(w.rows for w in works)
     q_len = max(w.q_len for w in works)
     k_len = max(w.k_len for w in works)
+    masking = batch_masking({w.masking for w in works}, all(w.k_len == k_len for w in works))
     same_lengths = all(w.q_len == q_len and w.k_len == k_len for w in works)
-    if same_lengths:
-        query = np.concatenate([w.query for w in works])
-        key = np.concatenate([w.key for w in works])
-        value = np.concatenate([w.value for w in works])
-        if all(w.mask is None for w in works):
-            mask = np.ones((rows, q_len, k_len), dtype=np.bool_)
+    if len(works) == 1:
+        w = works[0]
+        feeds = {"query": w.query, "key": w.key, "value": w.value}
+    elif same_lengths:
+        feeds = {name: np.concatenate([getattr(w, name) for w in works]) for name in ("query", "key", "value")}
+    else:
+        first = works[0]
+        feeds = {"query": np.zeros((rows, q_len, first.query.shape[2]), dtype=np.float32),  # (B, Lq, q_dim)
+                 "key": np.zeros((rows, k_len, first.key.shape[2]), dtype=np.float32)}  # (B, Lk, kv_dim)
+        feeds["value"] = np.zeros_like(feeds["key"])
+        start = 0
+        for w in works:
+            end = start + w.rows
+            feeds["query"][start:end, : w.q_len] = w.query
+            feeds["key"][start:end, : w.k_len] = w.key
+            feeds["value"][start:end, : w.k_len] = w.value
+            start = end
+    if masking == KEY_PADDING:
+        key_padding = np.zeros((rows, k_len), dtype=np.int32)  # (B, Lk): 1 = a real key to attend
+        start = 0
+        for w in works:
+            end = start + w.rows
+            key_padding[start:end, : w.k_len] = 1 if w.key_mask is None else w.key_mask
+            start = end
+        feeds[KEY_PADDING_MASK] = key_padding
+    elif masking == GENERAL:
+        if len(works) == 1 or (same_lengths and all(w.mask is not None for w in works)):
+            mask = works[0].mask if len(works) == 1 else np.concatenate([w.mask for w in works])
         else:
-            mask = np.concatenate([w.mask if w.mask is not None else np.ones((w.rows, q_len, k_len), np.bool_)
-                                   for w in works])
-        return {"query": query, "key": key, "value": value, "mask": mask}, 0.0
-    first = works[0]
-    query = np.zeros((rows, q_len, first.query.shape[2]), dtype=np.float32)  # (B, Lq, q_dim)
-    key = np.zeros((rows, k_len, first.key.shape[2]), dtype=np.float32)  # (B, Lk, kv_dim)
-    value = np.zeros_like(key)
-    mask = np.zeros((rows, q_len, k_len), dtype=np.bool_)  # (B, Lq, Lk): padding is masked
-    start = 0
-    useful = 0
-    for w in works:
-        end = start + w.rows
-        query[start:end, : w.q_len] = w.query
-        key[start:end, : w.k_len] = w.key
-        value[start:end, : w.k_len] = w.value
-        mask[start:end, : w.q_len, : w.k_len] = True if w.mask is None else w.mask
-        useful += w.rows * w.q_len * w.k_len
-        start = end
-    return {"query": query, "key": key, "value": value, "mask": mask}, 1.0 - useful / (rows * q_len * k_len)
+            mask = np.zeros((rows, q_len, k_len), dtype=np.bool_)  # (B, Lq, Lk): padding is masked
+            start = 0
+            for w in works:
+                end = start + w.rows
+                mask[start:end, : w.q_len, : w.k_len] = True if w.mask is None else w.mask
+                start = end
+        feeds["mask"] = mask
+    useful = sum(w.rows * w.q_len * w.k_len for w in works)
+    return feeds, 1.0 - useful / (rows * q_len * k_len)
+
+
+def dense_mask(feeds: dict[str, np.ndarray]) -> np.ndarray:
+    """The (B, Lq, Lk) bool mask of merged feeds, whichever form they carry it in (True = attend)."""
+    if "mask" in feeds:
+        return feeds["mask"]
+    b, lq, _ = feeds["query"].shape  # batch, query length, query_dim
+    lk = feeds["key"].shape[1]
+    if KEY_PADDING_MASK in feeds:
+        return np.ascontiguousarray(np.broadcast_to(feeds[KEY_PADDING_MASK].astype(np.bool_)[:, None, :], (b, lq, lk)))
+    return np.ones((b, lq, lk), dtype=np.bool_)
 
 
 def split(works: list[Work], output: np.ndarray, attn_probs: np.ndarray | None

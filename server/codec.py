@@ -3,7 +3,9 @@
 decode() validates a request against its model before anything large is allocated (names,
 datatypes, ranks, widths, batch and length agreement, byte counts, limits) and raises ValueError
 with the tensor's name and the expectation; a bad request therefore fails alone, before it can
-join a batch. Raw contents are wrapped with np.frombuffer, without a copy.
+join a batch. Raw contents are wrapped with np.frombuffer, without a copy. The attention-matrix
+bound is checked last, against the graph that will run the request (server.graphs), once its
+mask is read.
 """
 
 from __future__ import annotations
@@ -14,9 +16,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnserve.proto import inference_pb2 as pb
+from attnserve.proto import wire
 from attnserve.server.batcher import Result, Work
-from attnserve.contract import DATATYPES, INPUT_NAMES, OUTPUT_NAMES, REQUIRED_INPUTS
+from attnserve.contract import (
+    ALL_OUTPUTS,
+    DATATYPES,
+    FUSED,
+    FUSED_KEY_PADDING,
+    INPUT_NAMES,
+    OUTPUT_NAMES,
+    OUTPUT_ONLY,
+    REQUIRED_INPUTS,
+)
+from attnserve.server import heap
 from attnserve.server.echo import echo
+from attnserve.server.graphs import UNFUSED, GraphSet, attention_bytes
 from attnserve.server.repository import ModelSpec
 
 # Little-endian on the wire, whatever this machine is.
@@ -30,8 +44,12 @@ _REQUIRED = REQUIRED_INPUTS
 class Limits:
     max_q_len: int
     max_kv_len: int
-    max_attention_bytes: int  # B * H * Lq * Lk * 4 for one request
+    # B * H * Lq * Lk * 4 for one request, in the graph that will run it: the fused graph without
+    # a mask (flash attention) holds no attention matrix, so this bound never refuses its runs.
+    max_attention_bytes: int
     max_response_bytes: int | None = None  # the gRPC send limit: the answer must fit in it
+    # The graphs the model can run (its Engine's); UNFUSED: every run holds the whole matrix.
+    graphs: GraphSet = UNFUSED
 
 
 @dataclass(slots=True)
@@ -99,7 +117,31 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> De
 
     work = Work(arrays["query"], arrays["key"], arrays["value"], arrays.get("mask"),
                 want_probs="attn_probs" in outputs)
+    _check_attention_bytes(work, spec, limits)
     return Decoded(work=work, outputs=outputs, raw=raw)
+
+
+# Why a graph holds the attention matrix, for the message that refuses a request over the bound.
+_WHY_HELD = {
+    ALL_OUTPUTS: "it asks for attn_probs",
+    OUTPUT_ONLY: "the unfused graph runs it",
+    FUSED_KEY_PADDING: "its key mask runs on the fused key padding graph, which holds every score",
+}
+
+
+def _check_attention_bytes(work: Work, spec: ModelSpec, limits: Limits) -> None:
+    """The attention matrix of the graph this request would run alone (server.graphs): the
+    unfused graphs and the key padding one hold B*H*Lq*Lk*4 bytes, flash attention none. (Its
+    mask is read first: whether it is the same for every query row decides the graph.)"""
+    b, lq, lk = work.rows, work.q_len, work.k_len
+    kind = limits.graphs.graph_for(work.masking, work.want_probs, lq, lk)
+    needed = attention_bytes(kind, b, spec.num_heads, lq, lk)
+    if needed > limits.max_attention_bytes:
+        hint = (" (without a mask and asking for `output` alone it would run on flash attention, which holds none)"
+                if FUSED in limits.graphs.kinds else "")
+        raise ValueError(f"request needs a {needed:,}-byte attention matrix (batch {b} x {spec.num_heads} "
+                         f"heads x {lq} x {lk} x 4: {_WHY_HELD.get(kind, kind)}); the limit is "
+                         f"{limits.max_attention_bytes:,} bytes{hint}")
 
 
 def _check_bool_bytes(name: str, data: bytes) -> None:
@@ -131,10 +173,6 @@ def _check_shapes(shapes: dict[str, tuple[int, ...]], spec: ModelSpec, limits: L
         raise ValueError(f"input 'query': length {lq} exceeds this model's max_q_len {limits.max_q_len}")
     if lk > limits.max_kv_len:
         raise ValueError(f"input 'key': length {lk} exceeds this model's max_kv_len {limits.max_kv_len}")
-    attention_bytes = b * spec.num_heads * lq * lk * 4
-    if attention_bytes > limits.max_attention_bytes:
-        raise ValueError(f"request needs a {attention_bytes:,}-byte attention matrix (batch {b} x {spec.num_heads} "
-                         f"heads x {lq} x {lk} x 4); the limit is {limits.max_attention_bytes:,} bytes")
 
 
 # Room for what a response holds besides tensor bytes: names, shapes, datatypes, field tags.
@@ -170,14 +208,80 @@ def _requested_outputs(request: pb.ModelInferRequest, spec: ModelSpec) -> tuple[
     return tuple(names)
 
 
-def encode(request: pb.ModelInferRequest, decoded: Decoded, result: Result, version: int
-           ) -> pb.ModelInferResponse:
+def encode(request: "InferRequest | pb.ModelInferRequest", decoded: Decoded, result: Result, version: int
+           ) -> "InferResponse":
     response = pb.ModelInferResponse(model_name=request.model_name, model_version=str(version), id=request.id)
+    raw_outputs: list[np.ndarray] = []
     for name in decoded.outputs:
         array = result.output if name == "output" else result.attn_probs
         tensor = response.outputs.add(name=name, datatype="FP32", shape=array.shape)
         if decoded.raw:
-            response.raw_output_contents.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
+            raw_outputs.append(np.ascontiguousarray(array, dtype="<f4"))
         else:
             tensor.contents.fp32_contents.extend(array.ravel().tolist())
-    return response
+    answer = InferResponse(response, raw_outputs)  # raw outputs written by serialize_infer_response
+    if sum(a.nbytes for a in raw_outputs) < WIRE_MIN_BYTES:
+        answer.as_message()  # small: protobuf's own serialization is the cheaper one
+    return answer
+
+
+# -- the wire: raw tensor bytes without protobuf's copies (attnserve.proto.wire) -------------------
+
+
+class InferRequest:
+    """A ModelInferRequest as received: every field from protobuf, except raw_input_contents,
+    which are views into the received message's bytes (read-only, never copied)."""
+
+    __slots__ = ("message", "raw_input_contents")
+
+    def __init__(self, message: pb.ModelInferRequest, raw_input_contents: list[memoryview]) -> None:
+        self.message = message
+        self.raw_input_contents = raw_input_contents
+
+    def __getattr__(self, name: str):  # model_name, inputs, outputs, id, ...: the message's own
+        return getattr(self.message, name)
+
+
+class InferResponse:
+    """A ModelInferResponse to send: the message, and the raw outputs it will carry, as arrays
+    (little-endian fp32, contiguous) written straight into the serialized answer."""
+
+    __slots__ = ("message", "raw_output_contents")
+
+    def __init__(self, message: pb.ModelInferResponse, raw_output_contents: list[np.ndarray]) -> None:
+        self.message = message
+        self.raw_output_contents = raw_output_contents
+
+    def as_message(self) -> pb.ModelInferResponse:
+        """The whole answer as one protobuf message (copies the raw outputs: streams nest it)."""
+        for array in self.raw_output_contents:
+            self.message.raw_output_contents.append(array.tobytes())
+        self.raw_output_contents = []
+        return self.message
+
+
+# Below this, protobuf's copies cost less than reading the wire in Python (small requests come
+# by the thousand per second, where the event loop's time is the server's throughput).
+WIRE_MIN_BYTES = 1 << 20
+
+
+def parse_infer_request(data: bytes) -> InferRequest | pb.ModelInferRequest:
+    """The request deserializer of ModelInfer and ModelStreamInfer: for a message of
+    WIRE_MIN_BYTES or more, raw_input_contents as views into `data`, the rest parsed by protobuf;
+    a smaller one protobuf parses whole. Malformed bytes raise (server.parsing answers
+    INVALID_ARGUMENT)."""
+    if len(data) < WIRE_MIN_BYTES:
+        return pb.ModelInferRequest.FromString(data)
+    request = InferRequest(*wire.parse_with_raw(pb.ModelInferRequest, data, "raw_input_contents"))
+    heap.release_after(len(data))  # gRPC's own copy of a large message is freed by now
+    return request
+
+
+def serialize_infer_response(response: InferResponse | pb.ModelInferResponse) -> bytes:
+    """The response serializer of ModelInfer: the message, then each raw output as its field,
+    copied once (into the answer's bytes)."""
+    if isinstance(response, pb.ModelInferResponse):
+        return response.SerializeToString()
+    if not response.raw_output_contents:
+        return response.message.SerializeToString()
+    return wire.serialize_with_raw(response.message, "raw_output_contents", response.raw_output_contents)

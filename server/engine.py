@@ -1,17 +1,22 @@
-"""ONNX Runtime sessions for one model version: the graph with attn_probs and the one without.
+"""ONNX Runtime sessions for one model version: every graph it has, and the choice among them.
 
 Knows nothing of gRPC or batching. `run` is blocking and thread-safe (ONNX Runtime sessions
-are), and releases the GIL while it computes, so callers run it off the event loop.
+are), and releases the GIL while it computes, so callers run it off the event loop. Which graph
+a run takes is server.graphs' choice (`Engine.graph_for`); `Engine.runs` counts them.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
 
+from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, GRAPH_INPUTS, KEY_PADDING_MASK, OUTPUT_ONLY, REQUIRED_INPUTS
+from attnserve.server.batcher import dense_mask
+from attnserve.server.graphs import GraphSet, masking_of
 from attnserve.server.repository import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -57,25 +62,45 @@ def session_options(intra_op_threads: int) -> ort.SessionOptions:
 
 
 class Engine:
-    """Both graphs of one model version, on the chosen device.
+    """Every graph of one model version, on the chosen device.
 
-    On CUDA every run goes through I/O binding: inputs are bound from host memory and outputs
-    are allocated by ONNX Runtime on the device, then copied back once. `io_binding=True` takes
-    the same path on the CPU provider (how CI exercises it without a GPU)."""
+    The graph with attn_probs is required; the others are optimisations, served without when
+    missing (an older export) or unloadable, with the reason logged once. On CUDA every run goes
+    through I/O binding: inputs are bound from host memory and outputs are allocated by ONNX
+    Runtime on the device, then copied back once. `io_binding=True` takes the same path on the
+    CPU provider (how CI exercises it without a GPU). The fused graphs are chosen by the same
+    rule on CUDA as on CPU (server.graphs), with the crossover measured on CPU at export."""
 
     def __init__(self, spec: ModelSpec, device: DeviceChoice, intra_op_threads: int = 0,
                  io_binding: bool | None = None) -> None:
         self.spec = spec
         options = session_options(intra_op_threads)
-        self._all_outputs = self._open(str(spec.graph_all_outputs), options, device)
+        self._sessions = {ALL_OUTPUTS: self._open(str(spec.graph_all_outputs), options, device)}
         # The probability-free graph is an optimisation: serve without it if it is missing.
-        self._output_only = None
         if spec.graph_output_only.exists():
-            self._output_only = self._open(str(spec.graph_output_only), options, device)
+            self._sessions[OUTPUT_ONLY] = self._open(str(spec.graph_output_only), options, device)
         else:
             logger.warning("%s: %s missing; requests for `output` alone will compute attn_probs too",
                            spec.name, spec.graph_output_only.name)
-        self.providers = tuple(self._all_outputs.get_providers())
+        # Why a run cannot take a fused graph, by kind (None once it is loaded).
+        self.why_not_fused: dict[str, str] = {}
+        for kind in FUSED_KINDS:
+            path = spec.graph_path(kind)
+            if not path.exists():
+                self.why_not_fused[kind] = (f"{path.name} not in version {spec.version} (exported before the fused "
+                                            "graphs, or fp16)")
+                continue
+            try:
+                self._sessions[kind] = self._open(str(path), options, device)
+            except Exception as err:  # onnxruntime's own exception types; the unfused graphs still serve
+                self.why_not_fused[kind] = f"{path.name} did not load: {type(err).__name__}: {err}"
+        self.graphs = GraphSet(frozenset(self._sessions), dict(spec.crossover))
+        if self.why_not_fused:
+            logger.warning("%s: runs without a mask or with a key padding mask take the unfused graph, whose "
+                           "attention matrix grows with Lq*Lk, where the fused one is missing: %s",
+                           spec.name, "; ".join(f"{k}: {why}" for k, why in self.why_not_fused.items()))
+        self.runs: collections.Counter[str] = collections.Counter()  # graph kind -> runs
+        self.providers = tuple(self._sessions[ALL_OUTPUTS].get_providers())
         on_cuda = self.providers[0] == CUDA
         self._io_binding = on_cuda if io_binding is None else io_binding
         self._output_device = "cuda" if on_cuda else "cpu"
@@ -88,14 +113,21 @@ class Engine:
             raise DeviceUnavailable(f"{CUDA} is installed but the session for {path} runs on {session.get_providers()}")
         return session
 
+    def graph_for(self, feeds: dict[str, np.ndarray], want_probs: bool) -> str:
+        """The graph kind (contract.GRAPH_FILES) a run of these feeds takes."""
+        return self.graphs.graph_for(masking_of(feeds), want_probs, feeds["query"].shape[1], feeds["key"].shape[1])
+
     def run(self, feeds: dict[str, np.ndarray], want_probs: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """feeds: query (B, Lq, q_dim), key/value (B, Lk, kv_dim), mask (B, Lq, Lk) bool.
+        """feeds: query (B, Lq, q_dim), key/value (B, Lk, kv_dim), and at most one of mask
+        (B, Lq, Lk) bool or key_padding_mask (B, Lk) int32 (server.batcher.merge).
         Returns output (B, Lq, out_dim) and attn_probs (B, H, Lq, Lk) or None."""
-        if want_probs or self._output_only is None:
-            output, attn_probs = self._run(self._all_outputs, feeds)
+        kind = self.graph_for(feeds, want_probs)
+        outputs = self._run(self._sessions[kind], _graph_feeds(kind, feeds))
+        self.runs[kind] += 1
+        if kind == ALL_OUTPUTS:
+            output, attn_probs = outputs
             return output, (attn_probs if want_probs else None)
-        (output,) = self._run(self._output_only, feeds)
-        return output, None
+        return outputs[0], None
 
     def _run(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         if not self._io_binding:
@@ -107,3 +139,16 @@ class Engine:
             binding.bind_output(output.name, self._output_device)
         session.run_with_iobinding(binding)
         return binding.copy_outputs_to_cpu()
+
+
+def _graph_feeds(kind: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The inputs graph `kind` takes, from the batcher's feeds: the unfused graphs want the
+    (B, Lq, Lk) mask (made from a key padding mask, or all True), the key padding graph its mask."""
+    wanted = GRAPH_INPUTS[kind]
+    graph_feeds = {name: feeds[name] for name in REQUIRED_INPUTS}
+    if "mask" in wanted:
+        graph_feeds["mask"] = dense_mask(feeds)
+    if KEY_PADDING_MASK in wanted:
+        graph_feeds[KEY_PADDING_MASK] = feeds[KEY_PADDING_MASK] if KEY_PADDING_MASK in feeds else np.ones(
+            (feeds["key"].shape[0], feeds["key"].shape[1]), np.int32)
+    return graph_feeds

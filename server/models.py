@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, OUTPUT_ONLY
 from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch
 from attnserve.server.codec import Limits
 from attnserve.server.config import ServerConfig
 from attnserve.server.echo import echo
 from attnserve.server.engine import DeviceChoice, Engine
+from attnserve.server.graphs import UNFUSED, GraphSet
 from attnserve.server.metrics import Metrics
 from attnserve.server.repository import ModelLoadError, ModelSpec, model_names, read_model_spec
 
@@ -60,9 +62,10 @@ class ModelRegistry:
         for name in model_names(root):
             try:
                 spec = read_model_spec(root / name, pins.get(name))
+                graphs = UNFUSED  # a run_batch without an Engine: every run counts its whole matrix
                 if run_batch is None:
                     engine = Engine(spec, device, config.intra_op_threads)
-                    run, runs_on = engine.run, ",".join(engine.providers)
+                    run, runs_on, graphs = engine.run, ",".join(engine.providers), engine.graphs
                 else:
                     run, runs_on = run_batch(spec), "a run_batch given to the server, no ONNX Runtime"
             except Exception as err:  # corrupt graphs raise onnxruntime's own exception types
@@ -81,12 +84,14 @@ class ModelRegistry:
                 # A merged batch's attention matrix obeys the same bound as one request's.
                 max_batch_scores=max(config.max_attention_bytes // (4 * spec.num_heads), 1),
             )
-            batcher = Batcher(name, run, policy, metrics.observer(name), arrivals)
+            # A merged batch's run, like a request's, is bounded by what the graph that runs it holds.
+            batcher = Batcher(name, run, policy, metrics.observer(name), arrivals, scores_of=graphs.scores_held)
             limits = Limits(spec.max_q_len, spec.max_kv_len, config.max_attention_bytes,
-                            max_response_bytes=config.max_message_bytes)
+                            max_response_bytes=config.max_message_bytes, graphs=graphs)
             registry.loaded[name] = LoadedModel(spec, batcher, limits)
-            logger.info("model %s version %d ready on %s (max_batch_size=%d, max_queue_delay_ms=%.2f)",
-                        name, spec.version, runs_on, policy.max_batch_size, policy.max_queue_delay_s * 1000)
+            logger.info("model %s version %d ready on %s (max_batch_size=%d, max_queue_delay_ms=%.2f, graphs=%s)",
+                        name, spec.version, runs_on, policy.max_batch_size, policy.max_queue_delay_s * 1000,
+                        _describe(graphs))
         for name in pins:
             if name not in registry.loaded and name not in registry.failed:
                 logger.warning("pinned model %s is not in the repository %s", name, root)
@@ -117,3 +122,13 @@ class ModelRegistry:
     async def close(self, abandon_queued: bool = False) -> None:
         for model in self.loaded.values():
             await model.batcher.close(abandon_queued)
+
+
+def _describe(graphs: GraphSet) -> str:
+    """The graphs a model runs, and from which length the fused ones do, for the startup line."""
+    parts = []
+    for kind in (ALL_OUTPUTS, OUTPUT_ONLY, *FUSED_KINDS):
+        if kind in graphs.kinds:
+            length = graphs.crossover.get(kind) if kind in FUSED_KINDS else None
+            parts.append(kind if length is None else f"{kind} from sqrt(Lq*Lk) >= {length}")
+    return ", ".join(parts)

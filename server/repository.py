@@ -13,7 +13,10 @@ from typing import Any
 
 from attnserve.contract import (
     CONFIG_FILE,
+    CROSSOVER,
+    FUSED_KINDS,
     GRAPH_ALL_OUTPUTS,
+    GRAPH_FILES,
     GRAPH_OUTPUT_ONLY,
     INPUT_NAMES,
     OUTPUT_NAMES,
@@ -46,6 +49,8 @@ class ModelSpec:
     max_q_len: int
     max_kv_len: int
     available_versions: tuple[int, ...] = ()
+    # config.json's "crossover": fused graph kind -> sqrt(Lq * Lk) from which it runs (server.graphs)
+    crossover: tuple[tuple[str, int], ...] = ()
 
     @property
     def graph_all_outputs(self) -> Path:
@@ -54,6 +59,10 @@ class ModelSpec:
     @property
     def graph_output_only(self) -> Path:
         return self.version_dir / GRAPH_OUTPUT_ONLY
+
+    def graph_path(self, kind: str) -> Path:
+        """Where the version's graph of `kind` (contract.GRAPH_FILES) is; it may not exist."""
+        return self.version_dir / GRAPH_FILES[kind]
 
 
 class ModelLoadError(Exception):
@@ -82,6 +91,7 @@ def read_model_spec(model_dir: Path, pinned_version: int | None = None) -> Model
         inputs = tuple(TensorSpec(t["name"], t["datatype"], tuple(t["shape"]), bool(t.get("optional", False)))
                        for t in config["inputs"])
         outputs = tuple(TensorSpec(t["name"], t["datatype"], tuple(t["shape"])) for t in config["outputs"])
+        crossover = _crossover(config)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ModelLoadError(f"{where}: unreadable ({type(err).__name__}: {err})") from None
     if tuple(t.name for t in inputs) != INPUT_NAMES or tuple(t.name for t in outputs) != OUTPUT_NAMES:
@@ -110,7 +120,23 @@ def read_model_spec(model_dir: Path, pinned_version: int | None = None) -> Model
         max_q_len=serving.max_q_len,
         max_kv_len=serving.max_kv_len,
         available_versions=available,
+        crossover=crossover,
     )
+
+
+def _crossover(config: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    """The fused graphs' crossover lengths (absent in repositories exported before them)."""
+    section = config.get(CROSSOVER, {})
+    if not isinstance(section, dict):
+        raise ValueError(f"{CROSSOVER} must be an object, got {type(section).__name__}")
+    found = []
+    for kind in FUSED_KINDS:
+        if kind in section:
+            value = section[kind]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{CROSSOVER}.{kind} must be an integer >= 0, got {value!r}")
+            found.append((kind, value))
+    return tuple(found)
 
 
 def _positive_int(section: dict[str, Any], name: str) -> int:

@@ -26,6 +26,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from attnserve.proto import inference_pb2 as pb
+from attnserve.server.codec import InferResponse
 from attnserve.server.echo import echo
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -147,17 +148,19 @@ def parse_infer(body: bytes, header_length: int | None, model_name: str, model_v
     return request, binary_outputs
 
 
-def encode_infer(response: pb.ModelInferResponse, binary_outputs: dict[str, bool]) -> tuple[bytes, int | None]:
-    """The answer's body, and its Inference-Header-Content-Length (None: all JSON). The response
-    has raw_output_contents (parse_infer's requests are raw), one per output."""
+def encode_infer(answer: InferResponse, binary_outputs: dict[str, bool]) -> tuple[bytes, int | None]:
+    """The answer's body, and its Inference-Header-Content-Length (None: all JSON). The answer
+    has raw outputs (parse_infer's requests are raw), one per output: as arrays still (a large
+    answer: server.codec.encode leaves them out of the message) or in the message."""
+    response = answer.message
     document: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version}
     if response.id:
         document["id"] = response.id
     outputs, tail = [], []
-    for tensor, raw in zip(response.outputs, response.raw_output_contents):
+    for tensor, raw in zip(response.outputs, answer.raw_output_contents or response.raw_output_contents):
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
         if binary_outputs.get(tensor.name, binary_outputs[""]):
-            entry["parameters"] = {"binary_data_size": len(raw)}
+            entry["parameters"] = {"binary_data_size": memoryview(raw).nbytes}
             tail.append(raw)
         else:
             entry["data"] = np.frombuffer(raw, dtype=_DTYPES[tensor.datatype]).tolist()

@@ -74,7 +74,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # -- inference ---------------------------------------------------------------------------
 
-    async def _answered(self, request: pb.ModelInferRequest, context) -> tuple[pb.ModelInferResponse | None, Status]:
+    async def _answered(self, request: codec.InferRequest | pb.ModelInferRequest, context
+                        ) -> tuple[codec.InferResponse | None, Status]:
         return await self._answers.infer(request, context.time_remaining())
 
     async def ModelInfer(self, request, context):
@@ -108,10 +109,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         finally:
             await answers.put(None)
 
-    async def _stream_answer(self, request: pb.ModelInferRequest, context) -> pb.ModelStreamInferResponse:
+    async def _stream_answer(self, request: codec.InferRequest | pb.ModelInferRequest, context) -> pb.ModelStreamInferResponse:
         response, status = await self._answered(request, context)
         if response is None:  # the stream goes on
             return pb.ModelStreamInferResponse(
                 error_message=status.stream_message(),
                 infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id))
-        return pb.ModelStreamInferResponse(infer_response=response)
+        return pb.ModelStreamInferResponse(infer_response=response.as_message())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from attnserve import contract
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # One export traces two graphs and runs 32 parity cases: seconds, but a loaded machine is slow.
@@ -71,6 +74,25 @@ def random_mask(b: int, lq: int, lk: int, seed: int) -> torch.Tensor:
     return mask
 
 
+def key_mask(b: int, lk: int, seed: int) -> torch.Tensor:
+    """(b, lk) True = attend: random keys masked; item 0 padded (its last third masked) and,
+    with b > 1, the last item fully masked (each of its query rows is then uniform)."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(b, lk, generator=g) > 0.3
+    keep[0, 0] = True
+    keep[0, lk - lk // 3:] = False
+    if b > 1:
+        keep[-1] = False
+    return keep
+
+
+def eager_output(module, query, key, value, keep=None) -> torch.Tensor:
+    """The module itself, the key mask given as the contract's (b, lq, lk) mask."""
+    mask = None if keep is None else keep[:, None, :].expand(query.shape[0], query.shape[1], key.shape[1])
+    with torch.no_grad():
+        return module(query, key, value, mask=mask)[0]
+
+
 def ort_session(path: Path):
     import onnxruntime as ort
 
@@ -100,4 +122,18 @@ def snapshot(directory: Path) -> dict[str, bytes | None]:
 def copy_model(repository: Path, name: str, destination: Path) -> Path:
     """A private copy of one model of a shared repository, for tests that write to it."""
     shutil.copytree(repository / name, destination / name)
+    return destination
+
+
+def old_layout(model_repository, name, destination):
+    """A copy of one model as an export before the fused graphs wrote it: no fused files, no
+    crossover, config.json's graphs the two unfused ones. Returns the copy's repository."""
+    shutil.copytree(model_repository / name, destination / name)
+    for kind in contract.FUSED_KINDS:
+        (destination / name / "1" / contract.GRAPH_FILES[kind]).unlink()
+    path = destination / name / "config.json"
+    config = json.loads(path.read_text())
+    del config["crossover"]
+    config["graphs"] = {k: v for k, v in config["graphs"].items() if k not in contract.FUSED_KINDS}
+    path.write_text(json.dumps(config))
     return destination

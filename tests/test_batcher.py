@@ -29,9 +29,11 @@ from attnserve.server.batcher import (
     DeadlineExpired,
     QueueFull,
     Work,
+    dense_mask,
     merge,
     split,
 )
+from attnserve.server.graphs import GENERAL, KEY_PADDING, NO_MASK
 from attnserve.server.lifecycle import Arrivals
 
 QUERY_DIM = KV_DIM = OUT_DIM = 16
@@ -66,7 +68,7 @@ class NumpyAttention:
         return x.reshape(b, s, NUM_HEADS, HEAD_DIM).transpose(0, 2, 1, 3)  # (b, h, s, dh)
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        query, key, value, mask = feeds["query"], feeds["key"], feeds["value"], feeds["mask"]
+        query, key, value, mask = feeds["query"], feeds["key"], feeds["value"], dense_mask(feeds)
         b, lq, _ = query.shape  # batch, query length, query_dim
         q = self._split_heads(query @ self.to_q)  # (b, h, lq, dh)
         k = self._split_heads(key @ self.to_k)  # (b, h, lk, dh)
@@ -833,6 +835,138 @@ def test_work_exact_k_len_only_when_a_query_row_masks_all_its_keys():
     one_row[0, 1] = False
     assert work(one_row).exact_k_len is True
     assert work(np.zeros((1, 2, 3), np.bool_)).exact_k_len is True
+
+
+def _plain_work(b, lq, lk, mask=None, want_probs=False):
+    return Work(query=_rng.standard_normal((b, lq, 16)).astype(np.float32),
+                key=_rng.standard_normal((b, lk, 16)).astype(np.float32),
+                value=_rng.standard_normal((b, lk, 16)).astype(np.float32), mask=mask, want_probs=want_probs)
+
+
+def test_work_masking_is_read_from_its_mask():
+    assert _plain_work(1, 3, 4).masking == NO_MASK
+    assert _plain_work(2, 3, 4, np.ones((2, 3, 4), np.bool_)).masking == NO_MASK  # masks nothing
+    keys = np.ones((2, 3, 4), np.bool_)
+    keys[0, :, 2:] = False
+    keys[1, :, 0] = False
+    w = _plain_work(2, 3, 4, keys)
+    assert w.masking == KEY_PADDING and not w.exact_k_len
+    np.testing.assert_array_equal(w.key_mask, keys[:, 0, :])
+    # A fully masked row is uniform only on the unfused graph's -1e10 fill (the key padding kernel
+    # adds -1e10 to its scores, which keeps them apart once |score| >= 512): the general mask.
+    fully = np.zeros((1, 3, 4), np.bool_)
+    w = _plain_work(1, 3, 4, fully)
+    assert w.masking == GENERAL and w.exact_k_len
+    one_item_fully = keys.copy()
+    one_item_fully[1] = False  # the same keys for every row, but item 1 attends none
+    w = _plain_work(2, 3, 4, one_item_fully)
+    assert w.masking == GENERAL and w.exact_k_len and w.key_mask is None
+    rows_differ = keys.copy()
+    rows_differ[0, 1, 0] = False
+    assert _plain_work(2, 3, 4, rows_differ).masking == GENERAL
+
+
+def test_merge_feeds_the_least_mask_the_batch_needs():
+    # No mask, same key length (queries padded only: padded query rows are dropped): no mask at all.
+    a, b = _plain_work(1, 5, 6), _plain_work(2, 3, 6)
+    feeds, ratio = merge([a, b])
+    assert sorted(feeds) == ["key", "query", "value"] and ratio > 0
+    np.testing.assert_array_equal(feeds["query"][1:, 3:], 0)
+    # Keys padded: a key padding mask (B, Lk) int32, 1 = a real key.
+    keys = np.ones((1, 2, 4), np.bool_)
+    keys[0, :, 1] = False
+    c = _plain_work(1, 2, 4, keys)
+    feeds, _ = merge([a, c])
+    assert sorted(feeds) == ["key", "key_padding_mask", "query", "value"]
+    assert feeds["key_padding_mask"].dtype == np.int32
+    np.testing.assert_array_equal(feeds["key_padding_mask"], [[1, 1, 1, 1, 1, 1], [1, 0, 1, 1, 0, 0]])
+    dense = dense_mask(feeds)
+    assert dense.shape == (2, 5, 6) and dense.flags.c_contiguous
+    np.testing.assert_array_equal(dense[1, :2, :4], keys[0])
+    # One request whose rows differ: the full (B, Lq, Lk) mask, padding masked, as before.
+    general = np.ones((1, 2, 4), np.bool_)
+    general[0, 1, 3] = False
+    feeds, _ = merge([a, _plain_work(1, 2, 4, general)])
+    assert sorted(feeds) == ["key", "mask", "query", "value"]
+    np.testing.assert_array_equal(feeds["mask"][1, :2, :4], general[0])
+    assert not feeds["mask"][1, :, 4:].any() and not feeds["mask"][1, 2:].any()
+    # Alone: no copies, and a key mask as its (b, lk) row.
+    feeds, _ = merge([c])
+    assert feeds["query"] is c.query and feeds["key_padding_mask"].tolist() == [[1, 0, 1, 1]]
+    feeds, _ = merge([a])
+    assert sorted(feeds) == ["key", "query", "value"] and dense_mask(feeds).all()
+
+
+def test_merged_batch_is_bounded_by_what_its_run_holds():
+    """scores_of (the engine's graphs, handed in) decides what a merged batch holds: requests of
+    one length stay together when their run holds no scores (flash attention); padding them
+    would hold every score, over the bound, so unequal ones run apart."""
+    from attnserve import contract
+    from attnserve.server.graphs import GraphSet
+
+    bound = 100
+    scores_of = GraphSet(frozenset(contract.GRAPH_FILES)).scores_held  # every graph, fused at any length
+
+    async def run(works):
+        model = Model()
+        batcher = Batcher("test", model, BatchPolicy(max_queue_delay_s=0.0, max_batch_scores=bound),
+                          scores_of=scores_of)
+        batcher.start()
+        try:
+            blocker, tasks = await queue_while_busy(batcher, model, works)
+            await blocker
+            results = await asyncio.gather(*tasks)
+        finally:
+            await stop(batcher, model)
+        return model, results
+
+    same = [make_work(1, 8, 8, mask=None, want_probs=False) for _ in range(3)]  # 3 x 64 scores > 100
+    model, results = asyncio.run(run(same))
+    assert [c.rows for c in model.calls[1:]] == [3]
+    for w, r in zip(same, results):
+        assert_matches_alone(w, r)
+    unequal = [make_work(1, 8, 8, mask=None, want_probs=False), make_work(1, 8, 7, mask=None, want_probs=False)]
+    model, results = asyncio.run(run(unequal))
+    assert [c.rows for c in model.calls[1:]] == [1, 1]  # padded: 2 x 8 x 8 = 128 scores > 100
+    for w, r in zip(unequal, results):
+        assert_matches_alone(w, r)
+
+
+def test_a_batch_on_the_flash_path_takes_only_requests_that_keep_it_there():
+    """With the fused graphs at every length, a batch of unmasked requests of one key length
+    holds no scores: a request that would pad its keys, bring a key mask or ask for attn_probs
+    waits for the next batch (which it then leads) instead of moving the batch onto a graph that
+    holds every score. Without the fused graphs (scores_of: every score) they all run together."""
+    from attnserve import contract
+    from attnserve.server.graphs import UNFUSED, GraphSet
+
+    async def run(works, scores_of):
+        model = Model()
+        batcher = Batcher("test", model, BatchPolicy(max_queue_delay_s=0.0), scores_of=scores_of)
+        batcher.start()
+        try:
+            blocker, tasks = await queue_while_busy(batcher, model, works)
+            await blocker
+            results = await asyncio.gather(*tasks)
+        finally:
+            await stop(batcher, model)
+        return model, results
+
+    keys = np.ones((1, 8, 8), np.bool_)
+    keys[..., 5:] = False
+    works = [make_work(1, 8, 8, mask=None, want_probs=False), make_work(1, 8, 7, mask=None, want_probs=False),
+             make_work(1, 6, 8, mask=None, want_probs=False), make_work(1, 8, 8, mask=keys, want_probs=False),
+             make_work(1, 8, 8, mask=None, want_probs=True), make_work(2, 8, 8, mask=None, want_probs=False)]
+    fused = GraphSet(frozenset(contract.GRAPH_FILES)).scores_held
+    model, results = asyncio.run(run(works, fused))
+    # The flash batch: requests 0, 2 (queries padded only) and 5; then the 8 x 7 one, on the flash
+    # path alone (the rest would pad its keys); then the key mask and attn_probs together.
+    assert [c.rows for c in model.calls[1:]] == [4, 1, 2]
+    assert [sorted(c.feeds) for c in model.calls[1:3]] == [["key", "query", "value"]] * 2
+    for w, r in zip(works, results):
+        assert_matches_alone(w, r)
+    model, _ = asyncio.run(run(works, UNFUSED.scores_held))
+    assert [c.rows for c in model.calls[1:]] == [7]
 
 
 def test_policy_rejects_out_of_range_values():

@@ -45,3 +45,24 @@ def test_the_floor_computes_zeros_of_the_graphs_shapes(model_repository):
     assert output.shape == (3, 5, spec.out_dim) and attn_probs.shape == (3, spec.num_heads, 5, 7)
     assert output.dtype == attn_probs.dtype == np.float32 and not output.any() and not attn_probs.any()
     assert run(feeds, False)[1] is None
+
+
+def test_sweep_runs_each_configuration_in_its_own_process(model_repository, tmp_path):
+    """Two short lengths of cross_attention, every side (no figure asserted: the sweep reports
+    speed and memory, the tests do not judge them), through `python -m bench --sweep`."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--sweep", "--repository", str(model_repository), "--models",
+         "cross_attention", "--lengths", "16,64", "--budget-s", "0.05", "--max-quadratic-scores", "2000",
+         "--output", str(tmp_path)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads((tmp_path / "sweep.json").read_text())["models"]["cross_attention"]
+    assert set(rows) == {"16", "64"} and rows["64"]["shape"] == [1, 64, 77]
+    for length, row in rows.items():
+        for side in ("eager_sdpa", "ort_fused", "server", *(("eager_seed", "ort_unfused") if length == "16" else ())):
+            assert row[side].get("ms", 0) > 0 and row[side]["peak_rss_increase_mb"] >= 0, (length, side, row[side])
+        assert row["server"]["attnserve_client_ms"] > 0
+    # 64 x 77 scores are over --max-quadratic-scores 2000: the quadratic sides are skipped, and say so.
+    assert rows["64"]["eager_seed"] == rows["64"]["ort_unfused"] == {"skipped": "Lq*Lk > 2,000"}
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "time per request / peak RSS increase" in done.stdout

@@ -50,6 +50,31 @@ def test_cuda_engine_runs_with_io_binding_and_matches_the_cpu(model_repository, 
             np.testing.assert_allclose(got_probs, want_probs_arr, atol=CUDA_FP32_TOLERANCE, rtol=0)
 
 
+@pytest.mark.parametrize("model", ["self_attention", "cross_attention"])
+def test_cuda_takes_the_fused_graphs_and_matches_the_cpu(model_repository, model):
+    """The same choice on the CUDA provider (server.graphs), past both crossovers: no mask on
+    model_fused.onnx, a key padding mask on model_fused_key_padding.onnx, each equal to the CPU's."""
+    from attnserve import contract
+
+    spec = read_model_spec(model_repository / model)
+    gpu = Engine(spec, choose_device("cuda"))
+    cpu = Engine(spec, choose_device("cpu"))
+    assert gpu.graphs == cpu.graphs and not gpu.why_not_fused
+    long = 2 * max(dict(spec.crossover).values())
+    rng = np.random.default_rng(23)
+    base = {"query": rng.standard_normal((2, long, spec.query_dim), dtype=np.float32),
+            "key": rng.standard_normal((2, long, spec.kv_dim), dtype=np.float32),
+            "value": rng.standard_normal((2, long, spec.kv_dim), dtype=np.float32)}
+    key_padding = np.ones((2, long), np.int32)
+    key_padding[0, long // 2:] = 0
+    for feeds, kind in ((base, contract.FUSED), (base | {contract.KEY_PADDING_MASK: key_padding},
+                                                 contract.FUSED_KEY_PADDING)):
+        assert gpu.graph_for(feeds, False) == cpu.graph_for(feeds, False) == kind
+        np.testing.assert_allclose(gpu.run(feeds, False)[0], cpu.run(feeds, False)[0],
+                                   atol=CUDA_FP32_TOLERANCE, rtol=0)
+        assert gpu.runs[kind] == 1
+
+
 def test_fp16_export_served_on_cuda_matches_the_fp32_module(tmp_path):
     module = checkpoint.demo_module(PRESETS["self_attention"], seed=0).eval()
     export_model(module, tmp_path, "self_attention", weights={"source": "demo", "seed": 0}, precision="fp16")

@@ -52,10 +52,11 @@ def sessions(model_repository):
 def test_repository_layout(model_repository, name):
     model_dir = model_repository / name
     assert set(snapshot(model_dir)) == {
-        "config.json", "1", "1/model.onnx", "1/model_output_only.onnx", "1/export.json",
+        "config.json", "1", "1/model.onnx", "1/model_output_only.onnx", "1/model_fused.onnx",
+        "1/model_fused_key_padding.onnx", "1/export.json",
     }  # so no *.onnx.data, no leftover temporary directory or file
     assert repository.versions(model_dir) == [1]
-    for graph in ("model.onnx", "model_output_only.onnx"):
+    for graph in ("model.onnx", "model_output_only.onnx", "model_fused.onnx", "model_fused_key_padding.onnx"):
         model = onnx.load(str(model_dir / "1" / graph), load_external_data=False)
         assert model.graph.initializer, "the weights should be in the graph"
         assert all(t.data_location != onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
@@ -79,7 +80,15 @@ def test_config_json(model_repository, name):
         {"name": "output", "datatype": "FP32", "shape": [-1, -1, out]},
         {"name": "attn_probs", "datatype": "FP32", "shape": [-1, h, -1, -1]},
     ]
-    assert config["graphs"] == {"all_outputs": "model.onnx", "output_only": "model_output_only.onnx"}
+    assert config["graphs"] == {"all_outputs": "model.onnx", "output_only": "model_output_only.onnx",
+                                "fused": "model_fused.onnx", "fused_key_padding": "model_fused_key_padding.onnx"}
+    crossover = config["crossover"]
+    lengths = crossover["measured_ms"]["lengths"]
+    for kind in ("fused", "fused_key_padding"):
+        # Measured here, so not a fixed number: a measured length, or twice the longest one.
+        assert crossover[kind] in (*lengths, 2 * lengths[-1])
+        assert len(crossover["measured_ms"][kind]) == len(lengths)
+    assert len(crossover["measured_ms"]["output_only"]) == len(lengths)
     assert AttentionConfig.from_dict(config["attention"]) == cfg
     assert config["attention"]["head_dim"] == cfg.head_dim
     assert config["batching"]["max_batch_size"] >= 1 and config["limits"]["max_q_len"] >= 1
@@ -92,9 +101,15 @@ def test_config_json(model_repository, name):
     errors = parity["max_abs_error"]
     assert {kind: set(errs) for kind, errs in errors.items()} == {
         "all_outputs": {"output", "attn_probs"}, "output_only": {"output"},
+        "fused": {"output"}, "fused_key_padding": {"output"},
     }
     assert all(0.0 <= e <= TOLERANCE for errs in errors.values() for e in errs.values()), errors
-    assert parity["cases"] == 2 * len(parity["shapes"]) >= 16
+    # Unfused: each shape with and without a mask. Fused: each shape plus a long one; the key
+    # padding graph with every key kept and with a key mask (the long shape: the key mask only).
+    n = len(parity["shapes"])
+    assert parity["long_shapes"] == {"fused": [[1, 2048, 2048]], "fused_key_padding": [[2, 2048, 2048]]}
+    assert parity["cases"] == 2 * n + (n + 1) + (2 * n + 1) and n >= 8
+    assert record["crossover"] == config["crossover"]
 
 
 @pytest.mark.parametrize("graph", ["model.onnx", "model_output_only.onnx"])
@@ -153,7 +168,8 @@ def test_second_export_is_version_2_and_versions_are_never_overwritten(model_rep
     after = snapshot(model_dir)
     assert {k: v for k, v in after.items() if k.startswith("1")} == version_1
     assert set(after) - set(version_1) == {
-        "config.json", "2", "2/model.onnx", "2/model_output_only.onnx", "2/export.json",
+        "config.json", "2", "2/model.onnx", "2/model_output_only.onnx", "2/model_fused.onnx",
+        "2/model_fused_key_padding.onnx", "2/export.json",
     }
     config = json.loads((model_dir / "config.json").read_text())
     assert config["last_export"]["version"] == 2

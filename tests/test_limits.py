@@ -153,6 +153,46 @@ def test_decode_refuses_a_response_over_the_message_limit_before_allocating():
         codec.decode(request, spec, limits)
 
 
+# -- the attention bound follows the graph that will run --------------------------------------
+
+
+def test_attention_bound_applies_to_the_graph_that_will_run():
+    """(1, 256, 256) over 8 heads is a 2 MiB attention matrix, over a 1 MiB bound: refused where
+    the graph that would run holds it, served where that graph is flash attention (no mask,
+    `output` alone, a version with the fused graph)."""
+    from attnserve import contract
+    from attnserve.server.graphs import GraphSet
+
+    spec = _spec(num_heads=8, dim=16)
+    fused = GraphSet(frozenset(contract.GRAPH_FILES), {contract.FUSED: 16, contract.FUSED_KEY_PADDING: 16})
+    unfused_only = GraphSet(frozenset({contract.ALL_OUTPUTS, contract.OUTPUT_ONLY}))
+    x = np.zeros((1, 256, 16), np.float32)
+    keys = np.ones((1, 256, 256), np.bool_)
+    keys[..., 200:] = False  # the same keys masked for every query row
+    general = keys.copy()
+    general[0, 0, 0] = False
+
+    def decode(graphs, outputs=("output",), mask=None):
+        limits = codec.Limits(4096, 4096, 1 << 20, graphs=graphs)
+        return codec.decode(infer_request("m", outputs=outputs, query=x, key=x, value=x, mask=mask), spec, limits)
+
+    assert decode(fused).work.masking == "none"
+    assert decode(fused, mask=np.ones((1, 256, 256), np.bool_)).outputs == ("output",)  # masks nothing
+    cases = {
+        "attn_probs": (fused, ("output", "attn_probs"), None, "it asks for attn_probs"),
+        "general mask": (fused, ("output",), general, "the unfused graph runs it"),
+        "key mask": (fused, ("output",), keys, "fused key padding graph, which holds every score"),
+        "old layout": (unfused_only, ("output",), None, "the unfused graph runs it"),
+        "no graphs known": (GraphSet(), ("output",), None, "the unfused graph runs it"),
+    }
+    for case, (graphs, outputs, mask, why) in cases.items():
+        with pytest.raises(ValueError) as exc:
+            decode(graphs, outputs, mask)
+        message = str(exc.value)
+        assert "2,097,152-byte attention matrix (batch 1 x 8 heads x 256 x 256 x 4" in message, case
+        assert why in message and "the limit is 1,048,576 bytes" in message, case
+
+
 @pytest.fixture(scope="module")
 def small_server(model_repository):
     """Messages of 1 MiB at most, both ways. (A call gRPC refuses for its size never reaches a

@@ -102,6 +102,17 @@ def test_tritonclient_http_gets_eager_numbers_and_the_grpc_paths(rest, server, e
             np.testing.assert_array_equal(got[name], via_grpc[name], err_msg=f"{case} {name}: REST != gRPC")
 
 
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_a_large_answer_has_the_eager_numbers(rest, eager_modules, binary):
+    """An answer of 1 MiB or more: server.codec.encode leaves its raw outputs out of the message
+    (the gRPC wire path writes them itself); the REST answer is built from those arrays."""
+    x = random_inputs(np.random.default_rng(11), 2, 300, 40, 512, 512, masked=True)  # output 1.2 MB
+    got = _rest_infer(rest, "self_attention", x, binary=binary)
+    want = eager(eager_modules["self_attention"], **x)
+    for name in OUTPUT_NAMES:
+        assert float(np.max(np.abs(got[name] - want[name]))) <= TOLERANCE, name
+
+
 def test_binary_inputs_with_json_outputs_and_one_output(rest, eager_modules):
     x = random_inputs(np.random.default_rng(3), 2, 9, 4, 32, 32, masked=True)
     requested = [httpclient.InferRequestedOutput("output", binary_data=False)]

@@ -1,0 +1,99 @@
+"""Raw tensor bytes on the protobuf wire, without protobuf's copies.
+
+protobuf (upb) copies a bytes field when it parses a message, again each time Python reads it,
+and again when a message holding it is built and serialized: three to four copies of every raw
+tensor of an inference request or answer, more memory than a long sequence's model run, and
+(serializing 25 MB, here) tens of milliseconds. These two helpers handle one repeated bytes
+field of a message themselves (the wire format: a length-delimited record per entry, records
+in any order) and leave every other field to protobuf:
+
+    message, views = parse_with_raw(pb.ModelInferRequest, data, "raw_input_contents")
+    data = serialize_with_raw(response_without_raw, "raw_output_contents", arrays)
+
+A leaf: protobuf's public API only. Used by the server's codec (its ModelInfer and
+ModelStreamInfer messages) and the benchmark's client.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+_LENGTH_DELIMITED = 2
+
+
+class WireError(ValueError):
+    """Bytes that are not a well-formed protobuf message."""
+
+
+def _varint(data: memoryview, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(data) or shift > 63:
+            raise WireError("truncated or overlong varint")
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        at += 1
+        if byte < 0x80:
+            return value, at
+        shift += 7
+
+
+def encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        if not value:
+            out.append(byte)
+            return bytes(out)
+        out.append(byte | 0x80)
+
+
+def _skip(data: memoryview, at: int, wire_type: int) -> int:
+    if wire_type == 0:
+        return _varint(data, at)[1]
+    if wire_type == _LENGTH_DELIMITED:
+        length, at = _varint(data, at)
+        return at + length
+    if wire_type in (1, 5):  # fixed64, fixed32
+        return at + (8 if wire_type == 1 else 4)
+    raise WireError(f"wire type {wire_type} (groups or invalid)")
+
+
+def parse_with_raw(message_type, data: bytes, field_name: str):
+    """(message, views): `data` parsed as `message_type` except the repeated bytes field
+    `field_name`, whose entries are read-only memoryviews into `data`, in order. Raises
+    WireError (or protobuf's DecodeError) for malformed bytes."""
+    number = message_type.DESCRIPTOR.fields_by_name[field_name].number
+    view = memoryview(data)
+    raw: list[memoryview] = []
+    rest: list[memoryview] = []
+    at = 0
+    while at < len(view):
+        start = at
+        tag, at = _varint(view, at)
+        field, wire_type = tag >> 3, tag & 7
+        if field == number and wire_type == _LENGTH_DELIMITED:
+            length, begin = _varint(view, at)
+            at = begin + length
+            if at > len(view):
+                raise WireError(f"field {field} runs past the end of the message")
+            raw.append(view[begin:at])
+            continue
+        at = _skip(view, at, wire_type)
+        if at > len(view):
+            raise WireError(f"field {field} runs past the end of the message")
+        rest.append(view[start:at])
+    message = message_type.FromString(data if not raw else b"".join(rest))
+    return message, raw
+
+
+def serialize_with_raw(message, field_name: str, buffers: Sequence) -> bytes:
+    """`message` serialized, then each of `buffers` (bytes-like, C-contiguous) as an entry of the
+    repeated bytes field `field_name`: one copy of each buffer, into the returned bytes."""
+    number = type(message).DESCRIPTOR.fields_by_name[field_name].number
+    tag = encode_varint(number << 3 | _LENGTH_DELIMITED)
+    parts: list = [message.SerializeToString()]
+    for buffer in buffers:
+        view = memoryview(buffer).cast("B")
+        parts += [tag, encode_varint(view.nbytes), view]
+    return b"".join(parts)
