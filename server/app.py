@@ -32,6 +32,7 @@ from attnserve.server.lifecycle import Admission, Arrivals, Draining
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_http import MetricsEndpoint
 from attnserve.server.models import ModelRegistry, RunBatchFactory
+from attnserve.server.repository import ModelLoadError
 from attnserve.server.security import bearer_token, server_credentials
 from attnserve.server.service import InferenceServicer
 
@@ -118,8 +119,13 @@ class Server:
         if device.why_not_cuda:
             logger.warning("device auto: serving on CPU because %s", device.why_not_cuda)
         # Creating sessions blocks for a while; nothing else is running yet.
-        self.registry = ModelRegistry.load(cfg, device, self.metrics, arrivals=self._arrivals,
-                                           run_batch=self._run_batch)
+        self.registry = ModelRegistry.from_repository(cfg, device, self.metrics, arrivals=self._arrivals,
+                                                      run_batch=self._run_batch)
+        if not self.registry.known_names() and cfg.model_control_mode == "none":
+            raise ModelLoadError(f"the model repository {cfg.model_repository} holds no model (no <name>/config.json): "
+                                 "export one (attnserve export), or start with --model-control-mode explicit or "
+                                 "poll to load models later")
+        self.registry.listener = self._model_changed
         self.registry.start()
         servicer = InferenceServicer(self.registry, self.metrics, self._draining)
 
@@ -137,15 +143,8 @@ class Server:
         self.port = bind(self._grpc, cfg.host, cfg.port, credentials)
         await self._grpc.start()
 
-        serving = health_pb2.HealthCheckResponse.SERVING
-        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in self.registry.loaded:
-            await self._health.set(name, serving)
-        for name in self.registry.failed:
-            await self._health.set(name, not_serving)
-        overall = serving if self.registry.loaded else not_serving
-        await self._health.set("", overall)
-        await self._health.set(SERVICE_NAME, overall)
+        for name in self.registry.known_names():
+            await self._model_changed(name, self.registry.ready(name))
 
         if cfg.metrics_port >= 0:
             try:
@@ -153,14 +152,25 @@ class Server:
             except OSError as err:
                 await self._grpc.stop(None)
                 raise OSError(f"metrics port {cfg.host}:{cfg.metrics_port}: {err.strerror or err}") from None
-        logger.info("serving %d model(s) %s on %s:%d (metrics %s, max message %d bytes)%s",
+        logger.info("serving %d model(s) %s on %s:%d (metrics %s, max message %d bytes, model control %s)%s",
                     len(self.registry.loaded), sorted(self.registry.loaded), cfg.host, self.port,
                     f"http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
-                    cfg.max_message_bytes,
+                    cfg.max_message_bytes, cfg.model_control_mode,
                     f"; not ready: {sorted(self.registry.failed)}" if self.registry.failed else "")
         if cfg.ready_file is not None:
             self._write_ready_file(cfg.ready_file)
         return self.port
+
+    async def _model_changed(self, name: str, ready: bool) -> None:
+        """Health follows the registry: per model, and overall (serving while any model is)."""
+        if self._draining.active:
+            return  # NOT_SERVING since the drain began, whatever changes
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        await self._health.set(name, serving if ready else not_serving)
+        overall = serving if self.registry is not None and self.registry.ready_names() else not_serving
+        await self._health.set("", overall)
+        await self._health.set(SERVICE_NAME, overall)
 
     def _write_ready_file(self, path: Path) -> None:
         write_json_atomic(path, {"grpc_port": self.port, "metrics_port": self.metrics_port, "pid": os.getpid()})

@@ -17,7 +17,7 @@ import grpc
 
 from attnserve.server.batcher import BatcherClosed, BatchFailed, DeadlineExpired, QueueFull
 from attnserve.server.echo import capped
-from attnserve.server.models import ModelNotFound, ModelUnavailable
+from attnserve.server.models import ModelControlDisabled, ModelLoadFailed, ModelNotFound, ModelUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,10 @@ _STATUS: dict[type[BaseException], grpc.StatusCode] = {
     MalformedMessage: grpc.StatusCode.INVALID_ARGUMENT,
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
     ModelUnavailable: grpc.StatusCode.UNAVAILABLE,
+    # Model repository API (Triton's codes): load/unload outside explicit mode is UNAVAILABLE; a
+    # load that fails (what served before still serves) is INVALID_ARGUMENT, with the reason.
+    ModelControlDisabled: grpc.StatusCode.UNAVAILABLE,
+    ModelLoadFailed: grpc.StatusCode.INVALID_ARGUMENT,
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     DeadlineExpired: grpc.StatusCode.DEADLINE_EXCEEDED,
     BatcherClosed: grpc.StatusCode.UNAVAILABLE,  # never computed: safe to retry elsewhere

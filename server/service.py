@@ -25,9 +25,7 @@ from attnserve.contract import TensorSpec
 SERVER_NAME = "attnserve"
 # Requests of one ModelStreamInfer stream in the server at once; reading pauses beyond it.
 STREAM_WINDOW = 64
-EXTENSIONS = ("model_configuration", "statistics")  # "model_repository" also means load/unload
-# Triton's model states, as RepositoryIndex reports them.
-READY, UNAVAILABLE = "READY", "UNAVAILABLE"
+EXTENSIONS = ("model_configuration", "statistics", "model_repository")
 
 
 def _mapped_errors(rpc):
@@ -69,7 +67,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_mapped_errors
     async def ServerReady(self, request, context):
-        return pb.ServerReadyResponse(ready=not self._draining.active and bool(self._registry.loaded))
+        return pb.ServerReadyResponse(ready=not self._draining.active and bool(self._registry.ready_names()))
 
     @_mapped_errors
     async def ModelReady(self, request, context):
@@ -83,8 +81,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @_mapped_errors
     async def ModelMetadata(self, request, context):
         spec = self._registry.get(request.name, request.version).spec
+        versions = [request.version] if request.version else [str(v) for v in self._registry.versions(spec.name)]
         return pb.ModelMetadataResponse(
-            name=spec.name, versions=[str(spec.version)], platform=spec.platform,
+            name=spec.name, versions=versions, platform=spec.platform,
             inputs=[_tensor_metadata(t) for t in spec.inputs], outputs=[_tensor_metadata(t) for t in spec.outputs])
 
     @_mapped_errors
@@ -101,23 +100,35 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_mapped_errors
     async def RepositoryIndex(self, request, context):
-        """Every model of the repository: READY with its version, or UNAVAILABLE with the reason
-        it failed to load (`ready: true` asks for the ready ones only)."""
-        if request.repository_name:
-            raise ModelNotFound(f"unknown repository {echo(request.repository_name)}: this server serves "
-                                "one, ask with an empty repository_name")
+        """Every model version the server knows: READY, or UNAVAILABLE with the reason (failed
+        to load, unloaded, not loaded); `ready: true` asks for the ready ones only."""
+        self._check_repository(request.repository_name)
         response = pb.RepositoryIndexResponse()
-        for name in sorted({*self._registry.loaded, *self._registry.failed}):
-            model = self._registry.loaded.get(name)
-            if model is not None:
-                response.models.add(name=name, version=str(model.spec.version), state=READY)
-            elif not request.ready:
-                response.models.add(name=name, state=UNAVAILABLE, reason=self._registry.failed[name])
+        for entry in self._registry.index(ready_only=request.ready):
+            response.models.add(name=entry.name, version=entry.version, state=entry.state, reason=entry.reason)
         return response
 
     @_mapped_errors
+    async def RepositoryModelLoad(self, request, context):
+        self._check_repository(request.repository_name)
+        await self._registry.load(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    @_mapped_errors
+    async def RepositoryModelUnload(self, request, context):
+        self._check_repository(request.repository_name)
+        await self._registry.unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    @staticmethod
+    def _check_repository(name: str) -> None:
+        if name:
+            raise ModelNotFound(f"unknown repository {echo(name)}: this server serves one, "
+                                "ask with an empty repository_name")
+
+    @_mapped_errors
     async def ModelStatistics(self, request, context):
-        names = [request.name] if request.name else sorted(self._registry.loaded)
+        names = [request.name] if request.name else self._registry.ready_names()
         response = pb.ModelStatisticsResponse()
         for name in names:
             spec = self._registry.get(name, request.version).spec
@@ -150,8 +161,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def _metric_label(self, model_name: str) -> str:
         # Only known names become label values: a client must not grow the metrics without bound.
-        known = model_name in self._registry.loaded or model_name in self._registry.failed
-        return model_name if known else "_unknown"
+        return model_name if self._registry.known(model_name) else "_unknown"
 
     async def _answered(self, request: pb.ModelInferRequest, context) -> tuple[pb.ModelInferResponse | None, Status]:
         """One inference request: its response and OK, or None and the status for what was
