@@ -223,22 +223,37 @@ def _models(args: argparse.Namespace, options: ClientOptions) -> int:
     with InferenceClient(options) as client:
         index = _model_index(client, args.model)
         metadata = {entry.name: client.model_metadata(entry.name) for entry in index if entry.ready}
-    if args.json:
-        print(json.dumps([entry.to_dict() | ({"metadata": metadata[entry.name].to_dict()}
-                                             if entry.name in metadata else {}) for entry in index], indent=2))
-        return 0
+        if args.json:
+            print(json.dumps([entry.to_dict() | ({"metadata": metadata[entry.name].to_dict()}
+                                                 if entry.name in metadata else {}) for entry in index], indent=2))
+            return 0
     if not index:
         print("the server lists no models")
-    for entry in index:
-        meta = metadata.get(entry.name)
+    by_model: dict[str, list[ModelIndexEntry]] = {}
+    for entry in index:  # one entry per model version (Triton's index), grouped by model
+        by_model.setdefault(entry.name, []).append(entry)
+    for name, entries in by_model.items():
+        meta = metadata.get(name)
+        ready = [e.version for e in entries if e.ready]
+        others = [e for e in entries if not e.ready]
         if meta is None:
-            print(f"{entry.name}  {entry.state}" + (f": {entry.reason}" if entry.reason else ""))
-            continue
-        print(f"{meta.name}  {entry.state}  versions {', '.join(meta.versions) or '-'}  platform {meta.platform}")
-        for kind, tensors in (("input", meta.inputs), ("output", meta.outputs)):
-            for t in tensors:
-                print(f"  {kind:6} {t.name:10} {t.datatype:5} {list(t.shape)}")
+            first, *rest = others
+            print(f"{name}  {first.state}: " + _why(first))
+            others = rest
+        else:
+            versions = [v for v in ready if v] or list(meta.versions)
+            print(f"{meta.name}  READY  versions {', '.join(versions) or '-'}  platform {meta.platform}")
+        for e in others:
+            print(f"  {e.state}: {_why(e)}")
+        if meta is not None:
+            for kind, tensors in (("input", meta.inputs), ("output", meta.outputs)):
+                for t in tensors:
+                    print(f"  {kind:6} {t.name:10} {t.datatype:5} {list(t.shape)}")
     return 0
+
+
+def _why(entry: ModelIndexEntry) -> str:
+    return (f"version {entry.version}: " if entry.version else "") + (entry.reason or "no reason given")
 
 
 def _load_npy(path: Path, what: str) -> np.ndarray:

@@ -71,7 +71,7 @@ RunBatchFactory = Callable[[ModelSpec], RunBatch]
 StateListener = Callable[[str, bool], Awaitable[None]]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a version being retired is tracked in a set
 class LoadedVersion:
     spec: ModelSpec
     batcher: Batcher
@@ -402,7 +402,7 @@ class ModelRegistry:
             logger.info("model %s version %d ready on %s (max_batch_size=%d, max_queue_delay_ms=%.2f)",
                         name, spec.version, runs_on, policy.max_batch_size, policy.max_queue_delay_s * 1000)
         for version, reason in sorted(failures.items()):
-            logger.error("model %s version %d is not ready: %s", name, version, reason)
+            logger.error("model %s is not ready: version %d: %s", name, version, reason)
         if failures:  # at startup: a model serves its whole policy or nothing (as a reload)
             versions = {}
         return _Model(dict(sorted(versions.items())), failed_versions=failures)
