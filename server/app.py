@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from attnserve.files import write_json_atomic
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
-from attnserve.proto import reflection_pool
+from attnserve.proto import REFLECTION_V1, reflection_pool
 from attnserve.server.config import ServerConfig
 from attnserve.server.engine import choose_device
 from attnserve.server.gate import CallGate, HandlerTable
@@ -55,9 +55,14 @@ def method_handlers(servicer: InferenceServicer, health_servicer: health.aio.Hea
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, table)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, table)
     # Reflection gets a pool that has our private-pool file as well as health's and its own.
-    services = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    services = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME,
+                REFLECTION_V1)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
         reflection.aio.ReflectionServicer(services, pool=reflection_pool(services)), table)
+    # grpc.reflection.v1 (what current grpcurl and Postman ask first) beside v1alpha: the same
+    # messages on the wire (attnserve.proto.reflection_v1_file), so the same handler serves it.
+    table.handlers[f"/{REFLECTION_V1}/ServerReflectionInfo"] = table.handlers[
+        f"/{reflection.SERVICE_NAME}/ServerReflectionInfo"]
     return {method: h for method, h in table.handlers.items() if method not in _NOT_SERVED}
 
 
