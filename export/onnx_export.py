@@ -276,6 +276,8 @@ def export_model(
     config_path = model_dir / contract.CONFIG_FILE
     if config_path.exists():
         existing = read_json(config_path)
+        if "version_policy" in existing:  # the user's choice of versions served outlives exports
+            new_config["version_policy"] = existing["version_policy"]
         if not _same_interface(existing, new_config):
             raise ExportError(
                 f"{config_path} describes a model with other dims ({existing.get('attention')}); "

@@ -37,8 +37,12 @@ def second_version(tmp_path_factory, model_repository):
 
     root = tmp_path_factory.mktemp("v2")
     shutil.copytree(model_repository / MODEL, root / MODEL)
+    _set_policy(root, {"latest": {"num_versions": 2}})
     module = checkpoint.demo_module(PRESETS[MODEL], seed=1)
     export_model(module, root, MODEL, weights={"source": "demo", "seed": 1})
+    # An export rewrites config.json and keeps the version policy a user put there.
+    assert json.loads((root / MODEL / "config.json").read_text())["version_policy"] == {
+        "latest": {"num_versions": 2}}
     return root / MODEL / "2", module
 
 
