@@ -27,6 +27,7 @@ import grpc
 import numpy as np
 
 from attnserve.client.batch import DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, BatchError, BatchJob, run_batch
+from attnserve.client.batch.progress import DEFAULT_EVERY_S
 from attnserve.client.client import InferenceClient
 from attnserve.client.codec import ModelIndexEntry
 from attnserve.contract import OUTPUT_NAMES
@@ -132,6 +133,9 @@ def _parser(prog: str = "attnserve") -> argparse.ArgumentParser:
                        help=f"items per request (default {DEFAULT_BATCH_SIZE})")
     batch.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY, metavar="N",
                        help=f"requests in flight (default {DEFAULT_CONCURRENCY})")
+    batch.add_argument("--progress-every-s", type=float, default=DEFAULT_EVERY_S, metavar="S",
+                       help="when stderr is not a terminal (a file, a pipe): a progress line every S seconds "
+                            f"(default {DEFAULT_EVERY_S:g}; a terminal gets a bar)")
     return parser
 
 
@@ -223,22 +227,37 @@ def _models(args: argparse.Namespace, options: ClientOptions) -> int:
     with InferenceClient(options) as client:
         index = _model_index(client, args.model)
         metadata = {entry.name: client.model_metadata(entry.name) for entry in index if entry.ready}
-    if args.json:
-        print(json.dumps([entry.to_dict() | ({"metadata": metadata[entry.name].to_dict()}
-                                             if entry.name in metadata else {}) for entry in index], indent=2))
-        return 0
+        if args.json:
+            print(json.dumps([entry.to_dict() | ({"metadata": metadata[entry.name].to_dict()}
+                                                 if entry.name in metadata else {}) for entry in index], indent=2))
+            return 0
     if not index:
         print("the server lists no models")
-    for entry in index:
-        meta = metadata.get(entry.name)
+    by_model: dict[str, list[ModelIndexEntry]] = {}
+    for entry in index:  # one entry per model version (Triton's index), grouped by model
+        by_model.setdefault(entry.name, []).append(entry)
+    for name, entries in by_model.items():
+        meta = metadata.get(name)
+        ready = [e.version for e in entries if e.ready]
+        others = [e for e in entries if not e.ready]
         if meta is None:
-            print(f"{entry.name}  {entry.state}" + (f": {entry.reason}" if entry.reason else ""))
-            continue
-        print(f"{meta.name}  {entry.state}  versions {', '.join(meta.versions) or '-'}  platform {meta.platform}")
-        for kind, tensors in (("input", meta.inputs), ("output", meta.outputs)):
-            for t in tensors:
-                print(f"  {kind:6} {t.name:10} {t.datatype:5} {list(t.shape)}")
+            first, *rest = others
+            print(f"{name}  {first.state}: " + _why(first))
+            others = rest
+        else:
+            versions = [v for v in ready if v] or list(meta.versions)
+            print(f"{meta.name}  READY  versions {', '.join(versions) or '-'}  platform {meta.platform}")
+        for e in others:
+            print(f"  {e.state}: {_why(e)}")
+        if meta is not None:
+            for kind, tensors in (("input", meta.inputs), ("output", meta.outputs)):
+                for t in tensors:
+                    print(f"  {kind:6} {t.name:10} {t.datatype:5} {list(t.shape)}")
     return 0
+
+
+def _why(entry: ModelIndexEntry) -> str:
+    return (f"version {entry.version}: " if entry.version else "") + (entry.reason or "no reason given")
 
 
 def _load_npy(path: Path, what: str) -> np.ndarray:
@@ -273,6 +292,12 @@ def _infer(args: argparse.Namespace, options: ClientOptions) -> int:
     if args.plot is not None and "attn_probs" not in outputs:
         outputs += ("attn_probs",)
     inputs = _infer_inputs(args)
+    if args.plot is not None:  # checked before the inference runs, not after
+        query = np.asarray(inputs["query"])
+        batch = query.shape[0] if query.ndim == 3 else None
+        if batch is not None and not 0 <= args.plot_item < batch:
+            raise UsageError(f"--plot-item {args.plot_item} is out of range for a batch of {batch} "
+                             f"(0..{batch - 1})")
     with InferenceClient(options) as client:
         try:
             result = client.infer(args.model, inputs["query"], inputs["key"], inputs["value"], inputs["mask"],
@@ -305,8 +330,10 @@ def _batch(args: argparse.Namespace, options: ClientOptions) -> int:
                        model_version=args.model_version, timeout_s=args.timeout)
     except ValueError as err:
         raise UsageError(str(err)) from None
+    if not args.progress_every_s >= 0:
+        raise UsageError(f"--progress-every-s must be >= 0, got {args.progress_every_s}")
     try:
-        summary = run_batch(job, options, progress_stream=sys.stderr)
+        summary = run_batch(job, options, progress_stream=sys.stderr, progress_every_s=args.progress_every_s)
     except BatchError as err:
         if err.summary is not None:
             print(err.summary.line(), flush=True)

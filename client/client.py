@@ -112,6 +112,18 @@ class InferenceClient:
         request = pb.RepositoryIndexRequest(ready=ready_only)
         return codec.parse_repository_index(self._call(self._stub.RepositoryIndex, request, timeout_s))
 
+    # Not retried: UNAVAILABLE here means the server's model control mode forbids it.
+    def load_model(self, model: str, *, timeout_s: float | None = None) -> None:
+        """Load or reload `model` from the server's repository (Triton's RepositoryModelLoad;
+        the server needs --model-control-mode explicit)."""
+        self._call(self._stub.RepositoryModelLoad, pb.RepositoryModelLoadRequest(model_name=model), timeout_s,
+                   retry=False)
+
+    def unload_model(self, model: str, *, timeout_s: float | None = None) -> None:
+        """Stop serving `model`; calls in flight finish (Triton's RepositoryModelUnload)."""
+        self._call(self._stub.RepositoryModelUnload, pb.RepositoryModelUnloadRequest(model_name=model), timeout_s,
+                   retry=False)
+
     def model_statistics(self, model: str = "", version: str = "", *,
                          timeout_s: float | None = None) -> list[codec.ModelStatistics]:
         """Cumulative counters of one model (or of every model when `model` is empty)."""

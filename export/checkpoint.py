@@ -26,7 +26,34 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, or that does not fit the config."""
+    """A checkpoint that cannot be read, or that does not fit the config. It names each tensor
+    as the user's file does ('module.Wq.weight'), not by the name we map it to."""
+
+
+_OUR_TO_SEED = {ours: seed for seed, ours in _SEED_NAMES.items()}
+
+
+class StateDict(dict):
+    """Tensors under our names (to_q.weight ...), remembering each one's key in the user's file,
+    so that errors name what the user sees."""
+
+    def __init__(self, tensors: dict[str, Tensor], user_names: dict[str, str], prefix: str = "",
+                 seed_names: bool = False) -> None:
+        super().__init__(tensors)
+        self.user_names = user_names  # ours -> the file's
+        self.prefix = prefix  # the wrapper prefix its keys carry ("module.")
+        self.seed_names = seed_names  # the file uses the seed's Wq/Wk/Wv/Wo
+
+    def user_name(self, name: str) -> str:
+        """`name` (ours) as the file names it; a tensor it lacks, as it would name it."""
+        if name in self.user_names:
+            return self.user_names[name]
+        module, _, param = name.rpartition(".")
+        return f"{self.prefix}{_OUR_TO_SEED.get(module, module) if self.seed_names else module}.{param}"
+
+
+def user_name(state_dict: dict[str, Tensor], name: str) -> str:
+    return state_dict.user_name(name) if isinstance(state_dict, StateDict) else name
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], AttentionConfig | None]:
@@ -63,39 +90,46 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], AttentionConfi
     return canonical_state_dict(loaded), config
 
 
-def canonical_state_dict(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Rename seed and wrapper keys to ours: 'module.Wq.weight' -> 'to_q.weight'."""
+def canonical_state_dict(state_dict: dict[str, Tensor]) -> StateDict:
+    """Rename seed and wrapper keys to ours: 'module.Wq.weight' -> 'to_q.weight' (the original
+    names kept, for errors)."""
     renamed: dict[str, Tensor] = {}
+    user_names: dict[str, str] = {}
+    prefix, seed_names = "", False
     for original, tensor in state_dict.items():
         name = original
-        for prefix in _WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name = name[len(prefix):]
+        for wrapper in _WRAPPER_PREFIXES:
+            if name.startswith(wrapper):
+                name = name[len(wrapper):]
+                prefix = prefix or original[: len(original) - len(name)]
         module, _, param = name.rpartition(".")
+        seed_names = seed_names or module in _SEED_NAMES
         module = _SEED_NAMES.get(module, module)
         if module == "to_out.0":  # diffusers keeps to_out as [Linear, Dropout]
             module = "to_out"
         name = f"{module}.{param}"
         if name in renamed:
-            raise CheckpointError(f"checkpoint has two tensors for {name!r} (one is {original!r})")
+            raise CheckpointError(f"checkpoint has two tensors for {name!r}: {user_names[name]!r} and {original!r}")
         renamed[name] = tensor
-    unknown = sorted(k for k in renamed if k.rpartition(".")[0] not in PROJECTIONS)
+        user_names[name] = original
+    unknown = sorted(user_names[k] for k in renamed if k.rpartition(".")[0] not in PROJECTIONS)
     if unknown:
         raise CheckpointError(
             f"checkpoint has tensors no attention projection uses: {unknown}; "
             f"expected {'/'.join(PROJECTIONS)} (or the seed's Wq/Wk/Wv/Wo) weights and biases"
         )
-    return renamed
+    return StateDict(renamed, user_names, prefix, seed_names)
 
 
 def infer_config(state_dict: dict[str, Tensor], num_heads: int, **overrides: Any) -> AttentionConfig:
     """Dims from the projection weights' shapes; num_heads cannot be read from them."""
     for name in (f"{p}.weight" for p in PROJECTIONS):
         if name not in state_dict:
-            raise CheckpointError(f"checkpoint lacks tensor {name!r}")
+            raise CheckpointError(f"checkpoint lacks tensor {user_name(state_dict, name)!r}")
         if state_dict[name].dim() != 2:
             raise CheckpointError(
-                f"tensor {name!r}: expected a 2-D weight, got shape {tuple(state_dict[name].shape)}"
+                f"tensor {user_name(state_dict, name)!r}: expected a 2-D weight, got shape "
+                f"{tuple(state_dict[name].shape)}"
             )
     d_model, query_dim = state_dict["to_q.weight"].shape
     dims = dict(
@@ -127,11 +161,12 @@ def check_fits(state_dict: dict[str, Tensor], config: AttentionConfig) -> None:
     expected = expected_shapes(config)
     for name, shape in expected.items():
         if name not in state_dict:
-            raise CheckpointError(f"checkpoint lacks tensor {name!r} (expected shape {shape})")
+            raise CheckpointError(f"checkpoint lacks tensor {user_name(state_dict, name)!r} (expected shape {shape})")
         got = tuple(state_dict[name].shape)
         if got != shape:
-            raise CheckpointError(f"tensor {name!r}: checkpoint has shape {got}, config expects {shape}")
-    extra = sorted(set(state_dict) - set(expected))
+            raise CheckpointError(f"tensor {user_name(state_dict, name)!r}: checkpoint has shape {got}, "
+                                  f"config expects {shape}")
+    extra = sorted(user_name(state_dict, k) for k in set(state_dict) - set(expected))
     if extra:
         raise CheckpointError(f"checkpoint has tensors the config has no place for: {extra} (bias={config.bias})")
 

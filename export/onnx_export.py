@@ -299,8 +299,11 @@ def export_model(
     model_dir = Path(repository) / name
     new_config = model_config(name, config, serving)
     config_path = model_dir / contract.CONFIG_FILE
+    kept: dict[str, Any] = {}  # what a user put in config.json that outlives exports
     if config_path.exists():
         existing = read_json(config_path)
+        if "version_policy" in existing:  # the user's choice of versions served
+            kept["version_policy"] = existing["version_policy"]
         if not _same_interface(existing, new_config):
             raise ExportError(
                 f"{config_path} describes a model with other dims ({existing.get('attention')}); "
@@ -343,7 +346,7 @@ def export_model(
             "parity": parity,
             **({contract.CROSSOVER: crossover} if crossover else {}),
         }
-        new_config = model_config(name, config, serving, kinds, crossover)
+        new_config = model_config(name, config, serving, kinds, crossover) | kept
         write_json_atomic(staging / contract.EXPORT_FILE, record)
         staging.chmod(0o755)  # mkdtemp makes it 0700; servers may run as another user
         staging.rename(target)  # atomic: the version appears whole

@@ -17,6 +17,42 @@ from collections.abc import Iterable
 from google.protobuf import descriptor_pool
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+REFLECTION_V1_FILE = "grpc/reflection/v1/reflection.proto"
+_V1ALPHA, _V1 = "grpc.reflection.v1alpha", "grpc.reflection.v1"
+
+
+def reflection_v1_file():
+    """grpc.reflection.v1's FileDescriptorProto, made from v1alpha's (grpcio-reflection ships
+    v1alpha alone): the two files define the same messages and service, field for field, and
+    differ only in their package and language options, so v1 calls are served by the v1alpha
+    servicer and its (de)serializers, and this file describes them as v1."""
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    file = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(file)
+    file.name, file.package = REFLECTION_V1_FILE, _V1
+    file.options.Clear()
+
+    def rename(type_name: str) -> str:
+        return type_name.replace(f".{_V1ALPHA}.", f".{_V1}.", 1)
+
+    def fix(message) -> None:
+        for field in message.field:
+            if field.type_name:  # scalars have none (setting "" would mark it set)
+                field.type_name = rename(field.type_name)
+        for nested in message.nested_type:
+            fix(nested)
+
+    for message in file.message_type:
+        fix(message)
+    for service in file.service:
+        for method in service.method:
+            method.input_type, method.output_type = rename(method.input_type), rename(method.output_type)
+    return file
+
+
 def reflection_pool(service_names: Iterable[str]) -> descriptor_pool.DescriptorPool:
     """A new descriptor pool that resolves each of ``service_names``, for server reflection.
 
@@ -45,6 +81,9 @@ def reflection_pool(service_names: Iterable[str]) -> descriptor_pool.DescriptorP
             continue
         except KeyError:
             pass
+        if name == REFLECTION_V1:
+            pool.AddSerializedFile(reflection_v1_file().SerializeToString())
+            continue
         try:
             add(descriptor_pool.Default().FindFileContainingSymbol(name))
         except KeyError:

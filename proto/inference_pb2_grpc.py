@@ -80,6 +80,16 @@ class GRPCInferenceServiceStub(object):
                 request_serializer=attnserve_dot_proto_dot_inference__pb2.RepositoryIndexRequest.SerializeToString,
                 response_deserializer=attnserve_dot_proto_dot_inference__pb2.RepositoryIndexResponse.FromString,
                 _registered_method=True)
+        self.RepositoryModelLoad = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryModelLoad',
+                request_serializer=attnserve_dot_proto_dot_inference__pb2.RepositoryModelLoadRequest.SerializeToString,
+                response_deserializer=attnserve_dot_proto_dot_inference__pb2.RepositoryModelLoadResponse.FromString,
+                _registered_method=True)
+        self.RepositoryModelUnload = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryModelUnload',
+                request_serializer=attnserve_dot_proto_dot_inference__pb2.RepositoryModelUnloadRequest.SerializeToString,
+                response_deserializer=attnserve_dot_proto_dot_inference__pb2.RepositoryModelUnloadResponse.FromString,
+                _registered_method=True)
         self.ModelStatistics = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelStatistics',
                 request_serializer=attnserve_dot_proto_dot_inference__pb2.ModelStatisticsRequest.SerializeToString,
@@ -150,6 +160,20 @@ class GRPCInferenceServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RepositoryModelLoad(self, request, context):
+        """Triton's model repository extension: load (or reload) and unload a model
+        (--model-control-mode explicit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryModelUnload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ModelStatistics(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -203,6 +227,16 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.RepositoryIndex,
                     request_deserializer=attnserve_dot_proto_dot_inference__pb2.RepositoryIndexRequest.FromString,
                     response_serializer=attnserve_dot_proto_dot_inference__pb2.RepositoryIndexResponse.SerializeToString,
+            ),
+            'RepositoryModelLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryModelLoad,
+                    request_deserializer=attnserve_dot_proto_dot_inference__pb2.RepositoryModelLoadRequest.FromString,
+                    response_serializer=attnserve_dot_proto_dot_inference__pb2.RepositoryModelLoadResponse.SerializeToString,
+            ),
+            'RepositoryModelUnload': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryModelUnload,
+                    request_deserializer=attnserve_dot_proto_dot_inference__pb2.RepositoryModelUnloadRequest.FromString,
+                    response_serializer=attnserve_dot_proto_dot_inference__pb2.RepositoryModelUnloadResponse.SerializeToString,
             ),
             'ModelStatistics': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelStatistics,
@@ -454,6 +488,60 @@ class GRPCInferenceService(object):
             '/inference.GRPCInferenceService/RepositoryIndex',
             attnserve_dot_proto_dot_inference__pb2.RepositoryIndexRequest.SerializeToString,
             attnserve_dot_proto_dot_inference__pb2.RepositoryIndexResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryModelLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryModelLoad',
+            attnserve_dot_proto_dot_inference__pb2.RepositoryModelLoadRequest.SerializeToString,
+            attnserve_dot_proto_dot_inference__pb2.RepositoryModelLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryModelUnload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryModelUnload',
+            attnserve_dot_proto_dot_inference__pb2.RepositoryModelUnloadRequest.SerializeToString,
+            attnserve_dot_proto_dot_inference__pb2.RepositoryModelUnloadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -32,15 +32,18 @@ async def serve(config: ServerConfig, run_batch: RunBatchFactory | None = None) 
     from attnserve.server.repository import ModelLoadError
 
     server = Server(config, run_batch)
+    # Handlers first: a signal that comes while the server starts (its ready file may already
+    # be written, telling a supervisor it may stop it) drains once the start is done, instead of
+    # killing the process (a test under load caught a SIGTERM between the two).
+    signals = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
     try:
         await server.start()
     except (DeviceUnavailable, ModelLoadError, RuntimeError, OSError) as err:
         logger.error("cannot start: %s", err)
         return EXIT_CANNOT_START
-    signals = asyncio.Queue()
-    loop = asyncio.get_running_loop()
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, signals.put_nowait, sig)
     first = await signals.get()
     logger.info("%s received: draining (drain delay %.1fs, grace period %.1fs; a second signal stops at once)",
                 first.name, config.drain_delay_s, config.grace_period_s)

@@ -27,9 +27,7 @@ from attnserve.server.models import ModelNotFound, ModelRegistry
 
 SERVER_NAME = "attnserve"
 # "model_repository" also means load/unload; binary_tensor_data is the REST port's.
-EXTENSIONS = ("model_configuration", "statistics", "binary_tensor_data")
-# Triton's model states, as RepositoryIndex reports them.
-READY, UNAVAILABLE = "READY", "UNAVAILABLE"
+EXTENSIONS = ("model_configuration", "statistics", "model_repository", "binary_tensor_data")
 _DATA_TYPES = {"FP32": pb.TYPE_FP32, "BOOL": pb.TYPE_BOOL}
 
 
@@ -51,7 +49,7 @@ class Answers:
     # -- health and metadata -----------------------------------------------------------------
 
     def server_ready(self) -> bool:
-        return not self._draining.active and bool(self._registry.loaded)
+        return not self._draining.active and bool(self._registry.ready_names())
 
     def model_ready(self, name: str, version: str = "") -> bool:
         """False for a model that failed to load, or while draining; ModelNotFound if unknown."""
@@ -62,8 +60,9 @@ class Answers:
 
     def model_metadata(self, name: str, version: str = "") -> pb.ModelMetadataResponse:
         spec = self._registry.get(name, version).spec
+        versions = [version] if version else [str(v) for v in self._registry.versions(spec.name)]
         return pb.ModelMetadataResponse(
-            name=spec.name, versions=[str(spec.version)], platform=spec.platform,
+            name=spec.name, versions=versions, platform=spec.platform,
             inputs=[_tensor_metadata(t) for t in spec.inputs], outputs=[_tensor_metadata(t) for t in spec.outputs])
 
     def model_config(self, name: str, version: str = "") -> pb.ModelConfigResponse:
@@ -78,22 +77,25 @@ class Answers:
         return pb.ModelConfigResponse(config=config)
 
     def repository_index(self, repository_name: str = "", ready_only: bool = False) -> pb.RepositoryIndexResponse:
-        """Every model of the repository: READY with its version, or UNAVAILABLE with the reason
-        it failed to load (ready_only: the ready ones only)."""
-        if repository_name:
-            raise ModelNotFound(f"unknown repository {echo(repository_name)}: this server serves "
-                                "one, ask with an empty repository_name")
+        """Every model version the server knows: READY, or UNAVAILABLE with the reason (failed
+        to load, unloaded, not loaded); ready_only: the ready ones only."""
+        _check_repository(repository_name)
         response = pb.RepositoryIndexResponse()
-        for name in sorted({*self._registry.loaded, *self._registry.failed}):
-            model = self._registry.loaded.get(name)
-            if model is not None:
-                response.models.add(name=name, version=str(model.spec.version), state=READY)
-            elif not ready_only:
-                response.models.add(name=name, state=UNAVAILABLE, reason=self._registry.failed[name])
+        for entry in self._registry.index(ready_only=ready_only):
+            response.models.add(name=entry.name, version=entry.version, state=entry.state, reason=entry.reason)
         return response
 
+    async def load(self, repository_name: str, model_name: str) -> None:
+        """Load (or reload: a new version swaps in without a failed call) one model."""
+        _check_repository(repository_name)
+        await self._registry.load(model_name)
+
+    async def unload(self, repository_name: str, model_name: str) -> None:
+        _check_repository(repository_name)
+        await self._registry.unload(model_name)
+
     def model_statistics(self, name: str = "", version: str = "") -> pb.ModelStatisticsResponse:
-        names = [name] if name else sorted(self._registry.loaded)
+        names = [name] if name else self._registry.ready_names()
         response = pb.ModelStatisticsResponse()
         for name in names:
             spec = self._registry.get(name, version).spec
@@ -127,8 +129,7 @@ class Answers:
 
     def _metric_label(self, model_name: str) -> str:
         # Only known names become label values: a client must not grow the metrics without bound.
-        known = model_name in self._registry.loaded or model_name in self._registry.failed
-        return model_name if known else "_unknown"
+        return model_name if self._registry.known(model_name) else "_unknown"
 
     async def infer(self, request: codec.InferRequest | pb.ModelInferRequest, time_remaining: float | None
                     ) -> tuple[codec.InferResponse | None, Status]:
@@ -150,3 +151,9 @@ class Answers:
     def request_done(self, model_name: str, status: Status, started: float) -> None:
         """Count one inference request's outcome (also a REST one refused before it parsed)."""
         self._metrics.request_done(self._metric_label(model_name), status.code.name, time.monotonic() - started)
+
+
+def _check_repository(name: str) -> None:
+    if name:
+        raise ModelNotFound(f"unknown repository {echo(name)}: this server serves one, "
+                            "ask with an empty repository_name")

@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from attnserve.files import write_json_atomic
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
-from attnserve.proto import reflection_pool
+from attnserve.proto import REFLECTION_V1, reflection_pool
 from attnserve.server import codec
 from attnserve.server.config import ServerConfig
 from attnserve.server.engine import choose_device
@@ -36,6 +36,7 @@ from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_http import MetricsEndpoint
 from attnserve.server.models import ModelRegistry, RunBatchFactory
 from attnserve.server.answers import Answers
+from attnserve.server.repository import ModelLoadError
 from attnserve.server.rest import RestPort
 from attnserve.server.security import bearer_token, server_credentials, server_ssl_context
 from attnserve.server.service import InferenceServicer
@@ -59,9 +60,14 @@ def method_handlers(servicer: InferenceServicer, health_servicer: health.aio.Hea
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, table)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, table)
     # Reflection gets a pool that has our private-pool file as well as health's and its own.
-    services = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    services = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME,
+                REFLECTION_V1)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
         reflection.aio.ReflectionServicer(services, pool=reflection_pool(services)), table)
+    # grpc.reflection.v1 (what current grpcurl and Postman ask first) beside v1alpha: the same
+    # messages on the wire (attnserve.proto.reflection_v1_file), so the same handler serves it.
+    table.handlers[f"/{REFLECTION_V1}/ServerReflectionInfo"] = table.handlers[
+        f"/{reflection.SERVICE_NAME}/ServerReflectionInfo"]
     handlers = {method: h for method, h in table.handlers.items() if method not in _NOT_SERVED}
     # Inference messages carry their tensors' raw bytes: server.codec reads and writes those
     # itself, without protobuf's copies (see "the wire" there).
@@ -127,8 +133,13 @@ class Server:
         if device.why_not_cuda:
             logger.warning("device auto: serving on CPU because %s", device.why_not_cuda)
         # Creating sessions blocks for a while; nothing else is running yet.
-        self.registry = ModelRegistry.load(cfg, device, self.metrics, arrivals=self._arrivals,
-                                           run_batch=self._run_batch)
+        self.registry = ModelRegistry.from_repository(cfg, device, self.metrics, arrivals=self._arrivals,
+                                                      run_batch=self._run_batch)
+        if not self.registry.known_names() and cfg.model_control_mode == "none":
+            raise ModelLoadError(f"the model repository {cfg.model_repository} holds no model (no <name>/config.json): "
+                                 "export one (attnserve export), or start with --model-control-mode explicit or "
+                                 "poll to load models later")
+        self.registry.listener = self._model_changed
         self.registry.start()
         answers = Answers(self.registry, self.metrics, self._draining)
         servicer = InferenceServicer(answers)
@@ -149,15 +160,8 @@ class Server:
         self.port = bind(self._grpc, cfg.host, cfg.port, credentials)
         await self._grpc.start()
 
-        serving = health_pb2.HealthCheckResponse.SERVING
-        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in self.registry.loaded:
-            await self._health.set(name, serving)
-        for name in self.registry.failed:
-            await self._health.set(name, not_serving)
-        overall = serving if self.registry.loaded else not_serving
-        await self._health.set("", overall)
-        await self._health.set(SERVICE_NAME, overall)
+        for name in self.registry.known_names():
+            await self._model_changed(name, self.registry.ready(name))
 
         if cfg.http_port >= 0:
             self._rest = RestPort(answers, self._admission, self._draining, token, cfg.max_message_bytes,
@@ -175,15 +179,26 @@ class Server:
                 if self._rest is not None:
                     await self._rest.close(0)
                 raise OSError(f"metrics port {cfg.host}:{cfg.metrics_port}: {err.strerror or err}") from None
-        logger.info("serving %d model(s) %s on %s:%d (REST %s, metrics %s, max message %d bytes)%s",
+        logger.info("serving %d model(s) %s on %s:%d (REST %s, metrics %s, max message %d bytes, model control %s)%s",
                     len(self.registry.loaded), sorted(self.registry.loaded), cfg.host, self.port,
                     f"http{'s' if ssl_context else ''}://{cfg.host}:{self.http_port}/v2" if self.http_port else "off",
                     f"http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
-                    cfg.max_message_bytes,
+                    cfg.max_message_bytes, cfg.model_control_mode,
                     f"; not ready: {sorted(self.registry.failed)}" if self.registry.failed else "")
         if cfg.ready_file is not None:
             self._write_ready_file(cfg.ready_file)
         return self.port
+
+    async def _model_changed(self, name: str, ready: bool) -> None:
+        """Health follows the registry: per model, and overall (serving while any model is)."""
+        if self._draining.active:
+            return  # NOT_SERVING since the drain began, whatever changes
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        await self._health.set(name, serving if ready else not_serving)
+        overall = serving if self.registry is not None and self.registry.ready_names() else not_serving
+        await self._health.set("", overall)
+        await self._health.set(SERVICE_NAME, overall)
 
     def _write_ready_file(self, path: Path) -> None:
         write_json_atomic(path, {"grpc_port": self.port, "http_port": self.http_port, "metrics_port": self.metrics_port,

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 ENV_PREFIX = "ATTNSERVE_"
 DEVICES = ("cpu", "cuda", "auto")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # any case
+MODEL_CONTROL_MODES = ("none", "explicit", "poll")  # as Triton's --model-control-mode
 # gRPC's 4 MiB default is too small for real requests (4 x 200 x 512 float32 is 4.9 MB).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -46,6 +47,10 @@ class ServerConfig:
     drain_delay_s: float = 5.0
     grace_period_s: float = 30.0
     model_versions: tuple[tuple[str, int], ...] = ()  # pins, e.g. (("self_attention", 1),)
+    # none: the models found at start, no changes; explicit: RepositoryModelLoad/Unload change
+    # them; poll: the repository is rescanned every repository_poll_secs (server.models).
+    model_control_mode: str = "none"
+    repository_poll_secs: float = 15.0
     ready_file: Path | None = None  # written with the bound ports once serving (tests, scripts)
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR, any case
     access_log: bool = False
@@ -59,6 +64,11 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.model_control_mode not in MODEL_CONTROL_MODES:
+            raise ValueError(f"model_control_mode must be one of {', '.join(MODEL_CONTROL_MODES)}, "
+                             f"got {self.model_control_mode!r}")
+        if not 0 < self.repository_poll_secs < float("inf"):
+            raise ValueError(f"repository_poll_secs must be > 0, got {self.repository_poll_secs}")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)} (any case), got {self.log_level!r}")
         if not 0 <= self.port <= 65535:
@@ -113,6 +123,8 @@ _HELP: dict[str, str] = {
     "drain_delay_s": "seconds after SIGTERM that calls are still admitted (readiness already NOT_SERVING)",
     "grace_period_s": "seconds to finish admitted requests once the drain delay is over",
     "model_versions": "pin versions: NAME=VERSION[,NAME=VERSION...] (default: highest)",
+    "model_control_mode": "none (the models found at start), explicit (load/unload API) or poll (rescan)",
+    "repository_poll_secs": "seconds between rescans of the repository in --model-control-mode poll",
     "ready_file": "write {grpc_port, http_port, metrics_port} as JSON here once serving",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "access_log": "log every RPC (a switch; or true/false)",

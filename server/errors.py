@@ -20,7 +20,7 @@ import grpc
 
 from attnserve.server.batcher import BatcherClosed, BatchFailed, DeadlineExpired, QueueFull
 from attnserve.server.echo import capped
-from attnserve.server.models import ModelNotFound, ModelUnavailable
+from attnserve.server.models import ModelControlDisabled, ModelLoadFailed, ModelNotFound, ModelUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,10 @@ _STATUS: dict[type[BaseException], tuple[grpc.StatusCode, int]] = {
     ModelNotFound: (_S.NOT_FOUND, 404),
     NoSuchEndpoint: (_S.UNIMPLEMENTED, 404),  # or 405: NoSuchEndpoint.http
     ModelUnavailable: (_S.UNAVAILABLE, 503),
+    # Model repository API (Triton's codes): load/unload outside explicit mode is UNAVAILABLE; a
+    # load that fails (what served before still serves) is INVALID_ARGUMENT, with the reason.
+    ModelControlDisabled: (_S.UNAVAILABLE, 503),
+    ModelLoadFailed: (_S.INVALID_ARGUMENT, 400),
     QueueFull: (_S.RESOURCE_EXHAUSTED, 429),
     BodyTooLarge: (_S.RESOURCE_EXHAUSTED, 413),
     DeadlineExpired: (_S.DEADLINE_EXCEEDED, 504),

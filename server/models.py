@@ -1,16 +1,29 @@
-"""The models a server process serves: load each one, keep the ones that fail with their reason.
+"""The models a server process serves, and their changes: load, unload, rescan (Triton's model
+repository API). Knows nothing of gRPC or HTTP: the servicer and the REST adapter call
 
-Knows nothing of gRPC: lookups raise ModelNotFound / ModelUnavailable, which server.errors maps.
-Each model's batches are computed by an ONNX Runtime Engine, or by what a RunBatchFactory
-given to `load` makes (bench.floor's zeros: the whole stack, without a model).
+    registry.get(name, version)   # the LoadedVersion to submit to (ModelNotFound / ModelUnavailable)
+    await registry.load(name)     # (re)load from the repository; ModelControlDisabled, ModelLoadFailed
+    await registry.unload(name)   # UNAVAILABLE from now; calls in flight finish
+    registry.index()              # [IndexEntry(name, version, state, reason)]
+
+and server.errors maps what they raise. Each version served has its own Batcher over its own
+ONNX Runtime Engine (or what a RunBatchFactory makes: bench.floor's zeros).
+
+A swap (a new version, a changed config.json) builds the new versions first, off the event
+loop; if any of them fails, nothing changes and the index says why. Then the new set is
+installed in one step: a call that looked its version up before submits to the old batcher
+(there is no await between `get` and `batcher.submit`, so it cannot straddle the step), and the
+old batchers are closed, which finishes everything queued and running on them; their sessions
+go with the last reference, once their last call is done.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
 from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, OUTPUT_ONLY
 from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch
@@ -20,9 +33,20 @@ from attnserve.server.echo import echo
 from attnserve.server.engine import DeviceChoice, Engine
 from attnserve.server.graphs import UNFUSED, GraphSet
 from attnserve.server.metrics import Metrics
-from attnserve.server.repository import ModelLoadError, ModelSpec, model_names, read_model_spec
+from attnserve.server.repository import (
+    ModelLoadError,
+    ModelSpec,
+    model_names,
+    read_model_specs,
+    repository_signature,
+    same_model,
+    version_fingerprint,
+)
 
 logger = logging.getLogger(__name__)
+
+# Triton's model states, as the index reports them.
+READY, UNAVAILABLE = "READY", "UNAVAILABLE"
 
 
 class ModelNotFound(LookupError):
@@ -30,83 +54,128 @@ class ModelNotFound(LookupError):
 
 
 class ModelUnavailable(RuntimeError):
-    """The model exists but failed to load; the message says why."""
+    """The model exists but is not served (failed to load, unloaded); the message says why."""
 
 
-# The blocking run of a model's batches, made from its spec. ModelRegistry.load's default is an
-# ONNX Runtime Engine on the chosen device; the one seam for running the server without a model.
+class ModelControlDisabled(RuntimeError):
+    """Load or unload asked of a server whose model control mode is not explicit (Triton
+    answers UNAVAILABLE too)."""
+
+
+class ModelLoadFailed(RuntimeError):
+    """A load that could not complete; what served before still serves. The message says why."""
+
+
+# The blocking run of a model's batches, made from its spec. The default is an ONNX Runtime
+# Engine on the chosen device; the one seam for running the server without a model.
 RunBatchFactory = Callable[[ModelSpec], RunBatch]
+# Told after each change of a model: (name, whether it has a version ready).
+StateListener = Callable[[str, bool], Awaitable[None]]
 
 
-@dataclass
-class LoadedModel:
+@dataclass(eq=False)  # identity: a version being retired is tracked in a set
+class LoadedVersion:
     spec: ModelSpec
     batcher: Batcher
     limits: Limits
+    fingerprint: tuple = ()  # repository.version_fingerprint when it was loaded
+
+
+# Kept for callers of the single-version registry.
+LoadedModel = LoadedVersion
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    name: str
+    version: str  # "" for a model with no version to name
+    state: str  # READY or UNAVAILABLE
+    reason: str = ""
+
+
+@dataclass
+class _Model:
+    versions: dict[int, LoadedVersion] = field(default_factory=dict)  # served, ascending
+    reason: str = ""  # why the last load failed (model-wide), or "unloaded"; "" after a good load
+    failed_versions: dict[int, str] = field(default_factory=dict)  # of the last load
+    unloaded_versions: tuple[int, ...] = ()
+    seen: tuple = ()  # repository.repository_signature of the files this entry was made from
+
+    @property
+    def default(self) -> LoadedVersion | None:
+        return self.versions[max(self.versions)] if self.versions else None
 
 
 class ModelRegistry:
-    def __init__(self) -> None:
-        self.loaded: dict[str, LoadedModel] = {}
-        self.failed: dict[str, str] = {}  # name -> why it is not ready
+    def __init__(self, config: ServerConfig | None = None, device: DeviceChoice | None = None,
+                 metrics: Metrics | None = None, arrivals: ArrivalSignal | None = None,
+                 run_batch: RunBatchFactory | None = None, listener: StateListener | None = None) -> None:
+        """arrivals: requests received but not yet submitted (each batcher's hint of company).
+        run_batch: makes each model's run instead of an ONNX Runtime Engine (bench.floor).
+        listener: told of each change (the server's health service)."""
+        self.config = config or ServerConfig()
+        self._device = device
+        self._metrics = metrics or Metrics()
+        self._arrivals = arrivals
+        self._run_batch = run_batch
+        self.listener = listener
+        self._models: dict[str, _Model] = {}
+        self._lock = asyncio.Lock()  # one load or unload at a time
+        self._retiring: set[LoadedVersion] = set()  # replaced or unloaded, finishing their calls
+        self._retire_tasks: set[asyncio.Task] = set()
+        self._poll_task: asyncio.Task | None = None
+        self._started = False
+        self._closed = False
+
+    @property
+    def root(self) -> Path:
+        return Path(self.config.model_repository)
 
     @classmethod
-    def load(cls, config: ServerConfig, device: DeviceChoice, metrics: Metrics,
-             arrivals: ArrivalSignal | None = None, run_batch: RunBatchFactory | None = None) -> "ModelRegistry":
-        """Load every model of the repository; a model that fails is logged and kept as failed.
-        arrivals: requests received but not yet submitted (each batcher's hint of company).
-        run_batch: makes each model's run instead of an ONNX Runtime Engine (bench.floor)."""
-        registry = cls()
-        root = Path(config.model_repository)
-        pins = config.pinned_versions
-        for name in model_names(root):
+    def from_repository(cls, config: ServerConfig, device: DeviceChoice, metrics: Metrics,
+                        arrivals: ArrivalSignal | None = None, run_batch: RunBatchFactory | None = None
+                        ) -> "ModelRegistry":
+        """Load every model of the repository, before serving (blocking); a model that fails is
+        logged and kept with its reason."""
+        registry = cls(config, device, metrics, arrivals, run_batch)
+        for name in model_names(registry.root):
+            seen = repository_signature(registry.root / name)
             try:
-                spec = read_model_spec(root / name, pins.get(name))
-                graphs = UNFUSED  # a run_batch without an Engine: every run counts its whole matrix
-                if run_batch is None:
-                    engine = Engine(spec, device, config.intra_op_threads)
-                    run, runs_on, graphs = engine.run, ",".join(engine.providers), engine.graphs
-                else:
-                    run, runs_on = run_batch(spec), "a run_batch given to the server, no ONNX Runtime"
-            except Exception as err:  # corrupt graphs raise onnxruntime's own exception types
-                reason = f"{type(err).__name__}: {err}" if not isinstance(err, ModelLoadError) else str(err)
-                registry.failed[name] = reason
-                logger.error("model %s is not ready: %s", name, reason)
+                specs = registry._read(name)
+            except ModelLoadError as err:
+                registry._models[name] = _Model(reason=str(err), seen=seen)
+                logger.error("model %s is not ready: %s", name, err)
                 continue
-            policy = BatchPolicy(
-                max_batch_size=config.max_batch_size or spec.max_batch_size,
-                max_queue_delay_s=(config.max_queue_delay_ms if config.max_queue_delay_ms is not None
-                                   else spec.max_queue_delay_ms) / 1000.0,
-                max_queue_size=config.max_queue_size,
-                max_padding_ratio=config.max_padding_ratio,
-                batches_in_flight=config.batches_in_flight,
-                max_queued_bytes=config.max_queued_bytes,
-                # A merged batch's attention matrix obeys the same bound as one request's.
-                max_batch_scores=max(config.max_attention_bytes // (4 * spec.num_heads), 1),
-            )
-            # A merged batch's run, like a request's, is bounded by what the graph that runs it holds.
-            batcher = Batcher(name, run, policy, metrics.observer(name), arrivals, scores_of=graphs.scores_held)
-            limits = Limits(spec.max_q_len, spec.max_kv_len, config.max_attention_bytes,
-                            max_response_bytes=config.max_message_bytes, graphs=graphs)
-            registry.loaded[name] = LoadedModel(spec, batcher, limits)
-            logger.info("model %s version %d ready on %s (max_batch_size=%d, max_queue_delay_ms=%.2f, graphs=%s)",
-                        name, spec.version, runs_on, policy.max_batch_size, policy.max_queue_delay_s * 1000,
-                        _describe(graphs))
-        for name in pins:
-            if name not in registry.loaded and name not in registry.failed:
-                logger.warning("pinned model %s is not in the repository %s", name, root)
+            built, failures = {}, {}
+            for spec in specs:
+                try:
+                    built[spec.version] = registry._open(spec)
+                except Exception as err:  # corrupt graphs raise onnxruntime's own exception types
+                    failures[spec.version] = _reason(err)
+            registry._models[name] = registry._install(name, specs, {}, built, failures)
+            registry._models[name].seen = seen
+        for name in config.pinned_versions:
+            if name not in registry._models:
+                logger.warning("pinned model %s is not in the repository %s", name, registry.root)
         return registry
 
-    def get(self, name: str, version: str = "") -> LoadedModel:
-        model = self.loaded.get(name)
+    # -- lookups -----------------------------------------------------------------------------
+
+    def get(self, name: str, version: str = "") -> LoadedVersion:
+        """The version to serve a call: `version`, or the highest served when it is "".
+        Submit to its batcher before awaiting anything else (see the module's docstring)."""
+        model = self._models.get(name)
         if model is None:
-            if name in self.failed:
-                raise ModelUnavailable(f"model {name} is not ready: {self.failed[name]}")
-            raise ModelNotFound(f"unknown model {echo(name)}; serving {sorted(self.loaded)}")
-        if version and version != str(model.spec.version):
-            raise ModelNotFound(f"model {name} version {echo(version)} is not loaded (loaded: {model.spec.version}, "
-                                f"on disk: {list(model.spec.available_versions)})")
-        return model
+            raise ModelNotFound(f"unknown model {echo(name)}; serving {self.ready_names()}")
+        if not model.versions:
+            raise ModelUnavailable(f"model {name} is not ready: {self._why_not(model)}")
+        if not version:
+            return model.default
+        loaded = model.versions.get(int(version)) if version.isdigit() else None
+        if loaded is None:
+            raise ModelNotFound(f"model {name} version {echo(version)} is not loaded (loaded: "
+                                f"{sorted(model.versions)}, on disk: {list(model.default.spec.available_versions)})")
+        return loaded
 
     def ready(self, name: str, version: str = "") -> bool:
         try:
@@ -115,13 +184,289 @@ class ModelRegistry:
             return False
         return True
 
+    def versions(self, name: str) -> list[int]:
+        """The versions of `name` served, ascending."""
+        model = self._models.get(name)
+        return sorted(model.versions) if model is not None else []
+
+    def ready_names(self) -> list[str]:
+        return sorted(name for name, model in self._models.items() if model.versions)
+
+    def known_names(self) -> list[str]:
+        return sorted(self._models)
+
+    def known(self, name: str) -> bool:
+        """A model the registry has met (served, failed or unloaded): a bounded set of names."""
+        return name in self._models
+
+    @property
+    def loaded(self) -> dict[str, LoadedVersion]:
+        """Each ready model's default (highest) version."""
+        return {name: model.default for name, model in sorted(self._models.items()) if model.versions}
+
+    @property
+    def failed(self) -> dict[str, str]:
+        """Each model with no version ready, and why."""
+        return {name: self._why_not(model) for name, model in sorted(self._models.items()) if not model.versions}
+
+    def index(self, ready_only: bool = False) -> list[IndexEntry]:
+        """Every model, by name: one entry per version served (READY), one per version that failed
+        its last load or was unloaded (UNAVAILABLE, with the reason), and, for a model with
+        nothing to name a version for, one entry without a version. Models in the repository
+        not loaded (explicit control) are listed as UNAVAILABLE too."""
+        entries = []
+        names = set(self._models)
+        if not ready_only and self.config.model_control_mode != "none":
+            try:
+                names.update(model_names(self.root))
+            except (ModelLoadError, OSError):
+                pass
+        for name in sorted(names):
+            model = self._models.get(name)
+            if model is None:
+                entries.append(IndexEntry(name, "", UNAVAILABLE, "not loaded"))
+                continue
+            for version in sorted(model.versions):
+                entries.append(IndexEntry(name, str(version), READY))
+            if ready_only:
+                continue
+            for version, reason in sorted(model.failed_versions.items()):
+                if version not in model.versions:
+                    entries.append(IndexEntry(name, str(version), UNAVAILABLE, reason))
+            for version in model.unloaded_versions:
+                entries.append(IndexEntry(name, str(version), UNAVAILABLE, model.reason))
+            if model.reason and not model.unloaded_versions and not model.failed_versions:
+                entries.append(IndexEntry(name, "", UNAVAILABLE, model.reason))
+        return entries
+
+    @staticmethod
+    def _why_not(model: _Model) -> str:
+        if model.reason:
+            return model.reason
+        return "; ".join(f"version {v}: {why}" for v, why in sorted(model.failed_versions.items())) or "not loaded"
+
+    # -- changes -----------------------------------------------------------------------------
+
+    async def load(self, name: str) -> list[int]:
+        """Load `name` from the repository, or reload it: versions whose graphs and config are
+        unchanged keep serving untouched, new or changed ones are built, the ones its version
+        policy no longer names are retired. Returns the versions served. Raises
+        ModelControlDisabled (not explicit mode), ModelNotFound (not in the repository),
+        ModelLoadFailed (what served before still serves; the index says why)."""
+        self._check_control("load")
+        return await self._load(name)
+
+    async def unload(self, name: str) -> None:
+        """Stop serving `name`: it goes UNAVAILABLE at once, calls in flight and queued finish on
+        their version. Raises ModelControlDisabled, ModelNotFound."""
+        self._check_control("unload")
+        await self._unload(name)
+
+    def _check_control(self, what: str) -> None:
+        mode = self.config.model_control_mode
+        if mode != "explicit":
+            raise ModelControlDisabled(
+                f"explicit model {what} is not allowed in model control mode {mode} "
+                "(start the server with --model-control-mode explicit)")
+
+    async def _load(self, name: str) -> list[int]:
+        async with self._lock:
+            self._check_open()
+            if name not in self._repository_names():
+                raise ModelNotFound(f"no model {echo(name)} in the repository {self.root}")
+            old = self._models.get(name) or _Model()
+            seen = repository_signature(self.root / name)
+            try:
+                specs = self._read(name)
+            except ModelLoadError as err:
+                self._models[name] = _Model(old.versions, reason=str(err), seen=seen,
+                                            unloaded_versions=() if old.versions else old.unloaded_versions)
+                logger.error("model %s: load failed, %s: %s", name, self._serving_note(old), err)
+                raise ModelLoadFailed(f"load of model {name} failed ({self._serving_note(old)}): {err}") from None
+            keep = {v: lv for v, lv in old.versions.items()
+                    if v in {s.version for s in specs} and same_model(lv.spec, specs[0])
+                    and lv.fingerprint == version_fingerprint(lv.spec)}
+            built, failures = {}, {}
+            for spec in specs:
+                if spec.version in keep:
+                    continue
+                try:
+                    built[spec.version] = await asyncio.to_thread(self._open, spec)
+                except Exception as err:
+                    failures[spec.version] = _reason(err)
+            self._check_open()
+            if failures:
+                self._models[name] = _Model(old.versions, failed_versions=failures, seen=seen)
+                why = "; ".join(f"version {v}: {r}" for v, r in sorted(failures.items()))
+                logger.error("model %s: load failed, %s: %s", name, self._serving_note(old), why)
+                raise ModelLoadFailed(f"load of model {name} failed ({self._serving_note(old)}): {why}")
+            new = self._install(name, specs, keep, built, {})
+            new.seen = seen
+            retired = [lv for v, lv in old.versions.items() if keep.get(v) is not lv]
+            self._models[name] = new
+            for lv in retired:
+                self._retire(lv)
+        await self._tell(name)
+        return sorted(new.versions)
+
+    async def _unload(self, name: str) -> None:
+        async with self._lock:
+            self._check_open()
+            model = self._models.get(name)
+            if model is None:
+                if name not in self._repository_names():
+                    raise ModelNotFound(f"unknown model {echo(name)}; serving {self.ready_names()}")
+                model = _Model()  # in the repository, never loaded: unloaded already
+            self._models[name] = _Model(reason="unloaded",
+                                        unloaded_versions=tuple(sorted(model.versions)) or model.unloaded_versions)
+            for lv in model.versions.values():
+                self._retire(lv)
+            logger.info("model %s unloaded (versions %s)", name, sorted(model.versions))
+        await self._tell(name)
+
+    async def poll(self) -> None:
+        """One rescan (--model-control-mode poll): load the models that are new or whose files
+        changed since they were last read (a failed one is tried again once its files change),
+        unload the ones gone from the repository. Failures are logged and kept in the index."""
+        try:
+            on_disk = set(self._repository_names())
+        except (ModelLoadError, OSError) as err:
+            logger.error("repository poll: %s", err)
+            return
+        for name in sorted(on_disk):
+            model = self._models.get(name)
+            if model is not None and model.seen == repository_signature(self.root / name):
+                continue
+            try:
+                await self._load(name)
+            except (ModelLoadFailed, ModelNotFound):
+                pass  # logged, and in the index
+        for name in sorted(set(self._models) - on_disk):
+            if self._models[name].versions:
+                await self._unload(name)
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.repository_poll_secs)
+            try:
+                await self.poll()
+            except Exception:  # the poller must outlive any one bad rescan
+                logger.exception("repository poll failed")
+
+    # -- building and retiring ---------------------------------------------------------------
+
+    def _repository_names(self) -> list[str]:
+        return model_names(self.root)
+
+    def _read(self, name: str) -> tuple[ModelSpec, ...]:
+        return read_model_specs(self.root / name, self.config.pinned_versions.get(name))
+
+    def _open(self, spec: ModelSpec) -> tuple[RunBatch, str, tuple, GraphSet]:
+        """Blocking: the run of one version (its ONNX Runtime sessions), what it runs on, its
+        fingerprint as read before opening (a change while opening is seen next time), and the
+        graphs it runs (a run_batch without an Engine: UNFUSED, every run counts its whole matrix)."""
+        fingerprint = version_fingerprint(spec)
+        if self._run_batch is not None:
+            return self._run_batch(spec), "a run_batch given to the server, no ONNX Runtime", fingerprint, UNFUSED
+        device = self._device
+        if device is None:
+            raise RuntimeError("ModelRegistry has no device to open models on")
+        engine = Engine(spec, device, self.config.intra_op_threads)
+        return engine.run, ",".join(engine.providers), fingerprint, engine.graphs
+
+    def _install(self, name: str, specs: tuple[ModelSpec, ...], keep: dict[int, LoadedVersion],
+                 built: dict[int, tuple], failures: dict[int, str]) -> _Model:
+        """A model entry serving `keep` and the versions in `built` (batchers made and, once the
+        registry has started, started); failures are logged and kept."""
+        cfg = self.config
+        versions = dict(keep)
+        for spec in specs:
+            if spec.version not in built:
+                continue
+            run, runs_on, fingerprint, graphs = built[spec.version]
+            policy = BatchPolicy(
+                max_batch_size=cfg.max_batch_size or spec.max_batch_size,
+                max_queue_delay_s=(cfg.max_queue_delay_ms if cfg.max_queue_delay_ms is not None
+                                   else spec.max_queue_delay_ms) / 1000.0,
+                max_queue_size=cfg.max_queue_size,
+                max_padding_ratio=cfg.max_padding_ratio,
+                batches_in_flight=cfg.batches_in_flight,
+                max_queued_bytes=cfg.max_queued_bytes,
+                # A merged batch's attention matrix obeys the same bound as one request's.
+                max_batch_scores=max(cfg.max_attention_bytes // (4 * spec.num_heads), 1),
+            )
+            label = name if len(specs) == 1 else f"{name}-v{spec.version}"
+            # A merged batch's run, like a request's, is bounded by what the graph that runs it holds.
+            batcher = Batcher(label, run, policy, self._metrics.observer(name), self._arrivals,
+                              scores_of=graphs.scores_held)
+            limits = Limits(spec.max_q_len, spec.max_kv_len, cfg.max_attention_bytes,
+                            max_response_bytes=cfg.max_message_bytes, graphs=graphs)
+            if self._started:
+                batcher.start()
+            versions[spec.version] = LoadedVersion(spec, batcher, limits, fingerprint)
+            logger.info("model %s version %d ready on %s (max_batch_size=%d, max_queue_delay_ms=%.2f, graphs=%s)",
+                        name, spec.version, runs_on, policy.max_batch_size, policy.max_queue_delay_s * 1000,
+                        _describe(graphs))
+        for version, reason in sorted(failures.items()):
+            logger.error("model %s is not ready: version %d: %s", name, version, reason)
+        if failures:  # at startup: a model serves its whole policy or nothing (as a reload)
+            versions = {}
+        return _Model(dict(sorted(versions.items())), failed_versions=failures)
+
+    def _retire(self, lv: LoadedVersion) -> None:
+        """Close lv's batcher in the background: what is queued and running on it finishes."""
+        self._retiring.add(lv)
+
+        async def finish() -> None:
+            await lv.batcher.close()
+            self._retiring.discard(lv)
+            logger.info("model %s version %d retired: its last call is done, its sessions released",
+                        lv.spec.name, lv.spec.version)
+
+        task = asyncio.get_running_loop().create_task(finish(), name=f"retire-{lv.spec.name}-{lv.spec.version}")
+        self._retire_tasks.add(task)
+        task.add_done_callback(self._retire_tasks.discard)
+
+    async def _tell(self, name: str) -> None:
+        if self.listener is not None:
+            await self.listener(name, self.ready(name) if name in self._models else False)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ModelUnavailable("the server is shutting down: models are not loaded or unloaded any more")
+
+    @staticmethod
+    def _serving_note(old: _Model) -> str:
+        return f"still serving version(s) {sorted(old.versions)}" if old.versions else "nothing served"
+
+    # -- lifetime ----------------------------------------------------------------------------
+
     def start(self) -> None:
-        for model in self.loaded.values():
-            model.batcher.start()
+        self._started = True
+        for model in self._models.values():
+            for lv in model.versions.values():
+                lv.batcher.start()
+        if self.config.model_control_mode == "poll":
+            self._poll_task = asyncio.get_running_loop().create_task(self._poll_forever(), name="repository-poll")
 
     async def close(self, abandon_queued: bool = False) -> None:
-        for model in self.loaded.values():
-            await model.batcher.close(abandon_queued)
+        """No more changes; finish (or, abandon_queued, refuse) what every batcher holds,
+        those of versions being retired included."""
+        self._closed = True
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+            await asyncio.gather(self._poll_task, return_exceptions=True)
+        async with self._lock:  # a load under way completes (or fails) first
+            batchers = [lv.batcher for model in self._models.values() for lv in model.versions.values()]
+            batchers += [lv.batcher for lv in list(self._retiring)]
+            for batcher in batchers:
+                await batcher.close(abandon_queued)
+            if self._retire_tasks:
+                await asyncio.gather(*self._retire_tasks, return_exceptions=True)
+
+
+def _reason(err: Exception) -> str:
+    return str(err) if isinstance(err, ModelLoadError) else f"{type(err).__name__}: {err}"
 
 
 def _describe(graphs: GraphSet) -> str:

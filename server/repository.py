@@ -7,6 +7,7 @@ Directories whose names are not integers (such as an export's temporary director
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,57 @@ class ModelLoadError(Exception):
     """A model in the repository that cannot be served; the message says why."""
 
 
+@dataclass(frozen=True)
+class VersionPolicy:
+    """Which versions of a model are served: config.json's `version_policy`, as Triton's:
+    {"latest": {"num_versions": N}} (the N highest; the default is latest 1), {"all": {}}, or
+    {"specific": {"versions": [1, 3]}}. A pinned version (--model-versions) is specific [v]."""
+
+    kind: str = "latest"  # latest | all | specific
+    num_versions: int = 1  # latest
+    versions: tuple[int, ...] = ()  # specific
+
+    @classmethod
+    def from_config(cls, value: Any) -> "VersionPolicy":
+        if value is None:
+            return cls()
+        if not isinstance(value, dict) or len(value) != 1:
+            raise ValueError(f"version_policy must be one of {{\"latest\": {{\"num_versions\": N}}}}, "
+                             f"{{\"all\": {{}}}} or {{\"specific\": {{\"versions\": [...]}}}}, got {value!r}")
+        (kind, args), = value.items()
+        if not isinstance(args, dict):
+            raise ValueError(f"version_policy.{kind} must be an object, got {args!r}")
+        if kind == "latest":
+            n = args.get("num_versions", 1)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"version_policy.latest.num_versions must be an integer >= 1, got {n!r}")
+            return cls("latest", num_versions=n)
+        if kind == "all":
+            return cls("all")
+        if kind == "specific":
+            versions = args.get("versions")
+            if (not isinstance(versions, list) or not versions
+                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in versions)):
+                raise ValueError(f"version_policy.specific.versions must be a non-empty list of integers >= 1, "
+                                 f"got {versions!r}")
+            return cls("specific", versions=tuple(sorted(set(versions))))
+        raise ValueError(f"version_policy must be latest, all or specific, got {kind!r}")
+
+    def select(self, available: tuple[int, ...], model: str) -> tuple[int, ...]:
+        """The versions to serve, ascending, out of the complete ones on disk."""
+        if not available:
+            raise ModelLoadError(f"{model} has no version directory with {GRAPH_ALL_OUTPUTS}")
+        if self.kind == "all":
+            return available
+        if self.kind == "latest":
+            return available[-self.num_versions:]
+        missing = [v for v in self.versions if v not in available]
+        if missing:
+            raise ModelLoadError(f"version(s) {missing} of {model} named by its version policy not found "
+                                 f"(have {list(available)})")
+        return self.versions
+
+
 def model_names(root: Path) -> list[str]:
     """Sub-directories holding a config.json, sorted."""
     if not root.is_dir():
@@ -77,10 +129,16 @@ def model_names(root: Path) -> list[str]:
 
 
 def read_model_spec(model_dir: Path, pinned_version: int | None = None) -> ModelSpec:
-    """Read config.json, check it, and choose the version: the pinned one, else the highest.
+    """The spec of the highest version served (read_model_specs' last)."""
+    return read_model_specs(model_dir, pinned_version)[-1]
+
+
+def read_model_specs(model_dir: Path, pinned_version: int | None = None) -> tuple[ModelSpec, ...]:
+    """Read config.json, check it, and choose the versions to serve, ascending: the pinned one,
+    else those its version policy names (default: the highest).
     Anything a server could not run with (a width or head count < 1, max_batch_size 0, a
-    negative queue delay, tensors that disagree with the dims) is a ModelLoadError naming the
-    field: that model is not ready, the others serve."""
+    negative queue delay, tensors that disagree with the dims, a policy naming a missing
+    version) is a ModelLoadError naming the field: that model is not ready, the others serve."""
     where = model_dir / CONFIG_FILE
     try:
         config = read_json(where)
@@ -92,6 +150,7 @@ def read_model_spec(model_dir: Path, pinned_version: int | None = None) -> Model
                        for t in config["inputs"])
         outputs = tuple(TensorSpec(t["name"], t["datatype"], tuple(t["shape"])) for t in config["outputs"])
         crossover = _crossover(config)
+        policy = VersionPolicy.from_config(config.get("version_policy"))
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ModelLoadError(f"{where}: unreadable ({type(err).__name__}: {err})") from None
     if tuple(t.name for t in inputs) != INPUT_NAMES or tuple(t.name for t in outputs) != OUTPUT_NAMES:
@@ -102,15 +161,13 @@ def read_model_spec(model_dir: Path, pinned_version: int | None = None) -> Model
     if pinned_version is not None:
         if pinned_version not in available:
             raise ModelLoadError(f"pinned version {pinned_version} of {model_dir.name} not found (have {list(available)})")
-        version = pinned_version
-    elif available:
-        version = available[-1]
+        chosen: tuple[int, ...] = (pinned_version,)
     else:
-        raise ModelLoadError(f"{model_dir} has no version directory with {GRAPH_ALL_OUTPUTS}")
-    return ModelSpec(
+        chosen = policy.select(available, str(model_dir))
+    first = ModelSpec(
         name=model_dir.name,
-        version=version,
-        version_dir=model_dir / str(version),
+        version=chosen[0],
+        version_dir=model_dir / str(chosen[0]),
         platform=config.get("platform", PLATFORM),
         **dims,
         inputs=inputs,
@@ -122,6 +179,42 @@ def read_model_spec(model_dir: Path, pinned_version: int | None = None) -> Model
         available_versions=available,
         crossover=crossover,
     )
+    return tuple(dataclasses.replace(first, version=v, version_dir=model_dir / str(v)) for v in chosen)
+
+
+def same_model(a: ModelSpec, b: ModelSpec) -> bool:
+    """Whether two specs describe the same model apart from the version (config.json unchanged
+    in everything the server uses), so a version loaded for one serves for the other."""
+    def key(spec: ModelSpec) -> ModelSpec:
+        return dataclasses.replace(spec, version=0, version_dir=Path(), available_versions=())
+    return key(a) == key(b)
+
+
+def repository_signature(model_dir: Path) -> tuple:
+    """What tells that a model's files changed on disk (a rescan's test): config.json's and each
+    complete version's graphs' sizes and mtimes."""
+    def stat(path: Path) -> tuple[int, int] | None:
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        return st.st_size, st.st_mtime_ns
+
+    return (stat(model_dir / CONFIG_FILE),
+            tuple((v, *(stat(model_dir / str(v) / file) for file in GRAPH_FILES.values()))
+                  for v in versions(model_dir)))
+
+
+def version_fingerprint(spec: ModelSpec) -> tuple[tuple[str, int, int], ...]:
+    """What tells that a version's graphs changed on disk: each graph's size and mtime."""
+    found = []
+    for path in (spec.graph_path(kind) for kind in GRAPH_FILES):  # the fused ones may not exist
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        found.append((path.name, st.st_size, st.st_mtime_ns))
+    return tuple(found)
 
 
 def _crossover(config: dict[str, Any]) -> tuple[tuple[str, int], ...]:

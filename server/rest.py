@@ -38,6 +38,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from attnserve.server.answers import Answers
+from attnserve.server.echo import echo
 from attnserve.server.errors import (BodyTooLarge, NoSuchEndpoint, ShuttingDown, Status, Unauthenticated,
                                      status_for)
 from attnserve.server.lifecycle import Admission, Draining
@@ -78,6 +79,8 @@ _ROUTES = (
     _Route(re.compile(_M + "/stats"), "GET", "_model_stats"),
     _Route(re.compile(r"/v2/repository/index"), "POST", "_repository_index"),
     _Route(re.compile(r"/v2/repository/index"), "GET", "_repository_index"),
+    _Route(re.compile(r"/v2/repository/models/(?P<model>[^/]+)/load"), "POST", "_load"),
+    _Route(re.compile(r"/v2/repository/models/(?P<model>[^/]+)/unload"), "POST", "_unload"),
     _Route(re.compile(_M), "GET", "_model_metadata"),
 )
 
@@ -244,6 +247,27 @@ class RestPort:
             ready_only = document.get("ready", False)
         index = self._answers.repository_index("", ready_only)
         return _json_response([{k: v for k, v in as_json(m).items() if v != ""} for m in index.models])
+
+    async def _load(self, request: web.BaseRequest, model: str) -> web.Response:
+        """Triton's load: (re)load the model from the repository. Its parameters (a config or
+        files sent with the call) are not supported: refused rather than ignored."""
+        await self._parameters(request, "load", allowed=())
+        await self._answers.load("", model)
+        return _json_response({})
+
+    async def _unload(self, request: web.BaseRequest, model: str) -> web.Response:
+        # unload_dependents (tritonclient sends it): there are no ensembles here to unload.
+        await self._parameters(request, "unload", allowed=("unload_dependents",))
+        await self._answers.unload("", model)
+        return _json_response({})
+
+    async def _parameters(self, request: web.BaseRequest, what: str, allowed: tuple[str, ...]) -> None:
+        body = await self._body(request) if request.can_read_body else b""
+        document = json.loads(body or b"{}")
+        parameters = document.get("parameters", {}) if isinstance(document, dict) else None
+        if not isinstance(parameters, dict) or set(parameters) - set(allowed):
+            raise ValueError(f"{what} takes {'only ' + ', '.join(allowed) if allowed else 'no parameters'} here; "
+                             f"got {echo(str(document))}")
 
     async def _infer(self, request: web.BaseRequest, start: Callable[[], None], model: str,
                      version: str | None) -> web.StreamResponse:

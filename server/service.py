@@ -69,6 +69,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return self._answers.repository_index(request.repository_name, request.ready)
 
     @_mapped_errors
+    async def RepositoryModelLoad(self, request, context):
+        await self._answers.load(request.repository_name, request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    @_mapped_errors
+    async def RepositoryModelUnload(self, request, context):
+        await self._answers.unload(request.repository_name, request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    @_mapped_errors
     async def ModelStatistics(self, request, context):
         return self._answers.model_statistics(request.name, request.version)
 

@@ -22,7 +22,8 @@ from tests.server_process import REPO_ROOT, ServerProcess
 
 TOLERANCE = 1e-5
 WIDTH = {"self_attention": 512, "cross_attention": 32}
-SUMMARY = re.compile(r"batch: (\d+) items \((\d+) computed, (\d+) resumed\) in [\d.]+ s, [\d.]+ items/s, "
+SUMMARY = re.compile(r"batch: (\d+) items \((\d+) computed, (\d+) resumed\) in [\d.]+ s, "
+                     r"(?:[\d.]+ items/s over [\d.]+ s computing|nothing to compute), "
                      r"(\d+) requests, (\d+) retries, (\d+) errors")
 
 

@@ -140,7 +140,9 @@ def test_mismatching_checkpoint_names_tensor_and_both_shapes(tmp_path, seed000_r
     with pytest.raises(CheckpointError) as exc:
         build_module(PRESETS["self_attention"], loaded)
     message = str(exc.value)
-    assert "'to_k.weight'" in message and "(512, 256)" in message and "(512, 512)" in message
+    # Named as the user's file names it, not as we map it (to_k.weight).
+    assert "'Wk.weight'" in message and "(512, 256)" in message and "(512, 512)" in message
+    assert "to_k" not in message
 
 
 def test_seed002_checkpoint_refused_by_seed000_config(seed002_ref):
@@ -162,8 +164,8 @@ def test_bias_without_a_place_refused(seed002_ref):
 
 @pytest.mark.parametrize(
     ("extra", "named"),
-    [("norm.weight", "norm.weight"), ("encoder.Wq.weight", "encoder.Wq.weight"), ("bias", ".bias"),
-     ("Wq.scale", "to_q.scale")],  # a projection's module but no such parameter: refused when built
+    [("norm.weight", "norm.weight"), ("encoder.Wq.weight", "encoder.Wq.weight"), ("bias", "bias"),
+     ("Wq.scale", "Wq.scale")],  # a projection's module but no such parameter: refused when built
 )
 def test_unknown_tensors_refused(tmp_path, seed000_ref, extra, named):
     state_dict = dict(seed000_ref.state_dict()) | {extra: torch.zeros(3)}
@@ -172,6 +174,18 @@ def test_unknown_tensors_refused(tmp_path, seed000_ref, extra, named):
     with pytest.raises(CheckpointError) as exc:
         build_module(PRESETS["self_attention"], load_checkpoint(path)[0])
     assert repr(named) in str(exc.value)
+
+
+def test_a_wrapped_seed_checkpoint_lacking_a_tensor_is_told_in_its_own_names(tmp_path, seed000_ref):
+    """A DataParallel-saved seed-000 checkpoint without Wv: the error names 'module.Wv.weight'."""
+    state_dict = {f"module.{k}": v for k, v in seed000_ref.state_dict().items() if not k.startswith("Wv.")}
+    path = tmp_path / "dp.pt"
+    torch.save(state_dict, path)
+    loaded, _ = load_checkpoint(path)
+    with pytest.raises(CheckpointError, match=r"lacks tensor 'module.Wv.weight'"):
+        infer_config(loaded, num_heads=8)
+    with pytest.raises(CheckpointError, match=r"lacks tensor 'module.Wv.weight' \(expected shape \(512, 512\)\)"):
+        build_module(PRESETS["self_attention"], loaded)
 
 
 def test_two_names_for_one_tensor_refused(seed000_ref):

@@ -116,6 +116,22 @@ def test_infer_npz_to_npz_with_a_plot(server, eager_modules, tmp_path, capsys):
     assert "wrote attention heatmaps of item 1" in capsys.readouterr().out
 
 
+def test_plot_item_out_of_range_is_refused_before_inferring(server, tmp_path, capsys):
+    """--plot-item 9 on a batch of 4: a bad argument (exit 2) before any request is sent (the
+    server's inference count does not move) and no file is written."""
+    q, k, v, mask = _inputs(32, b=4)
+    np.savez(tmp_path / "in.npz", query=q, key=k, value=v, mask=mask)
+    with InferenceClient(server.address) as client:
+        before = client.model_statistics("cross_attention")[0].inference_count
+    code = main(["infer", "--url", server.address, "--model", "cross_attention", "--input", str(tmp_path / "in.npz"),
+                 "--output", str(tmp_path / "out.npz"), "--plot", str(tmp_path / "heads.png"), "--plot-item", "9"])
+    assert code == 2
+    assert "--plot-item 9 is out of range for a batch of 4" in capsys.readouterr().err
+    with InferenceClient(server.address) as client:
+        assert client.model_statistics("cross_attention")[0].inference_count == before
+    assert not (tmp_path / "out.npz").exists() and not (tmp_path / "heads.png").exists()
+
+
 def test_infer_separate_npy_files_prints_the_outputs(server, eager_modules, tmp_path, capsys):
     q, k, v, mask = _inputs(32, b=1, lq=2, lk=3)
     for name, array in dict(q=q, k=k, v=v, m=mask).items():

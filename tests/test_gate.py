@@ -16,7 +16,7 @@ from attnserve.server.app import SERVICE_NAME, method_handlers
 from attnserve.server.gate import CallGate, HandlerTable
 from attnserve.server.lifecycle import Admission, Arrivals, Draining
 from attnserve.server.metrics import Metrics
-from attnserve.server.models import ModelRegistry
+from attnserve.server.models import ModelRegistry, _Model
 from attnserve.server.parsing import SUPPORTED_KINDS, handler_kind
 from attnserve.server.answers import Answers
 from attnserve.server.service import InferenceServicer
@@ -133,7 +133,7 @@ def test_one_draining_state_for_gate_and_servicer():
     them, or counting them) and the servicer's readiness turns false, from the same object."""
     draining = Draining()
     registry = ModelRegistry()
-    registry.loaded["m"] = object()  # a loaded model, as far as readiness goes
+    registry._models["m"] = _Model(versions={1: object()})  # a loaded model, as far as readiness goes
     servicer = InferenceServicer(Answers(registry, Metrics(), draining))
     arrivals = Arrivals()
     infer = f"/{SERVICE_NAME}/ModelInfer"

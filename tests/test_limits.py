@@ -118,7 +118,7 @@ def test_server_limits_reach_each_model(model_repository):
 
     config = ServerConfig(model_repository=model_repository, max_queued_bytes=12345, max_message_bytes=2 << 20,
                           max_attention_bytes=1 << 20, metrics_port=-1)
-    registry = ModelRegistry.load(config, choose_device("cpu"), Metrics())
+    registry = ModelRegistry.from_repository(config, choose_device("cpu"), Metrics())
     model = registry.loaded["self_attention"]  # 8 heads
     assert model.batcher.policy.max_queued_bytes == 12345
     assert model.batcher.policy.max_batch_scores == (1 << 20) // (4 * 8)

@@ -64,3 +64,50 @@ def test_the_server_serves_the_good_model_and_reports_the_bad_ones(repository, e
             assert float(np.max(np.abs(got["output"] - want))) <= 1e-5
     finally:
         assert proc.stop() == 0
+
+
+@pytest.mark.parametrize("policy, on_disk, served", [
+    (None, (1, 2, 3), (3,)),
+    ({"latest": {"num_versions": 2}}, (1, 2, 3), (2, 3)),
+    ({"latest": {"num_versions": 5}}, (1, 2), (1, 2)),
+    ({"all": {}}, (1, 2, 3), (1, 2, 3)),
+    ({"specific": {"versions": [3, 1]}}, (1, 2, 3), (1, 3)),
+])
+def test_version_policy_chooses_the_versions(model_repository, tmp_path, policy, on_disk, served):
+    """Triton's version_policy in config.json: latest N (default 1), all, specific."""
+    from attnserve.server.repository import read_model_specs
+
+    model = tmp_path / GOOD
+    shutil.copytree(model_repository / GOOD, model)
+    for v in on_disk:
+        if v != 1:
+            shutil.copytree(model / "1", model / str(v))
+    config = json.loads((model / "config.json").read_text())
+    if policy is not None:
+        config["version_policy"] = policy
+    (model / "config.json").write_text(json.dumps(config))
+    specs = read_model_specs(model)
+    assert tuple(s.version for s in specs) == served
+    assert all(s.version_dir == model / str(s.version) for s in specs)
+    assert read_model_spec(model).version == served[-1]
+    assert tuple(s.version for s in read_model_specs(model, pinned_version=on_disk[0])) == (on_disk[0],)
+
+
+@pytest.mark.parametrize("policy, reason", [
+    ({"latest": {"num_versions": 0}}, "num_versions must be an integer >= 1, got 0"),
+    ({"specific": {"versions": []}}, "non-empty list of integers"),
+    ({"specific": {"versions": [2]}}, "version(s) [2] of"),
+    ({"newest": {}}, "must be latest, all or specific, got 'newest'"),
+    ("latest", "version_policy must be one of"),
+])
+def test_a_bad_version_policy_is_a_load_error_naming_it(model_repository, tmp_path, policy, reason):
+    from attnserve.server.repository import read_model_specs
+
+    model = tmp_path / GOOD
+    shutil.copytree(model_repository / GOOD, model)
+    config = json.loads((model / "config.json").read_text())
+    config["version_policy"] = policy
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as exc:
+        read_model_specs(model)
+    assert reason in str(exc.value)

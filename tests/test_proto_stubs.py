@@ -153,6 +153,8 @@ SERVICE_RPCS = {
     "ModelConfig": ("ModelConfigRequest", "ModelConfigResponse", False, False),
     "ModelStatistics": ("ModelStatisticsRequest", "ModelStatisticsResponse", False, False),
     "RepositoryIndex": ("RepositoryIndexRequest", "RepositoryIndexResponse", False, False),
+    "RepositoryModelLoad": ("RepositoryModelLoadRequest", "RepositoryModelLoadResponse", False, False),
+    "RepositoryModelUnload": ("RepositoryModelUnloadRequest", "RepositoryModelUnloadResponse", False, False),
 }
 
 
@@ -297,6 +299,14 @@ WIRE_TABLE = [
     ("RepositoryIndexResponse.ModelIndex", "version", 2, STR, OPTIONAL, None),
     ("RepositoryIndexResponse.ModelIndex", "state", 3, STR, OPTIONAL, None),
     ("RepositoryIndexResponse.ModelIndex", "reason", 4, STR, OPTIONAL, None),
+    ("ModelRepositoryParameter", "bool_param", 1, BOOL, OPTIONAL, None),
+    ("ModelRepositoryParameter", "int64_param", 2, I64, OPTIONAL, None),
+    ("ModelRepositoryParameter", "string_param", 3, STR, OPTIONAL, None),
+    ("ModelRepositoryParameter", "bytes_param", 4, BYTES, OPTIONAL, None),
+    ("RepositoryModelLoadRequest", "repository_name", 1, STR, OPTIONAL, None),
+    ("RepositoryModelLoadRequest", "model_name", 2, STR, OPTIONAL, None),
+    ("RepositoryModelUnloadRequest", "repository_name", 1, STR, OPTIONAL, None),
+    ("RepositoryModelUnloadRequest", "model_name", 2, STR, OPTIONAL, None),
 ]
 
 
@@ -431,3 +441,30 @@ def test_stream_response_and_statistics_round_trip():
     back = pb.ModelStatisticsResponse.FromString(stats.SerializeToString())
     assert back == stats
     assert back.model_stats[0].inference_stats.success.ns == 10**9
+
+
+@pytest.mark.parametrize("message", ["ModelRepositoryParameter", "RepositoryIndexRequest", "RepositoryIndexResponse",
+                                     "RepositoryModelLoadRequest", "RepositoryModelLoadResponse",
+                                     "RepositoryModelUnloadRequest", "RepositoryModelUnloadResponse"])
+def test_repository_messages_are_tritons(message):
+    """The model repository messages are Triton's own, field for field (tritonclient's
+    grpc_service.proto, which the package pins as a test dependency), maps and oneofs included."""
+    service_pb2 = pytest.importorskip("tritonclient.grpc.service_pb2")
+    from google.protobuf import descriptor_pb2
+
+    def shape(desc):
+        proto = descriptor_pb2.DescriptorProto()
+        desc.CopyToProto(proto)
+        return proto
+
+    ours, theirs = shape(_message(message)), shape(service_pb2.DESCRIPTOR.message_types_by_name[message])
+    assert ours == theirs
+
+
+def test_repository_rpcs_are_tritons():
+    service_pb2 = pytest.importorskip("tritonclient.grpc.service_pb2")
+    ours = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_name
+    theirs = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_name
+    for name in ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"):
+        assert (ours[name].input_type.full_name, ours[name].output_type.full_name) == (
+            theirs[name].input_type.full_name, theirs[name].output_type.full_name)

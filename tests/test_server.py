@@ -6,6 +6,7 @@ import concurrent.futures
 import re
 import urllib.request
 import zlib
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -405,3 +406,50 @@ def test_a_stream_cancelled_midway_leaves_the_server_well(server, stub, eager_mo
     _assert_close(outputs_of(stub.ModelInfer(request, timeout=30)), eager(eager_modules["cross_attention"], **x))
     new_log = server.log()[log_before:]
     assert "Traceback" not in new_log and "never retrieved" not in new_log, new_log[-3000:]
+
+
+def _reflection_v1_messages(tmp_path):
+    """The canonical grpc.reflection.v1 proto (tests/protos: grpc/grpc-proto's file, as Debian's
+    grpc-proto package ships it), compiled here with grpcio-tools: a real v1 client's messages
+    and service, sharing nothing with the server's v1alpha code."""
+    import importlib.util
+
+    protoc = pytest.importorskip("grpc_tools.protoc")
+    include = Path(__file__).parent / "protos"
+    out = tmp_path / "v1"
+    out.mkdir()
+    assert protoc.main(["protoc", f"-I{include}", f"--python_out={out}",
+                        str(include / "grpc/reflection/v1/reflection.proto")]) == 0
+    # By path: `grpc.reflection.v1` would resolve inside grpcio's own `grpc` package.
+    spec = importlib.util.spec_from_file_location("reflection_v1_pb2", out / "grpc/reflection/v1/reflection_pb2.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_reflection_v1_as_grpcurl_and_postman_ask_it(server, tmp_path):
+    """grpc.reflection.v1, beside v1alpha: list the services, then the file of each (ours with
+    the repository RPCs, and v1's own)."""
+    v1_pb2 = _reflection_v1_messages(tmp_path)
+    service = v1_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
+    assert service.full_name == "grpc.reflection.v1.ServerReflection"
+    with server.channel() as channel:
+        info = channel.stream_stream(f"/{service.full_name}/ServerReflectionInfo",
+                                     request_serializer=v1_pb2.ServerReflectionRequest.SerializeToString,
+                                     response_deserializer=v1_pb2.ServerReflectionResponse.FromString)
+        (listed,) = info(iter([v1_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+        names = {s.name for s in listed.list_services_response.service}
+        assert {"inference.GRPCInferenceService", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+                "grpc.reflection.v1alpha.ServerReflection"} <= names
+        replies = list(info(iter([
+            v1_pb2.ServerReflectionRequest(file_containing_symbol="inference.GRPCInferenceService"),
+            v1_pb2.ServerReflectionRequest(file_containing_symbol="grpc.reflection.v1.ServerReflection")]),
+            timeout=10))
+    files = [[descriptor_pb2.FileDescriptorProto.FromString(b) for b in r.file_descriptor_response.file_descriptor_proto]
+             for r in replies]
+    (inference,) = [f for f in files[0] if f.package == "inference"]
+    assert {"RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"} <= {
+        m.name for m in inference.service[0].method}
+    (v1,) = [f for f in files[1] if f.package == "grpc.reflection.v1"]
+    assert v1.name == "grpc/reflection/v1/reflection.proto"
+    assert [m.input_type for m in v1.service[0].method] == [".grpc.reflection.v1.ServerReflectionRequest"]

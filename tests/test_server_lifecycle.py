@@ -113,8 +113,20 @@ def test_flags_beat_environment_beats_defaults():
     assert load_config([], {}) == ServerConfig()
 
 
+def test_switches_and_model_control():
+    """--access-log is a switch (a value too); --model-control-mode and its poll period."""
+    assert load_config(["--access-log"], {}).access_log
+    assert not load_config(["--access-log", "false"], {}).access_log
+    assert not load_config([], {}).access_log
+    assert load_config([], {}).model_control_mode == "none"
+    config = load_config(["--repository-poll-secs", "2.5"], {"ATTNSERVE_MODEL_CONTROL_MODE": "poll"})
+    assert (config.model_control_mode, config.repository_poll_secs) == ("poll", 2.5)
+
+
 @pytest.mark.parametrize("argv, env, message", [
     (["--device", "tpu"], {}, "device must be one of"),
+    (["--model-control-mode", "auto"], {}, "model_control_mode must be one of none, explicit, poll"),
+    (["--repository-poll-secs", "0"], {}, "repository_poll_secs must be > 0"),
     (["--max-batch-size", "0"], {}, "max_batch_size must be >= 1"),
     ([], {"ATTNSERVE_PORT": "eighty"}, "ATTNSERVE_PORT"),
     ([], {"ATTNSERVE_MODEL_VERSIONS": "x"}, "NAME=VERSION"),

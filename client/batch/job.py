@@ -17,7 +17,7 @@ from attnserve.client.batch.fingerprint import Fingerprint, fingerprint
 from attnserve.client.batch.manifest import Manifest
 from attnserve.client.batch.plan import Chunk, check_parts, plan_chunks
 from attnserve.client.batch.preflight import preflight
-from attnserve.client.batch.progress import Progress
+from attnserve.client.batch.progress import DEFAULT_EVERY_S, Progress
 from attnserve.client.batch.runner import Runner
 from attnserve.client.batch.shards import ItemShape, Shard, discover_shards, total_items
 from attnserve.client.batch.spec import BatchError, BatchJob, BatchSummary
@@ -27,15 +27,17 @@ from attnserve.client.options import ClientOptions
 logger = logging.getLogger(__name__)
 
 
-def run_batch(job: BatchJob, options: ClientOptions, progress_stream: IO[str] | None = None) -> BatchSummary:
+def run_batch(job: BatchJob, options: ClientOptions, progress_stream: IO[str] | None = None,
+              progress_every_s: float = DEFAULT_EVERY_S) -> BatchSummary:
     """Run (or resume) the job to the end; raises BatchError (with `.summary`) when it cannot finish.
 
-    `progress_stream`: where the progress bar goes when it is a TTY (the CLI passes stderr).
+    `progress_stream`: where progress goes (the CLI passes stderr): a bar on a TTY, else a line
+    every `progress_every_s` seconds.
     """
     started = time.monotonic()
     summary = BatchSummary()
     try:
-        _run(job, options, progress_stream, summary)
+        _run(job, options, (progress_stream, progress_every_s), summary)
     except BatchError as err:
         err.summary = summary
         raise
@@ -44,7 +46,8 @@ def run_batch(job: BatchJob, options: ClientOptions, progress_stream: IO[str] | 
     return summary
 
 
-def _run(job: BatchJob, options: ClientOptions, progress_stream: IO[str] | None, summary: BatchSummary) -> None:
+def _run(job: BatchJob, options: ClientOptions, progress_to: tuple[IO[str] | None, float],
+         summary: BatchSummary) -> None:
     shards, item = discover_shards(job.input_path)
     summary.items = total = total_items(shards)
     output = job.output_path.resolve()
@@ -73,7 +76,7 @@ def _run(job: BatchJob, options: ClientOptions, progress_stream: IO[str] | None,
             manifest = Manifest.start(identity, total, job.batch_size)
             workdir.write_manifest(manifest)
         logger.info("batch job: %d items, %d already done, %d chunks to compute", total, summary.resumed, len(chunks))
-        _compute(job, options, shards, workdir, manifest, chunks, progress_stream, summary)
+        _compute(job, options, shards, workdir, manifest, chunks, progress_to, summary)
         assemble_started = time.monotonic()
         assemble(job, workdir, total, identity.key)
         workdir.remove()
@@ -110,14 +113,15 @@ def _preflight(job: BatchJob, options: ClientOptions, item: ItemShape, workdir: 
 
 
 def _compute(job: BatchJob, options: ClientOptions, shards: list[Shard], workdir: WorkDir, manifest: Manifest,
-             chunks: list[Chunk], progress_stream: IO[str] | None, summary: BatchSummary) -> None:
-    progress = Progress(summary.items, summary.resumed, progress_stream)
+             chunks: list[Chunk], progress_to: tuple[IO[str] | None, float], summary: BatchSummary) -> None:
+    progress = Progress(summary.items, summary.resumed, *progress_to)
     runner = Runner(job, options, shards, workdir, manifest, progress, summary)
     started = time.monotonic()
     try:
         failure = asyncio.run(runner.compute(chunks)) if chunks else None
     finally:
         progress.close()
+        summary.compute_seconds = progress.seconds
     logger.info("computed %d items in %.2f s", summary.computed, time.monotonic() - started)
     if failure is not None:
         raise failure.to_error(workdir.path) from None

@@ -21,18 +21,22 @@ class BatchSummary:
     items: int = 0  # in the input
     computed: int = 0  # sent to the server by this run
     resumed: int = 0  # found finished (parts or a complete output) and not recomputed
-    seconds: float = 0.0
+    seconds: float = 0.0  # the whole run: reading, computing, writing the output
+    compute_seconds: float = 0.0  # computing alone: the progress's interval, which its rate is over
     requests: int = 0
     retries: int = 0
     errors: int = 0
 
     @property
     def items_per_s(self) -> float:
-        return self.computed / self.seconds if self.seconds > 0 else 0.0
+        """Items computed per second of computing: the rate the progress showed."""
+        return self.computed / self.compute_seconds if self.computed and self.compute_seconds > 0 else 0.0
 
     def line(self) -> str:
+        rate = (f"{self.items_per_s:.1f} items/s over {self.compute_seconds:.2f} s computing" if self.computed
+                else "nothing to compute")
         return (f"batch: {self.items} items ({self.computed} computed, {self.resumed} resumed) "
-                f"in {self.seconds:.2f} s, {self.items_per_s:.1f} items/s, {self.requests} requests, "
+                f"in {self.seconds:.2f} s, {rate}, {self.requests} requests, "
                 f"{self.retries} retries, {self.errors} errors")
 
 
