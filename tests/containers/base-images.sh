@@ -12,12 +12,13 @@
 #
 # Each image carries the hash of its recipe (label attnserve.ci.recipe); one whose recipe is
 # unchanged is kept. The debootstrap tarballs are kept under $CACHE (keyed by the same hash), so a
-# wiped podman storage imports again in seconds. The host's CA bundle is copied in: downloads here
-# pass a TLS proxy whose CA is in it.
+# wiped podman storage imports again in seconds. The host's CA bundle and its local CAs are copied
+# in: downloads here pass a TLS proxy whose CA is among them.
 set -euo pipefail
 CACHE=${ATTNSERVE_CI_CACHE:-/var/cache/attnserve-ci}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 CA=/etc/ssl/certs/ca-certificates.crt
+LOCAL_CAS=/usr/local/share/ca-certificates  # kept by update-ca-certificates when a build installs ca-certificates
 mkdir -p "$CACHE"
 
 # remove_rootfs DIR: unmount what a failed or interrupted debootstrap left mounted in DIR (proc,
@@ -34,7 +35,7 @@ remove_rootfs() {
 make_base() {
     local tag=$1 suite=$2 packages=$3 setup=${4:-}
     local recipe key
-    recipe="v1|$suite|$packages|$setup|$(sha256sum "$CA" | cut -c1-16)"
+    recipe="v1|$suite|$packages|$setup|$(cat "$CA" "$LOCAL_CAS"/*.crt 2>/dev/null | sha256sum | cut -c1-16)"
     key=$(printf '%s' "$recipe" | sha256sum | cut -c1-16)
     if [ "$(podman image inspect --format '{{index .Labels "attnserve.ci.recipe"}}' "$tag" 2>/dev/null)" = "$key" ]; then
         echo "base image $tag: cached (recipe $key)"
@@ -48,7 +49,8 @@ make_base() {
         local start=$SECONDS
         debootstrap --variant=minbase ${packages:+--include="$packages"} "$suite" "$root" "$MIRROR" > "$root.log" 2>&1 \
             || { tail -20 "$root.log"; echo "debootstrap $suite failed"; remove_rootfs "$root"; exit 1; }
-        mkdir -p "$root${CA%/*}" && cp "$CA" "$root$CA"
+        mkdir -p "$root${CA%/*}" "$root$LOCAL_CAS" && cp "$CA" "$root$CA"
+        cp "$LOCAL_CAS"/*.crt "$root$LOCAL_CAS"/ 2>/dev/null || true
         if [ -n "$setup" ]; then chroot "$root" /bin/sh -ec "$setup" > "$root.log" 2>&1 || { tail -20 "$root.log"; echo "$tag: set-up failed"; remove_rootfs "$root"; exit 1; }; fi
         rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin "$root"/var/cache/apt/archives/*.deb
         tar --one-file-system -C "$root" -cf "$tarball.part" . && mv "$tarball.part" "$tarball"

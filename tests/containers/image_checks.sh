@@ -4,7 +4,7 @@ set -euo pipefail
 fail() { echo "FAIL: $*" >&2; exit 1; }
 pass() { echo "PASS: $*"; }
 inspect() { podman image inspect --format "$2" "$1"; }
-in_image() { local image=$1; shift; podman run --rm --network none --entrypoint python "$image" -c "$@"; }
+in_image() { local image=$1; shift; podman run --rm --network none --no-healthcheck --entrypoint python "$image" -c "$@"; }
 
 for image in attnserve:cpu attnserve-export:cpu attnserve:cuda-standin; do
     [ "$(inspect "$image" '{{.Config.User}}')" = "10001:10001" ] || fail "$image does not run as 10001:10001"
@@ -17,7 +17,7 @@ for image in attnserve:cpu attnserve:cuda-standin; do
     [ "$(inspect "$image" '{{.Config.StopSignal}}')" = SIGTERM ] || fail "$image stop signal"
     in_image "$image" 'import importlib.util as u, sys; sys.exit(u.find_spec("torch") is not None)' \
         || fail "$image has torch"
-    podman run --rm --network none --entrypoint sh "$image" -c '! command -v gcc && ! command -v cc' >/dev/null \
+    podman run --rm --network none --no-healthcheck --entrypoint sh "$image" -c '! command -v gcc && ! command -v cc' >/dev/null \
         || fail "$image has a compiler"
 done
 pass "serving images: HEALTHCHECK runs /opt/attnserve/healthcheck.py (grpc.health.v1), SIGTERM stops, no torch, no compiler"
@@ -34,3 +34,11 @@ assert "onnxruntime-gpu" in names and "onnxruntime" not in names, names
 print(",".join(ort.get_available_providers()))')
 case ",$providers," in *,CUDAExecutionProvider,*) ;; *) fail "attnserve:cuda-standin providers: $providers" ;; esac
 pass "attnserve:cuda-standin: onnxruntime-gpu in place of onnxruntime; providers $providers"
+
+# The CUDA provider must link the CUDA major version of the base the Dockerfile names
+# (onnxruntime-gpu >= 1.27 on PyPI links CUDA 13: it would not load on the CUDA 12 base).
+cuda_major=$(sed -n 's/^ARG CUDA_IMAGE=nvidia\/cuda:\([0-9]*\)\..*/\1/p' deploy/Dockerfile.cuda)
+linked=$(podman run --rm --network none --no-healthcheck --entrypoint sh attnserve:cuda-standin -c \
+    'ldd /opt/venv/lib/python3.11/site-packages/onnxruntime/capi/libonnxruntime_providers_cuda.so' | grep -o 'libcudart\.so\.[0-9]*' | sort -u)
+[ "$linked" = "libcudart.so.$cuda_major" ] || fail "the CUDA provider links $linked, the base image (CUDA_IMAGE) is CUDA $cuda_major"
+pass "attnserve:cuda-standin: the CUDA provider links libcudart.so.$cuda_major, the CUDA major version of CUDA_IMAGE"
