@@ -57,6 +57,7 @@ make_base() {
         remove_rootfs "$root"
         echo "base image $tag: rootfs made in $((SECONDS - start)) s"
     fi
+    touch "$tarball"  # in use: kept by the clean-up at the end
     podman import --change "LABEL attnserve.ci.recipe=$key" --change 'CMD ["/bin/bash"]' \
         "$tarball" "$tag" --quiet > /dev/null
     echo "base image $tag: imported (recipe $key)"
@@ -75,3 +76,6 @@ make_base localhost/attnserve-ci/nginx sid "" '
     rm /usr/sbin/policy-rc.d
     mkdir -p /var/cache/nginx
     nginx -v'
+
+# Tarballs of recipes not used for 30 days (a changed recipe leaves its old one behind).
+find "$CACHE" -maxdepth 1 -name 'rootfs-*.tar' -mtime +30 -delete
