@@ -67,15 +67,17 @@ make_base localhost/python:3.11-slim-bookworm bookworm python3,python3-venv,pyth
 python_base=$!
 make_base localhost/attnserve-ci/cuda-standin bookworm "" &
 cuda_base=$!
-wait "$python_base"
-wait "$cuda_base"
 # nginx from apt inside the chroot, with invoke-rc.d told not to start it on the host's network.
 make_base localhost/attnserve-ci/nginx sid "" '
     printf "#!/bin/sh\nexit 101\n" > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
     apt-get -o Acquire::Check-Valid-Until=false update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nginx wget
     rm /usr/sbin/policy-rc.d
     mkdir -p /var/cache/nginx
-    nginx -v'
+    nginx -v' &
+nginx_base=$!
+wait "$python_base"
+wait "$cuda_base"
+wait "$nginx_base"
 
 # Tarballs of recipes not used for 30 days (a changed recipe leaves its old one behind).
 find "$CACHE" -maxdepth 1 -name 'rootfs-*.tar' -mtime +30 -delete
