@@ -320,9 +320,10 @@ def check_cuda_image_without_cuda() -> None:
 def remove_project() -> None:
     """Whatever an earlier run left: the project's containers (a scaled-up replica is one that
     `down` of the plain file does not know), its volume and its network."""
-    names = podman("ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}").stdout.split()
-    if names:
-        podman("rm", "-f", "-t", "0", *names)
+    names = podman("ps", "-a", "--sort", "created", "--format", "{{.Names}}",
+                   "--filter", f"label=com.docker.compose.project={PROJECT}").stdout.split()
+    for name in reversed(names):  # newest first: podman-compose makes each depend on what it needs
+        podman("rm", "-f", "-t", "0", name)
     podman("volume", "rm", "-f", VOLUME, check_rc=False)
     podman("network", "rm", "-f", NETWORK, check_rc=False)
 
