@@ -115,4 +115,4 @@ proto: $(STAMP)
 	$(PY) -m attnserve.proto.generate
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) $(ECOSYSTEM_VENV) .venv-deps-oldest .venv-deps-newest .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(ECOSYSTEM_VENV) .venv-deps-oldest .venv-deps-newest .venv-containers .pytest_cache
