@@ -8,7 +8,7 @@ PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
 PRESETS := self_attention cross_attention
 
-.PHONY: install test test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-sweep bench-tools clean nginx
+.PHONY: install test test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-sweep bench-tools clean nginx
 
 install: $(STAMP)
 
@@ -21,6 +21,13 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP) nginx
 	$(PY) -m pytest tests
+
+# Every image built and docker-compose.yml run for real, with Debian's podman (needs root; a few
+# minutes): stand-in base images from Debian's packages (no registry here), the serve, export and
+# CUDA images, the compose topology's checks (tests/containers/compose_check.py), hadolint and
+# kubernetes-validate. tests/containers/run.sh says what each step proves and what it cannot.
+test-containers: $(STAMP)
+	tests/containers/run.sh
 
 # attnserve as users install it beside the rest of the Open Inference Protocol ecosystem: in a
 # virtualenv made anew each run (pip's cache is reused; no torch), `pip install . 'tritonclient[grpc]'
@@ -114,4 +121,4 @@ proto: $(STAMP)
 	$(PY) -m attnserve.proto.generate
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) $(ECOSYSTEM_VENV) .venv-deps-oldest .venv-deps-newest .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(ECOSYSTEM_VENV) .venv-deps-oldest .venv-deps-newest .venv-containers .pytest_cache
