@@ -66,11 +66,15 @@ def _run_checks(checks: list[tuple[str, Check]]) -> tuple[int, int]:
     return passed, failed
 
 
-def _inputs(masked: bool):
+# Each preset's shapes here: the seeds' own (self_attention: a sentence of 10 tokens).
+_SHAPES = {"cross_attention": (3, 256, 77, 32), "self_attention": (2, 10, 10, 512)}
+
+
+def _inputs(masked: bool, model: str = MODEL):
     import numpy as np
 
     rng = np.random.default_rng(2)
-    b, lq, lk, width = 3, 256, 77, 32
+    b, lq, lk, width = _SHAPES[model]
     inputs = {
         "query": rng.standard_normal((b, lq, width), dtype=np.float32),
         "key": rng.standard_normal((b, lk, width), dtype=np.float32),
@@ -81,11 +85,11 @@ def _inputs(masked: bool):
     return inputs
 
 
-def _ours(address: str, inputs) -> dict:
+def _ours(address: str, inputs, model: str = MODEL) -> dict:
     from attnserve.client import InferenceClient
 
     with InferenceClient(address) as client:
-        return client.infer(MODEL, inputs["query"], inputs["key"], inputs["value"], mask=inputs.get("mask"),
+        return client.infer(model, inputs["query"], inputs["key"], inputs["value"], mask=inputs.get("mask"),
                             outputs=("output", "attn_probs"))
 
 
@@ -239,9 +243,9 @@ def child_kserve_rest(addresses: str) -> list[tuple[str, Check]]:
         assert live is True and ready is True and model_ready is True, (live, ready, model_ready)
         return "GET /v2/health/live, /v2/health/ready, /v2/models/{m}/ready"
 
-    def infer(binary: bool) -> Check:
+    def infer(model: str, binary: bool) -> Check:
         def check() -> str:
-            inputs = _inputs(masked=True)
+            inputs = _inputs(masked=True, model=model)
 
             async def call(client):
                 tensors = []
@@ -249,10 +253,10 @@ def child_kserve_rest(addresses: str) -> list[tuple[str, Check]]:
                     tensor = kserve.InferInput(name, list(array.shape), "BOOL" if name == "mask" else "FP32")
                     tensor.set_data_from_numpy(array, binary_data=binary)
                     tensors.append(tensor)
-                response = await client.infer(base_url, kserve.InferRequest(MODEL, tensors, request_id="rest"),
-                                              model_name=MODEL)
+                response = await client.infer(base_url, kserve.InferRequest(model, tensors, request_id="rest"),
+                                              model_name=model)
                 return {n: response.get_output_by_name(n).as_numpy() for n in ("output", "attn_probs")}
-            return _same(_ours(grpc_address, inputs), asyncio.run(with_client(call)), "kserve REST")
+            return _same(_ours(grpc_address, inputs, model), asyncio.run(with_client(call)), "kserve REST")
         return check
 
     def error() -> str:
@@ -269,10 +273,9 @@ def child_kserve_rest(addresses: str) -> list[tuple[str, Check]]:
 
     return [
         ("kserve.InferenceRESTClient: server liveness, readiness, model readiness", readiness),
-        (f"kserve.InferenceRESTClient infers {MODEL} with a mask, JSON tensors: same numbers as attnserve.client",
-         infer(binary=False)),
-        (f"kserve.InferenceRESTClient infers {MODEL} with a mask, binary tensors: same numbers as attnserve.client",
-         infer(binary=True)),
+        *((f"kserve.InferenceRESTClient infers {model} with a mask, {'binary' if binary else 'JSON'} tensors: "
+           "same numbers as attnserve.client", infer(model, binary))
+          for model in PRESETS for binary in (False, True)),
         ("kserve.InferenceRESTClient: an unknown model is HTTPStatusError 404 with our message", error),
     ]
 
