@@ -28,7 +28,8 @@ from attnserve.proto import reflection_pool
 from attnserve.server.config import ServerConfig
 from attnserve.server.engine import choose_device
 from attnserve.server.gate import CallGate, HandlerTable
-from attnserve.server.lifecycle import Admission, Arrivals, Draining
+from attnserve.server.lifecycle import Admission, Arrivals, Draining, MemoryBudget
+from attnserve.server.memory import default_memory_limit
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_http import MetricsEndpoint
 from attnserve.server.models import ModelRegistry, RunBatchFactory
@@ -106,6 +107,7 @@ class Server:
         self._draining = Draining()
         self._arrivals = Arrivals()
         self._admission = Admission(self._arrivals)
+        self.budget: MemoryBudget | None = None
 
     async def start(self) -> int:
         """Load the models, bind, serve. Returns the bound gRPC port.
@@ -118,15 +120,20 @@ class Server:
         if device.why_not_cuda:
             logger.warning("device auto: serving on CPU because %s", device.why_not_cuda)
         # Creating sessions blocks for a while; nothing else is running yet.
+        limit = cfg.memory_limit_bytes if cfg.memory_limit_bytes is not None else default_memory_limit()
+        self.budget = MemoryBudget(limit)
         self.registry = ModelRegistry.load(cfg, device, self.metrics, arrivals=self._arrivals,
-                                           run_batch=self._run_batch)
+                                           run_batch=self._run_batch, budget=self.budget)
         self.registry.start()
-        servicer = InferenceServicer(self.registry, self.metrics, self._draining)
+        servicer = InferenceServicer(self.registry, self.metrics, self._draining, self.budget)
 
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
+            # A client that opens calls and never reads their answers is held here and by the
+            # memory budget (its unsent answers stay counted until its calls end).
+            ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
         ]
         # Every method is served through the gate (token, draining, parsing; see server.gate).
         gate = CallGate(method_handlers(servicer, self._health), self._admission, self._draining, _INFER_METHODS,
@@ -153,10 +160,10 @@ class Server:
             except OSError as err:
                 await self._grpc.stop(None)
                 raise OSError(f"metrics port {cfg.host}:{cfg.metrics_port}: {err.strerror or err}") from None
-        logger.info("serving %d model(s) %s on %s:%d (metrics %s, max message %d bytes)%s",
+        logger.info("serving %d model(s) %s on %s:%d (metrics %s, max message %d bytes, memory budget %d bytes)%s",
                     len(self.registry.loaded), sorted(self.registry.loaded), cfg.host, self.port,
                     f"http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
-                    cfg.max_message_bytes,
+                    cfg.max_message_bytes, limit,
                     f"; not ready: {sorted(self.registry.failed)}" if self.registry.failed else "")
         if cfg.ready_file is not None:
             self._write_ready_file(cfg.ready_file)

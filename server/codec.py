@@ -4,6 +4,10 @@ decode() validates a request against its model before anything large is allocate
 datatypes, ranks, widths, batch and length agreement, byte counts, limits) and raises ValueError
 with the tensor's name and the expectation; a bad request therefore fails alone, before it can
 join a batch. Raw contents are wrapped with np.frombuffer, without a copy.
+
+Typed contents (`fp32_contents`, `bool_contents`) never become Python objects: they are read
+from, and written as, their packed wire bytes by protobuf's C code (a 63 MB typed answer built
+with `tolist()` held the event loop for 0.6 s, every other client stalled behind it).
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> De
             if len(values) != count:
                 raise ValueError(f"input {tensor.name!r}: shape {list(shape)} needs {count} values in "
                                  f"contents.{_TYPED_FIELD[tensor.datatype]}, got {len(values)}")
-            array = np.asarray(values, dtype=dtype).reshape(shape)
+            array = _typed_values(tensor.contents, tensor.datatype, count).reshape(shape)
         arrays[tensor.name] = array.astype(np.float32, copy=False) if tensor.datatype == "FP32" else array
 
     work = Work(arrays["query"], arrays["key"], arrays["value"], arrays.get("mask"),
@@ -179,5 +183,68 @@ def encode(request: pb.ModelInferRequest, decoded: Decoded, result: Result, vers
         if decoded.raw:
             response.raw_output_contents.append(np.ascontiguousarray(array, dtype="<f4").tobytes())
         else:
-            tensor.contents.fp32_contents.extend(array.ravel().tolist())
+            tensor.contents.MergeFromString(_packed_field(_FP32_FIELD, np.ascontiguousarray(array, dtype="<f4")))
     return response
+
+
+_FIELD_NUMBER = {name: pb.InferTensorContents.DESCRIPTOR.fields_by_name[field].number
+                 for name, field in _TYPED_FIELD.items()}
+_FP32_FIELD = _FIELD_NUMBER["FP32"]
+_LENGTH_DELIMITED = 2
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _packed_field(number: int, array: np.ndarray) -> bytes:
+    """A packed repeated field on the wire: tag, length, the values' little-endian bytes."""
+    data = array.tobytes()
+    return _varint(number << 3 | _LENGTH_DELIMITED) + _varint(len(data)) + data
+
+
+def _read_varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+
+
+def _typed_values(contents: pb.InferTensorContents, datatype: str, count: int) -> np.ndarray:
+    """The values of contents' typed field for `datatype`, from their packed wire bytes (protobuf
+    writes repeated scalars packed): no Python object per value. BOOL values are varints of 0 or
+    1, one byte each."""
+    wanted = _FIELD_NUMBER[datatype]
+    data = contents.SerializeToString()
+    chunks = []
+    at = 0
+    while at < len(data):
+        tag, at = _read_varint(data, at)
+        wire_type = tag & 7
+        if wire_type == _LENGTH_DELIMITED:
+            length, at = _read_varint(data, at)
+            if tag >> 3 == wanted:
+                chunks.append(data[at:at + length])
+            at += length
+        elif wire_type == 0:
+            _, at = _read_varint(data, at)
+        elif wire_type in (1, 5):
+            at += 8 if wire_type == 1 else 4
+        else:
+            raise ValueError(f"contents: unexpected wire type {wire_type}")
+    raw = b"".join(chunks)
+    if datatype == "BOOL":
+        octets = np.frombuffer(raw, dtype=np.uint8)
+        if octets.size != count:  # a value other than 0 or 1 took more than one byte
+            raise ValueError(f"contents.bool_contents: expected {count} one-byte values, got {octets.size} bytes")
+        return octets.astype(np.bool_)
+    return np.frombuffer(raw, dtype=_DTYPES[datatype])

@@ -17,6 +17,7 @@ import grpc
 
 from attnserve.server.batcher import BatcherClosed, BatchFailed, DeadlineExpired, QueueFull
 from attnserve.server.echo import capped
+from attnserve.server.lifecycle import MemoryExhausted, MemoryTooLarge
 from attnserve.server.models import ModelNotFound, ModelUnavailable
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ _STATUS: dict[type[BaseException], grpc.StatusCode] = {
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
     ModelUnavailable: grpc.StatusCode.UNAVAILABLE,
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    MemoryExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,  # the memory budget is spent now: retry later
+    MemoryTooLarge: grpc.StatusCode.INVALID_ARGUMENT,  # could never fit the budget (a ValueError too)
     DeadlineExpired: grpc.StatusCode.DEADLINE_EXCEEDED,
     BatcherClosed: grpc.StatusCode.UNAVAILABLE,  # never computed: safe to retry elsewhere
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,  # likewise

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch
+from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch, Work
 from attnserve.server.codec import Limits
 from attnserve.server.config import ServerConfig
 from attnserve.server.echo import echo
 from attnserve.server.engine import DeviceChoice, Engine
+from attnserve.server.lifecycle import MemoryBudget
+from attnserve.server.memory import AttentionDims, Cost, GraphKind, request_cost, run_working_set
 from attnserve.server.metrics import Metrics
 from attnserve.server.repository import ModelLoadError, ModelSpec, model_names, read_model_spec
 
@@ -36,6 +38,30 @@ class ModelUnavailable(RuntimeError):
 RunBatchFactory = Callable[[ModelSpec], RunBatch]
 
 
+class GraphCosting:
+    """server.memory's estimate for one model's graphs (batcher.Costing)."""
+
+    def __init__(self, spec: ModelSpec, has_output_only: bool = True, fused: bool = False) -> None:
+        d_model = spec.d_model or max(spec.query_dim, spec.kv_dim, spec.out_dim)  # older config.json: a bound
+        self.dims = AttentionDims(spec.query_dim, spec.kv_dim, d_model, spec.out_dim, spec.num_heads)
+        self._has_output_only = has_output_only
+        self._fused = fused  # the hook for com.microsoft.MultiHeadAttention graphs (server.memory)
+
+    def kind(self, want_probs: bool) -> GraphKind:
+        if self._fused:
+            return GraphKind.FUSED
+        if want_probs or not self._has_output_only:
+            return GraphKind.UNFUSED_WITH_PROBS
+        return GraphKind.UNFUSED_OUTPUT_ONLY
+
+    def cost(self, work: Work) -> Cost:
+        return request_cost(self.kind(work.want_probs), self.dims, work.rows, work.q_len, work.k_len,
+                            work.nbytes, work.want_probs)
+
+    def batch_run(self, rows: int, q_len: int, k_len: int, want_probs: bool) -> int:
+        return run_working_set(self.kind(want_probs), self.dims, rows, q_len, k_len)
+
+
 @dataclass
 class LoadedModel:
     spec: ModelSpec
@@ -50,10 +76,12 @@ class ModelRegistry:
 
     @classmethod
     def load(cls, config: ServerConfig, device: DeviceChoice, metrics: Metrics,
-             arrivals: ArrivalSignal | None = None, run_batch: RunBatchFactory | None = None) -> "ModelRegistry":
+             arrivals: ArrivalSignal | None = None, run_batch: RunBatchFactory | None = None,
+             budget: MemoryBudget | None = None) -> "ModelRegistry":
         """Load every model of the repository; a model that fails is logged and kept as failed.
         arrivals: requests received but not yet submitted (each batcher's hint of company).
-        run_batch: makes each model's run instead of an ONNX Runtime Engine (bench.floor)."""
+        run_batch: makes each model's run instead of an ONNX Runtime Engine (bench.floor).
+        budget: the process's memory budget, shared by every model's batcher."""
         registry = cls()
         root = Path(config.model_repository)
         pins = config.pinned_versions
@@ -63,8 +91,10 @@ class ModelRegistry:
                 if run_batch is None:
                     engine = Engine(spec, device, config.intra_op_threads)
                     run, runs_on = engine.run, ",".join(engine.providers)
+                    costing = GraphCosting(spec, engine.has_output_only)
                 else:
                     run, runs_on = run_batch(spec), "a run_batch given to the server, no ONNX Runtime"
+                    costing = GraphCosting(spec, spec.graph_output_only.exists())
             except Exception as err:  # corrupt graphs raise onnxruntime's own exception types
                 reason = f"{type(err).__name__}: {err}" if not isinstance(err, ModelLoadError) else str(err)
                 registry.failed[name] = reason
@@ -81,7 +111,8 @@ class ModelRegistry:
                 # A merged batch's attention matrix obeys the same bound as one request's.
                 max_batch_scores=max(config.max_attention_bytes // (4 * spec.num_heads), 1),
             )
-            batcher = Batcher(name, run, policy, metrics.observer(name), arrivals)
+            batcher = Batcher(name, run, policy, metrics.observer(name), arrivals,
+                              budget=budget, costing=None if budget is None else costing)
             limits = Limits(spec.max_q_len, spec.max_kv_len, config.max_attention_bytes,
                             max_response_bytes=config.max_message_bytes)
             registry.loaded[name] = LoadedModel(spec, batcher, limits)

@@ -46,6 +46,7 @@ class ModelSpec:
     max_q_len: int
     max_kv_len: int
     available_versions: tuple[int, ...] = ()
+    d_model: int | None = None  # projection width (num_heads * head_dim); server.memory's estimate
 
     @property
     def graph_all_outputs(self) -> Path:
@@ -110,6 +111,7 @@ def read_model_spec(model_dir: Path, pinned_version: int | None = None) -> Model
         max_q_len=serving.max_q_len,
         max_kv_len=serving.max_kv_len,
         available_versions=available,
+        d_model=attention["d_model"] if isinstance(attention.get("d_model"), int) and attention["d_model"] > 0 else None,
     )
 
 

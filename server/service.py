@@ -17,7 +17,8 @@ from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server import __version__, codec
 from attnserve.server.echo import echo
 from attnserve.server.errors import CANCELLED, OK, Status, abort, status_for
-from attnserve.server.lifecycle import Draining
+from attnserve.server.batcher import Result
+from attnserve.server.lifecycle import Draining, MemoryBudget
 from attnserve.server.metrics import Metrics
 from attnserve.server.models import ModelNotFound, ModelRegistry
 from attnserve.contract import TensorSpec
@@ -25,6 +26,9 @@ from attnserve.contract import TensorSpec
 SERVER_NAME = "attnserve"
 # Requests of one ModelStreamInfer stream in the server at once; reading pauses beyond it.
 STREAM_WINDOW = 64
+# The share of the memory budget one stream's requests and unsent answers may hold before its
+# reading pauses (one request always goes): a stream that stops reading holds no more.
+STREAM_BUDGET_SHARE = 0.25
 EXTENSIONS = ("model_configuration", "statistics")  # "model_repository" also means load/unload
 # Triton's model states, as RepositoryIndex reports them.
 READY, UNAVAILABLE = "READY", "UNAVAILABLE"
@@ -55,11 +59,14 @@ def _duration(d) -> pb.StatisticDuration:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, registry: ModelRegistry, metrics: Metrics, draining: Draining) -> None:
-        """draining: the server's (shared with server.gate): not ready from SIGTERM on."""
+    def __init__(self, registry: ModelRegistry, metrics: Metrics, draining: Draining,
+                 budget: MemoryBudget | None = None) -> None:
+        """draining: the server's (shared with server.gate): not ready from SIGTERM on.
+        budget: the server's memory budget; a stream's share of it is bounded here."""
         self._registry = registry
         self._metrics = metrics
         self._draining = draining
+        self._stream_share = None if budget is None else int(budget.limit_bytes * STREAM_BUDGET_SHARE)
 
     # -- health and metadata -----------------------------------------------------------------
 
@@ -137,7 +144,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # -- inference ---------------------------------------------------------------------------
 
-    async def _infer(self, request: pb.ModelInferRequest, time_remaining: float | None) -> pb.ModelInferResponse:
+    async def _infer(self, request: pb.ModelInferRequest, time_remaining: float | None
+                     ) -> tuple[pb.ModelInferResponse, Result]:
+        """The response, and the Result whose memory reservation the caller releases once the
+        response is sent."""
         # Draining is decided per call when its headers arrive (server.gate), not here: a
         # call admitted before SIGTERM is served even if its message arrives after. No await
         # before submit: lifecycle.Arrivals counts a request as on its way until its handler
@@ -146,34 +156,43 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         decoded = codec.decode(request, model.spec, model.limits)
         deadline = None if time_remaining is None else time.monotonic() + time_remaining
         result = await model.batcher.submit(decoded.work, deadline)
-        return codec.encode(request, decoded, result, model.spec.version)
+        try:
+            return codec.encode(request, decoded, result, model.spec.version), result
+        except BaseException:
+            result.release()
+            raise
 
     def _metric_label(self, model_name: str) -> str:
         # Only known names become label values: a client must not grow the metrics without bound.
         known = model_name in self._registry.loaded or model_name in self._registry.failed
         return model_name if known else "_unknown"
 
-    async def _answered(self, request: pb.ModelInferRequest, context) -> tuple[pb.ModelInferResponse | None, Status]:
-        """One inference request: its response and OK, or None and the status for what was
-        raised. Its outcome is counted in the metrics either way; cancelled (the client went
-        away), it is counted as CANCELLED and the cancellation goes on."""
+    async def _answered(self, request: pb.ModelInferRequest, context
+                        ) -> tuple[pb.ModelInferResponse | None, Status, Result | None]:
+        """One inference request: its response, OK and its Result (release its memory once the
+        response is sent), or None, the status for what was raised and None. Its outcome is
+        counted in the metrics either way; cancelled (the client went away), it is counted as
+        CANCELLED and the cancellation goes on."""
         started = time.monotonic()
         status = CANCELLED
         try:
-            response = await self._infer(request, context.time_remaining())
+            response, result = await self._infer(request, context.time_remaining())
             status = OK
-            return response, status
+            return response, status, result
         except Exception as err:
             status = status_for(err)
-            return None, status
+            return None, status, None
         finally:
             self._metrics.request_done(self._metric_label(request.model_name), status.code.name,
                                        time.monotonic() - started)
 
     async def ModelInfer(self, request, context):
-        response, status = await self._answered(request, context)
+        response, status, result = await self._answered(request, context)
         if response is None:
             await context.abort(status.code, status.details)
+        # The answer stays counted in the memory budget until the call is over: sent (a client
+        # that does not read holds it until its deadline or its connection ends), or cancelled.
+        context.add_done_callback(lambda _context: result.release())
         return response
 
     async def ModelStreamInfer(self, request_iterator, context):
@@ -182,29 +201,68 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         An error answers its request and the stream goes on; a message that does not parse
         ends the stream with INVALID_ARGUMENT after the answers before it."""
         answers: asyncio.Queue[asyncio.Future | None] = asyncio.Queue(maxsize=STREAM_WINDOW)
-        reader = asyncio.create_task(self._read_stream(request_iterator, context, answers))
+        held = _StreamHold(self._stream_share)
+        reader = asyncio.create_task(self._read_stream(request_iterator, context, answers, held))
         try:
             while (answer := await answers.get()) is not None:
-                yield await answer
+                response, result = await answer
+                try:
+                    yield response  # resumes once gRPC has written it (HTTP/2 flow control)
+                finally:
+                    held.release(result)
             await reader  # raises what ended the reading, if anything did
         finally:
             reader.cancel()
             while not answers.empty():
                 pending = answers.get_nowait()
-                if pending is not None:
-                    pending.cancel()
+                if pending is None:
+                    continue
+                if pending.done() and not pending.cancelled() and pending.exception() is None:
+                    held.release(pending.result()[1])
+                pending.cancel()
 
-    async def _read_stream(self, request_iterator, context, answers: asyncio.Queue) -> None:
+    async def _read_stream(self, request_iterator, context, answers: asyncio.Queue, held: "_StreamHold") -> None:
         try:
             async for request in request_iterator:
-                await answers.put(asyncio.ensure_future(self._stream_answer(request, context)))
+                await answers.put(asyncio.ensure_future(self._stream_answer(request, context, held)))
+                await held.room()  # this stream's share of the memory budget is full: stop reading
         finally:
             await answers.put(None)
 
-    async def _stream_answer(self, request: pb.ModelInferRequest, context) -> pb.ModelStreamInferResponse:
-        response, status = await self._answered(request, context)
+    async def _stream_answer(self, request: pb.ModelInferRequest, context, held: "_StreamHold"
+                             ) -> tuple[pb.ModelStreamInferResponse, Result | None]:
+        response, status, result = await self._answered(request, context)
         if response is None:  # the stream goes on
             return pb.ModelStreamInferResponse(
                 error_message=status.stream_message(),
-                infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id))
-        return pb.ModelStreamInferResponse(infer_response=response)
+                infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id)), None
+        held.hold(result)
+        return pb.ModelStreamInferResponse(infer_response=response), result
+
+
+class _StreamHold:
+    """The memory one stream's answers hold (computed, not yet written), against its share of
+    the budget: its reading pauses while it holds more (one answer always goes)."""
+
+    def __init__(self, share_bytes: int | None) -> None:
+        self._share = share_bytes
+        self._held: dict[int, int] = {}  # id(result) -> its reserved bytes
+        self._bytes = 0
+        self._changed = asyncio.Event()
+
+    def hold(self, result: Result) -> None:
+        if result.reservation is not None:
+            self._held[id(result)] = result.reservation.nbytes
+            self._bytes += result.reservation.nbytes
+
+    def release(self, result: Result | None) -> None:
+        if result is None:
+            return
+        result.release()
+        self._bytes -= self._held.pop(id(result), 0)
+        self._changed.set()
+
+    async def room(self) -> None:
+        while self._share is not None and self._bytes > self._share:
+            self._changed.clear()
+            await self._changed.wait()
