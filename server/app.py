@@ -29,7 +29,7 @@ from attnserve.server.config import ServerConfig
 from attnserve.server.engine import choose_device
 from attnserve.server.gate import CallGate, HandlerTable
 from attnserve.server.lifecycle import Admission, Arrivals, Draining, MemoryBudget
-from attnserve.server.memory import default_memory_limit
+from attnserve.server.memory import configure_allocator, default_memory_limit
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_http import MetricsEndpoint
 from attnserve.server.models import ModelRegistry, RunBatchFactory
@@ -120,6 +120,7 @@ class Server:
         if device.why_not_cuda:
             logger.warning("device auto: serving on CPU because %s", device.why_not_cuda)
         # Creating sessions blocks for a while; nothing else is running yet.
+        configure_allocator()
         limit = cfg.memory_limit_bytes if cfg.memory_limit_bytes is not None else default_memory_limit()
         self.budget = MemoryBudget(limit)
         self.registry = ModelRegistry.load(cfg, device, self.metrics, arrivals=self._arrivals,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
+from attnserve.server.memory import TRIM_AFTER_SCORES_BYTES, trim_heap
 from attnserve.server.repository import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -96,11 +97,15 @@ class Engine:
     def run(self, feeds: dict[str, np.ndarray], want_probs: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """feeds: query (B, Lq, q_dim), key/value (B, Lk, kv_dim), mask (B, Lq, Lk) bool.
         Returns output (B, Lq, out_dim) and attn_probs (B, H, Lq, Lk) or None."""
-        if want_probs or self._output_only is None:
-            output, attn_probs = self._run(self._all_outputs, feeds)
-            return output, (attn_probs if want_probs else None)
-        (output,) = self._run(self._output_only, feeds)
-        return output, None
+        try:
+            if want_probs or self._output_only is None:
+                output, attn_probs = self._run(self._all_outputs, feeds)
+                return output, (attn_probs if want_probs else None)
+            (output,) = self._run(self._output_only, feeds)
+            return output, None
+        finally:
+            if feeds["mask"].size * 4 * self.spec.num_heads >= TRIM_AFTER_SCORES_BYTES:
+                trim_heap()  # a large run's freed buffers go back to the system now
 
     def _run(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         if not self._io_binding:

@@ -212,20 +212,30 @@ class MemoryBudget:
 
     A request that does not fit now waits in arrival order (the oldest keeps its place: while one
     waits, nobody jumps ahead), within its deadline; one without a deadline is shed at once. While
-    it waits, its inputs (already in memory) are counted, and a new waiter is taken only if every
-    waiter could still be admitted once the running work is done, so waiting never deadlocks."""
+    it waits its inputs (already in memory) are counted, in a share of the budget that
+    reservations leave for them (WAITING_ROOM). A request larger than the rest runs alone, when
+    nothing else is reserved. A new waiter is taken only if every waiter could still be admitted
+    once the running work is done, so waiting never deadlocks. reserved + waiting <= limit, always."""
+
+    WAITING_ROOM = 1 / 8
 
     def __init__(self, limit_bytes: int) -> None:
         if limit_bytes < 1:
             raise ValueError(f"memory limit must be >= 1 byte, got {limit_bytes}")
         self.limit_bytes = limit_bytes
-        self.used_bytes = 0  # reserved, plus the inputs of waiters
+        self.reserved_bytes = 0  # granted reservations
+        self.waiting_bytes = 0  # inputs of the requests that wait
+        self._room = int(limit_bytes * self.WAITING_ROOM)
         self._waiters: collections.deque[_Waiter] = collections.deque()
+
+    @property
+    def used_bytes(self) -> int:
+        return self.reserved_bytes + self.waiting_bytes
 
     @property
     def free_bytes(self) -> int:
         """What can be taken now without waiting (nothing while someone waits)."""
-        return 0 if self._waiters else self.limit_bytes - self.used_bytes
+        return 0 if self._waiters else max(self.limit_bytes - self._room - self.reserved_bytes, 0)
 
     def check_fits(self, nbytes: int, what: str) -> None:
         """MemoryTooLarge if `nbytes` could never fit, whatever else ran."""
@@ -234,11 +244,17 @@ class MemoryBudget:
                                  f"budget of {self.limit_bytes:,} bytes (--memory-limit-bytes); send fewer rows or "
                                  "shorter sequences, or ask for `output` alone")
 
+    def _admits(self, nbytes: int, waiting_others: int) -> bool:
+        """Whether `nbytes` may be granted now, `waiting_others` bytes of waiters' inputs staying."""
+        if self.reserved_bytes + nbytes <= self.limit_bytes - self._room:
+            return True
+        return self.reserved_bytes == 0 and nbytes + waiting_others <= self.limit_bytes  # alone
+
     def try_reserve(self, nbytes: int) -> Reservation | None:
         """Take `nbytes` now if they fit and nobody waits; else None."""
-        if nbytes > self.free_bytes:
+        if self._waiters or not self._admits(nbytes, self.waiting_bytes):
             return None
-        self.used_bytes += nbytes
+        self.reserved_bytes += nbytes
         return Reservation(self, nbytes)
 
     async def reserve(self, nbytes: int, deadline: float | None, first: int = 0, what: str = "this request"
@@ -246,7 +262,7 @@ class MemoryBudget:
         """Take `nbytes`, waiting in arrival order until `deadline` (time.monotonic()) if they do
         not fit now. first: the part of it already in memory (its inputs), counted while it waits.
         Returns None if the deadline passed first; raises MemoryTooLarge (never fits) or
-        MemoryExhausted (does not fit now: no deadline, or waiting could not end in time)."""
+        MemoryExhausted (does not fit now: no deadline, or no room to wait)."""
         self.check_fits(nbytes, what)
         reservation = self.try_reserve(nbytes)
         if reservation is not None:
@@ -259,7 +275,7 @@ class MemoryBudget:
                                                                " (a request with a deadline waits within it)"))
         waiter = _Waiter(nbytes, first, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
-        self.used_bytes += first
+        self.waiting_bytes += first
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), max(deadline - time.monotonic(), 0.0))
         except (TimeoutError, asyncio.CancelledError) as err:
@@ -268,35 +284,38 @@ class MemoryBudget:
             else:
                 waiter.future.cancel()
                 self._waiters.remove(waiter)
-                self._give_back(first)
+                self.waiting_bytes -= first
+                self._admit_waiters()
             if isinstance(err, asyncio.CancelledError):
                 raise
             return None
         return Reservation(self, nbytes)
 
     def _can_wait(self, nbytes: int, first: int) -> bool:
-        """Whether, with this waiter added, every waiter could be admitted in turn once nothing
-        else is reserved: the waiter's whole need plus the inputs of those behind it."""
-        if self.used_bytes + first > self.limit_bytes:
+        """Whether its inputs fit the waiting room and, with it added, every waiter could be
+        admitted in turn once nothing else is reserved."""
+        if self.waiting_bytes + first > self._room:
             return False
-        behind = first
-        if nbytes > self.limit_bytes:
-            return False
-        for w in reversed(self._waiters):
-            if w.total + behind > self.limit_bytes:
+        behind = 0  # inputs of the waiters after the one looked at, which stay while it is admitted
+        for total, own in [(nbytes, first), *((w.total, w.first) for w in reversed(self._waiters))]:
+            if total > self.limit_bytes - self._room and total + behind > self.limit_bytes:
                 return False
-            behind += w.first
+            behind += own
         return True
 
     def _give_back(self, nbytes: int) -> None:
-        self.used_bytes -= nbytes
+        self.reserved_bytes -= nbytes
+        self._admit_waiters()
+
+    def _admit_waiters(self) -> None:
         while self._waiters:
             head = self._waiters[0]
             if head.future.cancelled():
                 self._waiters.popleft()
                 continue
-            if self.used_bytes - head.first + head.total > self.limit_bytes:
+            if not self._admits(head.total, self.waiting_bytes - head.first):
                 return
             self._waiters.popleft()
-            self.used_bytes += head.total - head.first
+            self.waiting_bytes -= head.first
+            self.reserved_bytes += head.total
             head.future.set_result(None)

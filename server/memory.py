@@ -140,15 +140,41 @@ def resident_bytes(pid: int | str = "self") -> int:
     return 0
 
 
-def trim_heap() -> None:
-    """Give freed heap memory back to the system (glibc's malloc_trim); a no-op elsewhere.
-    After a large run the freed pages of medium-sized blocks stay in malloc's heap otherwise."""
-    try:
-        import ctypes
+# Blocks from this size up get their own mapping, returned to the system when freed. glibc
+# raises its threshold to the largest block freed (up to 32 MiB), so after one large run the
+# buffers of later ones stay in its heaps for good; a fixed threshold keeps them out.
+MMAP_THRESHOLD_BYTES = 1 << 20
+# A run whose attention matrix is at least this large is followed by trim_heap().
+TRIM_AFTER_SCORES_BYTES = 16 << 20
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers
+_libc = None
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+
+def _glibc():
+    global _libc
+    if _libc is None:
+        try:
+            import ctypes
+
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim  # noqa: B018 - glibc, not musl
+        except (OSError, AttributeError):
+            _libc = False
+    return _libc or None
+
+
+def configure_allocator() -> None:
+    """Once at startup: large blocks mapped on their own (see MMAP_THRESHOLD_BYTES); no-op off glibc."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+
+
+def trim_heap() -> None:
+    """Give freed heap memory back to the system (glibc's malloc_trim, every arena); no-op off glibc."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 __all__ = ["AttentionDims", "Cost", "GraphKind", "MEASURED_FACTOR_RANGE", "answer_bytes", "default_memory_limit",
