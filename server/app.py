@@ -29,7 +29,7 @@ from attnserve.server.config import ServerConfig
 from attnserve.server.engine import choose_device
 from attnserve.server.gate import CallGate, HandlerTable
 from attnserve.server.lifecycle import Admission, Arrivals, Draining, MemoryBudget
-from attnserve.server.memory import configure_allocator, default_memory_limit
+from attnserve.server.memory import configure_allocator, default_memory_limit, reclaim
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_http import MetricsEndpoint
 from attnserve.server.models import ModelRegistry, RunBatchFactory
@@ -122,7 +122,11 @@ class Server:
         # Creating sessions blocks for a while; nothing else is running yet.
         configure_allocator()
         limit = cfg.memory_limit_bytes if cfg.memory_limit_bytes is not None else default_memory_limit()
-        self.budget = MemoryBudget(limit)
+        loop = asyncio.get_running_loop()
+        # Once a large use of the budget is over, what gRPC and numpy freed goes back to the
+        # system (off the event loop: malloc_trim walks every heap).
+        self.budget = MemoryBudget(limit, on_idle=lambda: loop.call_later(
+            _TRIM_DELAY_S, lambda: loop.run_in_executor(None, reclaim)))
         self.registry = ModelRegistry.load(cfg, device, self.metrics, arrivals=self._arrivals,
                                            run_batch=self._run_batch, budget=self.budget)
         self.registry.start()
@@ -226,6 +230,9 @@ _QUIET_BOUND_S = 0.5
 # when the grace ran out (they finish: the README's promise) and the answers refused at that
 # point (UNAVAILABLE) get this long to leave.
 _RUNNING_MARGIN_S = 10.0
+# After the memory budget empties, the call that released it is still finishing (its request
+# and response objects go when its handler's frames do): trim a moment later.
+_TRIM_DELAY_S = 0.05
 
 
 async def _wait_for(event: asyncio.Event, timeout_s: float) -> bool:

@@ -43,7 +43,7 @@ class ServerConfig:
     # None: a share of the cgroup's (or machine's) memory, memory.default_memory_limit().
     memory_limit_bytes: int | None = None
     # HTTP/2 streams (calls) per connection at once; a client's further calls wait client-side.
-    max_concurrent_streams: int = 64
+    max_concurrent_streams: int = 100
     # On SIGTERM/SIGINT/SIGHUP: readiness goes NOT_SERVING at once, calls are still admitted for
     # drain_delay_s (load balancers and Kubernetes endpoints take that long to stop sending),
     # then new streams are refused (GOAWAY) and what was admitted finishes within grace_period_s.

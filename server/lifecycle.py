@@ -15,6 +15,7 @@ import asyncio
 import collections
 import itertools
 import time
+from typing import Callable
 
 
 class Draining:
@@ -218,11 +219,17 @@ class MemoryBudget:
     once the running work is done, so waiting never deadlocks. reserved + waiting <= limit, always."""
 
     WAITING_ROOM = 1 / 8
+    # on_idle is called when nothing is reserved any more after at least this much was.
+    IDLE_AFTER_BYTES = 64 << 20
 
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, limit_bytes: int, on_idle: Callable[[], None] | None = None) -> None:
+        """on_idle: called (on the event loop) when the budget empties after a large use: the
+        server gives freed heap memory back to the system then (server.memory.trim_heap)."""
         if limit_bytes < 1:
             raise ValueError(f"memory limit must be >= 1 byte, got {limit_bytes}")
         self.limit_bytes = limit_bytes
+        self._on_idle = on_idle
+        self._high_water = 0  # most reserved since the budget was last empty
         self.reserved_bytes = 0  # granted reservations
         self.waiting_bytes = 0  # inputs of the requests that wait
         self._room = int(limit_bytes * self.WAITING_ROOM)
@@ -255,6 +262,7 @@ class MemoryBudget:
         if self._waiters or not self._admits(nbytes, self.waiting_bytes):
             return None
         self.reserved_bytes += nbytes
+        self._high_water = max(self._high_water, self.reserved_bytes)
         return Reservation(self, nbytes)
 
     async def reserve(self, nbytes: int, deadline: float | None, first: int = 0, what: str = "this request"
@@ -306,6 +314,10 @@ class MemoryBudget:
     def _give_back(self, nbytes: int) -> None:
         self.reserved_bytes -= nbytes
         self._admit_waiters()
+        if self.reserved_bytes == 0 and not self._waiters:
+            if self._on_idle is not None and self._high_water >= self.IDLE_AFTER_BYTES:
+                self._on_idle()
+            self._high_water = 0
 
     def _admit_waiters(self) -> None:
         while self._waiters:
@@ -318,4 +330,5 @@ class MemoryBudget:
             self._waiters.popleft()
             self.waiting_bytes -= head.first
             self.reserved_bytes += head.total
+            self._high_water = max(self._high_water, self.reserved_bytes)
             head.future.set_result(None)

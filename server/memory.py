@@ -18,6 +18,7 @@ projections, inputs and outputs; measured peak / estimate for shapes with S >= 3
 from __future__ import annotations
 
 import enum
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,6 +176,15 @@ def trim_heap() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def reclaim() -> None:
+    """After a large use of the budget: collect reference cycles (a refused request's exception
+    holds its frames, and they its request's tensors, until the cyclic collector runs), then
+    trim_heap(). Measured: without the collection RSS stayed 120-190 MB above idle after 40 large
+    refused calls."""
+    gc.collect()
+    trim_heap()
 
 
 __all__ = ["AttentionDims", "Cost", "GraphKind", "MEASURED_FACTOR_RANGE", "answer_bytes", "default_memory_limit",

@@ -21,6 +21,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 import h2.config
+import h2.errors
 import h2.connection
 import h2.events
 import h2.exceptions
@@ -35,6 +36,7 @@ class Call:
     got_headers: bool = False
     ended: bool = False
     reset: bool = False
+    refused: bool = False  # RST_STREAM REFUSED_STREAM before any answer: never seen by the server, retry
     status: int | None = None  # grpc-status
     message: str = ""  # grpc-message
 
@@ -154,6 +156,7 @@ class RawGrpcClient:
             call.ended = True
         elif isinstance(event, h2.events.StreamReset) and call is not None:
             call.ended = call.reset = True
+            call.refused = event.error_code == h2.errors.ErrorCodes.REFUSED_STREAM and not call.got_headers
         elif isinstance(event, h2.events.ConnectionTerminated):
             self.closed = True
 
@@ -185,7 +188,11 @@ class RawGrpcClient:
                     break
                 chunk = bytes(call.outgoing[:size])
                 del call.outgoing[:size]
-                self.conn.send_data(call.stream_id, chunk, end_stream=not call.outgoing and call.end_after_outgoing)
+                try:
+                    self.conn.send_data(call.stream_id, chunk,
+                                        end_stream=not call.outgoing and call.end_after_outgoing)
+                except h2.exceptions.StreamClosedError:  # the server answered (or refused) it already
+                    call.outgoing.clear()
 
     def _flush(self) -> None:
         data = self.conn.data_to_send()

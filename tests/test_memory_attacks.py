@@ -50,10 +50,9 @@ def _peak(proc: ServerProcess) -> int:
 
 
 def _wait_near_idle(proc: ServerProcess, idle: int, timeout_s: float = 30.0) -> int:
-    """RSS once it is within BACK_NEAR_IDLE of idle (a state); fails after a generous timeout."""
+    """RSS once it is within BACK_NEAR_IDLE of idle (a state), or after a generous timeout."""
     deadline = time.monotonic() + timeout_s
-    while (rss := _rss(proc)) > idle + BACK_NEAR_IDLE:
-        assert time.monotonic() < deadline, f"RSS {rss / MIB:.0f} MiB, idle {idle / MIB:.0f} MiB: memory did not go back"
+    while (rss := _rss(proc)) > idle + BACK_NEAR_IDLE and time.monotonic() < deadline:
         time.sleep(0.1)
     return rss
 
@@ -67,7 +66,8 @@ def _figures(name: str, **values) -> None:
 
 
 def _start(model_repository, limit: int, *args: str) -> tuple[ServerProcess, int]:
-    proc = ServerProcess(model_repository, "--memory-limit-bytes", str(limit), "--intra-op-threads", "1", *args)
+    proc = ServerProcess(model_repository, "--memory-limit-bytes", str(limit), "--intra-op-threads", "1", *args,
+                         env={"MALLOC_ARENA_MAX": os.environ.get("T_ARENAS", "8")})
     return proc, _rss(proc)
 
 
@@ -119,6 +119,9 @@ def _concurrent(proc: ServerProcess, requests: list[pb.ModelInferRequest], timeo
 
     with proc.channel() as channel, concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        # Connected first: calls opened before the server's SETTINGS arrive may pass its
+        # MAX_CONCURRENT_STREAMS and be refused (REFUSED_STREAM, UNAVAILABLE: retryable).
+        stub.ServerLive(pb.ServerLiveRequest(), timeout=30)
         return list(pool.map(call, requests))
 
 
@@ -150,6 +153,7 @@ def test_a_request_that_can_never_fit_is_refused_naming_its_figure_and_one_that_
                  **{k: v for k, v in counts.items() if k != "lost_details"})
         assert counts["served"] == 1 and counts["lost"] == 0, counts
         assert peak <= idle + limit + SLACK, (peak - idle) / MIB
+        assert after <= idle + BACK_NEAR_IDLE, f"RSS {after / MIB:.0f} MiB, idle {idle / MIB:.0f} MiB: memory did not go back"
     finally:
         assert proc.stop() == 0, proc.log()[-3000:]
 
@@ -177,18 +181,20 @@ def test_merged_batches_stay_within_the_budget_and_waiting_requests_are_all_serv
                  **{k: v for k, v in counts.items() if k != "lost_details"})
         assert counts["served"] == 32 and counts["lost"] == 0, counts
         assert peak <= idle + limit + SLACK, (peak - idle) / MIB
+        assert after <= idle + BACK_NEAR_IDLE, f"RSS {after / MIB:.0f} MiB, idle {idle / MIB:.0f} MiB: memory did not go back"
     finally:
         assert proc.stop() == 0, proc.log()[-3000:]
 
 
 # -- the documented overload -----------------------------------------------------------------
 
-STREAMS = 16
+STREAMS = 16  # --max-concurrent-streams where a case sets it
+CLIENTS = 64
 
 
 def test_overload_without_deadlines_is_shed_at_once_within_the_budget(model_repository, eager_modules):
     limit = 512 * MIB
-    proc, _ = _start(model_repository, limit, "--max-concurrent-streams", str(STREAMS))
+    proc, _ = _start(model_repository, limit)
     try:
         idle = _warm(proc, eager_modules)
         _reset_peak(proc)
@@ -197,20 +203,21 @@ def test_overload_without_deadlines_is_shed_at_once_within_the_budget(model_repo
         # what does not fit now is shed at once.
         xs = [random_inputs(rng, 4, 512, 512, 512, 512) for _ in range(4)]
         wants = [{"output": eager(eager_modules["self_attention"], **x)["output"]} for x in xs]
-        requests = [infer_request("self_attention", outputs=("output",), **xs[i % 4]) for i in range(64)]
+        requests = [infer_request("self_attention", outputs=("output",), **xs[i % 4]) for i in range(CLIENTS)]
         outcomes = _concurrent(proc, requests, None)
-        counts = _count(outcomes, [wants[i % 4] for i in range(64)])
+        counts = _count(outcomes, [wants[i % 4] for i in range(CLIENTS)])
         peak = _peak(proc)
         _known_good(proc, eager_modules)
         after = _wait_near_idle(proc, idle)
-        # Messages gRPC is receiving are not in the budget: 16 streams x 12.6 MB, twice.
+        # Messages gRPC is receiving are not in the budget: 64 calls x 12.6 MB, twice at most.
         message = requests[0].ByteSize()
-        margin = SLACK + 2 * STREAMS * message
+        margin = SLACK + 2 * CLIENTS * message
         _figures("memory_overload", limit=limit, idle=idle, peak=peak, peak_over_idle=peak - idle, after=after,
-                 margin=margin, **{k: v for k, v in counts.items() if k != "lost_details"})
+                 margin=margin, lost_examples=counts["lost_details"][:2], **{k: v for k, v in counts.items() if k != "lost_details"})
         assert counts["lost"] == 0 and counts["served"] >= 1 and counts["shed"] >= 1, counts
-        assert counts["served"] + counts["shed"] == 64
+        assert counts["served"] + counts["shed"] == CLIENTS
         assert peak <= idle + limit + margin, (peak - idle) / MIB
+        assert after <= idle + BACK_NEAR_IDLE, f"RSS {after / MIB:.0f} MiB, idle {idle / MIB:.0f} MiB: memory did not go back"
     finally:
         assert proc.stop() == 0, proc.log()[-3000:]
 
@@ -240,23 +247,30 @@ def test_unary_answers_nobody_reads_are_held_back_by_flow_control_and_the_budget
         try:
             assert client.conn.remote_settings.max_concurrent_streams == STREAMS
             sids: list[int] = []
+            refusals = 0  # REFUSED_STREAM at the stream limit (never seen by the server): retried
             # 40 calls on one connection that sends no WINDOW_UPDATE (the answers stop at 64 KiB).
             # Each is either answered at once (shed: headers only, not flow-controlled) or
             # computed and held, its answer stuck; new calls open as streams free up.
-            deadline = time.monotonic() + 300
-            while len(sids) < 40 or not all(client.calls[s].ended or client.calls[s].received for s in sids):
+            deadline = time.monotonic() + 200
+            while len(sids) < 40 or not all(client.calls[s].ended or client.calls[s].got_headers for s in sids):
                 assert time.monotonic() < deadline, "the server neither answered nor held a call"
                 if len(sids) < 40 and client.can_start():
                     sids.append(client.start_call(INFER, message))
                     continue
-                if not client.can_start() and all(client.calls[s].received for s in sids if not client.calls[s].ended):
+                if not client.can_start() and all(client.calls[s].got_headers for s in sids if not client.calls[s].ended):
                     break  # every open stream holds a computed answer: HTTP/2 holds the client back
                 client.pump(0.1)
             held = [s for s in sids if not client.calls[s].ended]
             peak_held = _peak(proc)
             client.open_window()  # now read everything, and let the rest through
-            while len(sids) < 40:
-                if client.can_start():
+            while True:
+                retry = [s for s in sids if client.calls[s].refused]
+                if len(sids) - len(retry) >= 40 and all(client.calls[s].ended for s in sids):
+                    break
+                if client.can_start() and (len(sids) - len(retry) < 40 or retry):
+                    if retry:
+                        sids.remove(retry[0])
+                        refusals += 1
                     sids.append(client.start_call(INFER, message))
                 client.pump(0.05)
             _answers(client, sids)
@@ -276,11 +290,12 @@ def test_unary_answers_nobody_reads_are_held_back_by_flow_control_and_the_budget
         after = _wait_near_idle(proc, idle)
         margin = SLACK + 2 * STREAMS * len(message)
         _figures("memory_unread_unary", limit=limit, idle=idle, peak_while_held=peak_held, peak=peak,
-                 peak_over_idle=peak - idle, after=after, held=len(held), margin=margin,
+                 peak_over_idle=peak - idle, after=after, held=len(held), margin=margin, refusals=refusals,
                  **{k: v for k, v in counts.items() if k != "lost_details"})
         assert counts["lost"] == 0 and counts["served"] + counts["shed"] == 40, counts
         assert counts["shed"] >= 1, counts  # the budget, not only the stream limit, held it back
         assert peak <= idle + limit + margin, (peak - idle) / MIB
+        assert after <= idle + BACK_NEAR_IDLE, f"RSS {after / MIB:.0f} MiB, idle {idle / MIB:.0f} MiB: memory did not go back"
     finally:
         assert proc.stop() == 0, proc.log()[-3000:]
 
@@ -353,5 +368,6 @@ def test_a_stream_that_stops_reading_holds_no_more_than_its_share(model_reposito
         assert len(outcomes) == count and counts["lost"] == 0, counts
         assert counts["served"] + counts["shed"] == count, counts
         assert peak <= idle + limit + margin, (peak - idle) / MIB
+        assert after <= idle + BACK_NEAR_IDLE, f"RSS {after / MIB:.0f} MiB, idle {idle / MIB:.0f} MiB: memory did not go back"
     finally:
         assert proc.stop() == 0, proc.log()[-3000:]
