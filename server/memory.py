@@ -11,8 +11,8 @@ The estimate was measured (bench/memory_grid.py; tests/test_memory.py measures i
 the real peak RSS of one run, ONNX Runtime's CPU arena off (server.engine), over a grid of shapes
 of both presets and both unfused graphs. With S = B*H*Lq*Lk*4 (the attention matrix) the unfused
 graph holds about 3.5 S at its peak (scores, the scaled and masked copies, the softmax), plus its
-projections, inputs and outputs; measured peak / estimate for shapes with S >= 32 MiB: 0.58 to
-0.93 (the estimate is 1.08x to 1.71x the peak; it must never be below it).
+projections, inputs and outputs, and with attn_probs another 0.5 S; times SAFETY. Measured, each
+graph in a fresh process: the estimate is 1.14x to 1.47x the peak (it must never be below it).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from pathlib import Path
 FLOAT = 4  # bytes of a float32
 # What the estimate is allowed to be, as a multiple of a measured peak (tests/test_memory.py).
 MEASURED_FACTOR_RANGE = (1.0, 2.0)
+# Over the fitted figure: measured in fresh processes the fit was 1.04x to 1.33x the peak.
+SAFETY = 1.1
 
 
 class GraphKind(enum.Enum):
@@ -60,7 +62,7 @@ def run_working_set(kind: GraphKind, dims: AttentionDims, rows: int, q_len: int,
     working = 3.5 * scores + 2 * mask + inputs + projections + outputs
     if kind is GraphKind.UNFUSED_WITH_PROBS:
         working += 0.5 * scores  # attn_probs is an output: the softmax's buffer outlives the run
-    return int(working)
+    return int(SAFETY * working)
 
 
 def fused_working_set(dims: AttentionDims, rows: int, q_len: int, k_len: int) -> int:
