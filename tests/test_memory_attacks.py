@@ -391,14 +391,23 @@ def _typed_calls(address: str, calls: int) -> list[str]:
     with grpc_.insecure_channel(address, options=options) as channel:
         stub = pb_grpc_.GRPCInferenceServiceStub(channel)
         want = outputs_of(stub.ModelInfer(infer_request("cross_attention", **x), timeout=300))
+        typed = infer_request("cross_attention", raw=False, **x)
         for _ in range(calls):
             try:
-                got = outputs_of(stub.ModelInfer(infer_request("cross_attention", raw=False, **x), timeout=300))
-                same = all(np.array_equal(got[n], want[n]) for n in ("output", "attn_probs"))
+                response = stub.ModelInfer(typed, timeout=300)
+                # Read at C speed (its packed bytes), so that this process does not take the
+                # two cores from the server being measured.
+                same = all(_packed_floats(t.contents.SerializeToString(), want[t.name].size).tobytes()
+                           == want[t.name].tobytes() for t in response.outputs)
                 outcomes.append("OK" if same else "WRONG")
             except grpc_.RpcError as err:
                 outcomes.append(f"{err.code().name}: {err.details()}")
     return outcomes
+
+
+def _packed_floats(serialized: bytes, count: int) -> np.ndarray:
+    """The floats of an InferTensorContents holding one packed fp32_contents field."""
+    return np.frombuffer(serialized[len(serialized) - 4 * count:], dtype="<f4")
 
 
 def _small_latencies(stub, request, count: int) -> list[float]:
@@ -439,11 +448,15 @@ def test_large_typed_contents_do_not_stall_other_clients(model_repository, eager
         p = lambda xs, q: xs[min(int(q * len(xs)), len(xs) - 1)] * 1000  # noqa: E731
         _figures("memory_typed", limit=limit, idle=idle, peak=peak, peak_over_idle=peak - idle, after=after,
                  outcomes=outcomes, small_requests=len(during), alone_p50_ms=p(alone, 0.5), alone_p99_ms=p(alone, 0.99),
-                 during_p50_ms=p(during, 0.5), during_p99_ms=p(during, 0.99))
+                 during_p50_ms=p(during, 0.5), during_p99_ms=p(during, 0.99), during_p999_ms=p(during, 0.999),
+                 during_max_ms=during[-1] * 1000)
         assert outcomes == ["OK"] * 9, outcomes
-        assert len(during) >= 10
-        # Generous: before, building the typed answer held the loop ~0.6 s per call.
-        assert p(during, 0.99) <= max(20 * p(alone, 0.99), 300.0), (p(alone, 0.99), p(during, 0.99))
+        assert len(during) >= 100
+        # Generous (before: p50 643 ms). The tail is printed, not asserted: on two shared cores the
+        # heavy clients' and the runs' CPU, not only the event loop, decides it (measured p99
+        # 0.05-1.0 s, both with and without typed answers built from Python floats; those fail
+        # the RSS bound below instead: 1.45 GB above idle).
+        assert p(during, 0.5) <= max(10 * p(alone, 0.5), 50.0), (p(alone, 0.5), p(during, 0.5))
         assert peak <= idle + limit + SLACK + 3 * 2 * 2 * MIB, (peak - idle) / MIB
         assert after <= idle + BACK_NEAR_IDLE, f"RSS {after / MIB:.0f} MiB, idle {idle / MIB:.0f} MiB"
     finally:
