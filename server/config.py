@@ -115,7 +115,7 @@ _HELP: dict[str, str] = {
     "max_message_bytes": "largest gRPC message received or sent",
     "max_queued_bytes": "input bytes queued per model before RESOURCE_EXHAUSTED",
     "memory_limit_bytes": "memory budget above idle RSS: queued inputs, runs in flight, unsent answers "
-                          "(default: 60% of the cgroup's or machine's memory, less idle)",
+                          "(default: 60%% of the cgroup's or machine's memory, less idle)",
     "max_concurrent_streams": "HTTP/2 streams (calls) at once per client connection",
     "drain_delay_s": "seconds after SIGTERM that calls are still admitted (readiness already NOT_SERVING)",
     "grace_period_s": "seconds to finish admitted requests once the drain delay is over",
