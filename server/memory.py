@@ -7,7 +7,7 @@
 
 Knows nothing of gRPC, batching or ONNX Runtime: arithmetic on shapes, and /proc and cgroup files.
 
-The estimate was measured (bench/memory_grid.py; tests/test_memory.py measures it again) against
+The estimate is measured (tests/test_memory.py) against
 the real peak RSS of one run, ONNX Runtime's CPU arena off (server.engine), over a grid of shapes
 of both presets and both unfused graphs. With S = B*H*Lq*Lk*4 (the attention matrix) the unfused
 graph holds about 3.5 S at its peak (scores, the scaled and masked copies, the softmax), plus its
