@@ -4,6 +4,7 @@
     answers.server_ready()                            # health: bool
     answers.model_metadata(name, version)            # pb.ModelMetadataResponse (and config, stats, index)
     response, status = await answers.infer(request, time_remaining_s)  # decode -> batcher -> encode
+    response.release()                                # once sent: its memory budget share back
 
 Both transports are thin adapters over this one request path: the gRPC servicer (server.service)
 returns these messages as they are; the REST port (server.rest) turns its JSON into a
@@ -125,7 +126,11 @@ class Answers:
         decoded = codec.decode(request, model.spec, model.limits)
         deadline = None if time_remaining is None else time.monotonic() + time_remaining
         result = await model.batcher.submit(decoded.work, deadline)
-        return codec.encode(request, decoded, result, model.spec.version)
+        try:
+            return codec.encode(request, decoded, result, model.spec.version)
+        except BaseException:
+            result.release()  # its memory reservation: no answer will carry it
+            raise
 
     def _metric_label(self, model_name: str) -> str:
         # Only known names become label values: a client must not grow the metrics without bound.
@@ -135,7 +140,8 @@ class Answers:
                     ) -> tuple[codec.InferResponse | None, Status]:
         """One inference request: its response and OK, or None and the status for what was
         raised. Its outcome is counted in the metrics either way; cancelled (the client went
-        away), it is counted as CANCELLED and the cancellation goes on."""
+        away), it is counted as CANCELLED and the cancellation goes on. The caller calls the
+        response's `release()` once it is sent: until then it is counted in the memory budget."""
         started = time.monotonic()
         status = CANCELLED
         try:

@@ -25,12 +25,13 @@ from attnserve.files import write_json_atomic
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.proto import REFLECTION_V1, reflection_pool
-from attnserve.server import codec
+from attnserve.server import codec, heap
 from attnserve.server.config import ServerConfig
 from attnserve.server.engine import choose_device
 from attnserve.server.gate import CallGate, HandlerTable
 from attnserve.server.handover import CoreCalls
-from attnserve.server.lifecycle import Admission, Arrivals, Draining
+from attnserve.server.lifecycle import Admission, Arrivals, Draining, MemoryBudget
+from attnserve.server.memory import default_memory_limit
 from attnserve.server.listen import listen_addresses
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_http import MetricsEndpoint
@@ -120,6 +121,7 @@ class Server:
         self._draining = Draining()
         self._arrivals = Arrivals()
         self._admission = Admission(self._arrivals)
+        self.budget: MemoryBudget | None = None
 
     async def start(self) -> int:
         """Load the models, bind, serve. Returns the bound gRPC port.
@@ -133,8 +135,15 @@ class Server:
         if device.why_not_cuda:
             logger.warning("device auto: serving on CPU because %s", device.why_not_cuda)
         # Creating sessions blocks for a while; nothing else is running yet.
+        heap.configure_allocator()
+        limit = cfg.memory_limit_bytes if cfg.memory_limit_bytes is not None else default_memory_limit()
+        loop = asyncio.get_running_loop()
+        # Once a large use of the budget is over, what gRPC and numpy freed goes back to the
+        # system (off the event loop: malloc_trim walks every heap).
+        self.budget = MemoryBudget(limit, on_idle=lambda: loop.call_later(
+            _TRIM_DELAY_S, lambda: loop.run_in_executor(None, heap.reclaim)))
         self.registry = ModelRegistry.from_repository(cfg, device, self.metrics, arrivals=self._arrivals,
-                                                      run_batch=self._run_batch)
+                                                      run_batch=self._run_batch, budget=self.budget)
         if not self.registry.known_names() and cfg.model_control_mode == "none":
             raise ModelLoadError(f"the model repository {cfg.model_repository} holds no model (no <name>/config.json): "
                                  "export one (attnserve export), or start with --model-control-mode explicit or "
@@ -142,12 +151,15 @@ class Server:
         self.registry.listener = self._model_changed
         self.registry.start()
         answers = Answers(self.registry, self.metrics, self._draining)
-        servicer = InferenceServicer(answers)
+        servicer = InferenceServicer(answers, self.budget)
 
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
+            # A client that opens calls and never reads their answers is held here and by the
+            # memory budget (its unsent answers stay counted until its calls end).
+            ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
         ]
         # Every method is served through the gate (token, draining, parsing; see server.gate).
         gate = CallGate(method_handlers(servicer, self._health), self._admission, self._draining, _INFER_METHODS,
@@ -179,11 +191,12 @@ class Server:
                 if self._rest is not None:
                     await self._rest.close(0)
                 raise OSError(f"metrics port {cfg.host}:{cfg.metrics_port}: {err.strerror or err}") from None
-        logger.info("serving %d model(s) %s on %s:%d (REST %s, metrics %s, max message %d bytes, model control %s)%s",
+        logger.info("serving %d model(s) %s on %s:%d (REST %s, metrics %s, max message %d bytes, model control %s, "
+                    "memory budget %d bytes)%s",
                     len(self.registry.loaded), sorted(self.registry.loaded), cfg.host, self.port,
                     f"http{'s' if ssl_context else ''}://{cfg.host}:{self.http_port}/v2" if self.http_port else "off",
                     f"http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
-                    cfg.max_message_bytes, cfg.model_control_mode,
+                    cfg.max_message_bytes, cfg.model_control_mode, limit,
                     f"; not ready: {sorted(self.registry.failed)}" if self.registry.failed else "")
         if cfg.ready_file is not None:
             self._write_ready_file(cfg.ready_file)
@@ -267,6 +280,9 @@ _HANDOVER_PAUSE_S = 0.1  # where channelz cannot tell
 # when the grace ran out (they finish: the README's promise) and the answers refused at that
 # point (UNAVAILABLE) get this long to leave.
 _RUNNING_MARGIN_S = 10.0
+# After the memory budget empties, the call that released it is still finishing (its request
+# and response objects go when its handler's frames do): trim a moment later.
+_TRIM_DELAY_S = 0.05
 
 
 async def _wait_for(event: asyncio.Event, timeout_s: float) -> bool:

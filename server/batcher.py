@@ -30,6 +30,13 @@ ONNX Runtime's fused attention.
 Exactness. A masked key scores -1e10 (the seeds' fill), so a row that masks all its real keys is
 a uniform distribution over the keys it sees; padding keys onto it would widen that uniform
 distribution. Such requests therefore join only batches whose key length equals their own.
+
+Memory. Given a lifecycle.MemoryBudget and a Costing, each request reserves its cost (its inputs,
+its run alone, its answer: server.memory) before it queues, waiting within its deadline if the
+budget is spent; a batch merges a request only while the merged run's estimate stays within the
+reservations of its requests plus what the budget has free (the extra is reserved until the run
+ends). A served request's reservation travels in its Result: the transport releases it once the
+answer is sent.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ import numpy as np
 
 from attnserve.contract import KEY_PADDING_MASK
 from attnserve.server.graphs import GENERAL, KEY_PADDING, NO_MASK
+from attnserve.server.lifecycle import MemoryBudget, Reservation
+from attnserve.server.memory import Cost
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +149,13 @@ class Result:
     queue_s: float
     compute_s: float
     batch_requests: int
+    # Its share of the memory budget (None without one): the transport releases it once the
+    # answer is sent, or at the latest when the call ends.
+    reservation: Reservation | None = None
+
+    def release(self) -> None:
+        if self.reservation is not None:
+            self.reservation.release()
 
 
 @dataclass(frozen=True)
@@ -194,18 +210,34 @@ class ArrivalSignal(Protocol):
     def arriving(self) -> int: ...
 
 
+class Costing(Protocol):
+    """What requests and merged batches of one model version cost in memory (server.memory, on
+    the graph each run takes: models.GraphCosting)."""
+
+    def cost(self, work: Work) -> Cost: ...
+    def batch_run(self, rows: int, q_len: int, k_len: int, masking: str, want_probs: bool) -> int: ...
+
+
 @dataclass(slots=True)
 class _Pending:
     work: Work
     deadline: float | None  # time.monotonic()
     future: asyncio.Future
     enqueued_at: float
+    reservation: Reservation | None = None
+    run_share: int = 0  # the run of this request alone, reserved in `reservation`
+
+    def drop(self) -> None:
+        """It will not be answered with a Result: its memory goes back."""
+        if self.reservation is not None:
+            self.reservation.release()
 
 
 class Batcher:
     def __init__(self, name: str, run_batch: RunBatch, policy: BatchPolicy,
                  observer: BatchObserver | None = None, arrivals: ArrivalSignal | None = None,
-                 scores_of: ScoresOf | None = None) -> None:
+                 scores_of: ScoresOf | None = None, budget: MemoryBudget | None = None,
+                 costing: Costing | None = None) -> None:
         self.name = name
         self._run_batch = run_batch
         self.policy = policy
@@ -218,6 +250,10 @@ class Batcher:
         self._running: set[asyncio.Task] = set()
         self._computing = 0  # batches between dispatch and the release of their slot
         self._arrivals = arrivals  # see _company_coming
+        if (budget is None) != (costing is None):
+            raise ValueError("a memory budget needs a costing, and a costing a budget")
+        self._budget = budget
+        self._costing = costing
         self._executor = ThreadPoolExecutor(max_workers=policy.batches_in_flight, thread_name_prefix=f"run-{name}")
         self._closing = False
         self._loop_task: asyncio.Task | None = None
@@ -246,12 +282,35 @@ class Batcher:
         if self._pending and self._queued_bytes + nbytes > self.policy.max_queued_bytes:
             raise QueueFull(f"model {self.name}: {self._queued_bytes:,} input bytes queued; this request's "
                             f"{nbytes:,} would pass max_queued_bytes {self.policy.max_queued_bytes:,}; retry later")
+        reservation, run_share = None, 0
+        if self._budget is not None:
+            cost = self._costing.cost(work)
+            # Returns at once (no await point) when it fits: see lifecycle.Arrivals.
+            reservation = await self._budget.reserve(
+                cost.total, deadline, first=cost.inputs,
+                what=f"model {self.name}: this request (inputs {cost.inputs:,}, run {cost.run:,}, "
+                     f"answer {cost.answer:,} bytes)")
+            if reservation is None:
+                raise DeadlineExpired(f"model {self.name}: deadline passed while waiting for memory "
+                                      f"({cost.total:,} bytes); not computed")
+            run_share = cost.run
+            if self._closing:
+                reservation.release()
+                raise BatcherClosed(f"model {self.name} is shutting down")
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(work, deadline, future, time.monotonic()))
+        pending = _Pending(work, deadline, future, time.monotonic(), reservation, run_share)
+        self._pending.append(pending)
         self._queued_bytes += nbytes
         self._wakeup.set()
         self._report_depth()
-        return await future  # cancelling the caller cancels the future: the batcher skips it
+        try:
+            return await future  # cancelling the caller cancels the future: the batcher skips it
+        except BaseException:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().release()  # answered, but the caller is gone
+            else:
+                pending.drop()
+            raise
 
     async def close(self, abandon_queued: bool = False) -> None:
         """Take no new requests, finish every running one and, unless `abandon_queued`, every
@@ -264,6 +323,7 @@ class Batcher:
                     p.future.set_exception(BatcherClosed(
                         f"model {self.name}: shutting down, not started within the grace period; "
                         "retry on another replica"))
+                p.drop()
             self._queued_bytes = 0
         self._wakeup.set()
         if self._loop_task is not None:
@@ -285,12 +345,12 @@ class Batcher:
                 await self._wakeup.wait()
             if self.policy.max_queue_delay_s > 0 and self._company_coming():
                 await self._wait_for_company()
-            batch = self._take_batch()
+            batch, extra = self._take_batch()
             if not batch:
                 self._slots.release()
                 continue
             self._computing += 1
-            task = asyncio.get_running_loop().create_task(self._run(batch))
+            task = asyncio.get_running_loop().create_task(self._run(batch, extra))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
@@ -309,9 +369,12 @@ class Batcher:
             except TimeoutError:
                 return
 
-    def _take_batch(self) -> list[_Pending]:
-        """The oldest live request plus every compatible one that waits, in arrival order."""
+    def _take_batch(self) -> tuple[list[_Pending], Reservation | None]:
+        """The oldest live request plus every compatible one that waits, in arrival order, and
+        the memory the merged run needs beyond its requests' own reservations (padding)."""
         now = time.monotonic()
+        extra_free = self._budget.free_bytes if self._budget is not None else 0
+        shares = 0  # sum of run_share over chosen requests
         chosen: list[_Pending] = []
         kept: collections.deque[_Pending] = collections.deque()
         rows = q_len = k_len = 0
@@ -324,10 +387,12 @@ class Batcher:
         while self._pending:
             p = self._pending.popleft()
             if p.future.done():  # cancelled by its caller (client gone, deadline hit in gRPC)
+                p.drop()
                 continue
             if p.deadline is not None and p.deadline <= now:
                 p.future.set_exception(DeadlineExpired(
                     f"deadline passed after {now - p.enqueued_at:.3f}s in the queue of model {self.name}; not computed"))
+                p.drop()
                 continue
             w = p.work
             if chosen:
@@ -335,15 +400,17 @@ class Batcher:
                 new_q, new_k = max(q_len, w.q_len), max(k_len, w.k_len)
                 new_useful = useful + w.rows * w.q_len * w.k_len
                 exact = exact_k_lens | ({w.k_len} if w.exact_k_len else set())
-                new_held = self._scores_of(new_rows, new_q, new_k,
-                                           batch_masking(maskings | {w.masking}, same_k_len and k_len == w.k_len),
-                                           want_probs or w.want_probs)
+                new_masking = batch_masking(maskings | {w.masking}, same_k_len and k_len == w.k_len)
+                new_held = self._scores_of(new_rows, new_q, new_k, new_masking, want_probs or w.want_probs)
                 fits = (
                     new_rows <= self.policy.max_batch_size
                     and 1.0 - new_useful / (new_rows * new_q * new_k) <= self.policy.max_padding_ratio
                     and all(k == new_k for k in exact)
                     and (self.policy.max_batch_scores is None or new_held <= self.policy.max_batch_scores)
                     and (held > 0 or new_held == 0)  # a batch on the flash path stays on it
+                    and (self._costing is None  # the merged run's memory beyond its requests' own
+                         or self._costing.batch_run(new_rows, new_q, new_k, new_masking, want_probs or w.want_probs)
+                         - shares - p.run_share <= extra_free)
                 )
                 if not fits:
                     kept.append(p)
@@ -353,6 +420,7 @@ class Batcher:
                 held = self._scores_of(w.rows, w.q_len, w.k_len, w.masking, w.want_probs)
             same_k_len = not chosen or (same_k_len and k_len == w.k_len)
             chosen.append(p)
+            shares += p.run_share
             rows += w.rows
             q_len, k_len = max(q_len, w.q_len), max(k_len, w.k_len)
             useful += w.rows * w.q_len * w.k_len
@@ -363,11 +431,16 @@ class Batcher:
         self._pending = kept
         self._queued_bytes = sum(p.work.nbytes for p in kept)
         self._report_depth()
-        return chosen
+        extra = None
+        if len(chosen) > 1 and self._costing is not None:
+            needed = self._costing.batch_run(rows, q_len, k_len, batch_masking(maskings, same_k_len), want_probs) - shares
+            if needed > 0:
+                extra = self._budget.try_reserve(needed)  # fits: checked for each request above
+        return chosen, extra
 
     # -- running a batch --------------------------------------------------------------------
 
-    async def _run(self, batch: list[_Pending]) -> None:
+    async def _run(self, batch: list[_Pending], extra: Reservation | None = None) -> None:
         started = time.monotonic()
         queue_s = tuple(started - p.enqueued_at for p in batch)
         failed = True
@@ -381,7 +454,9 @@ class Batcher:
             compute_s = time.monotonic() - started
             for p, (output, attn_probs), waited in zip(batch, results, queue_s):
                 if not p.future.done():
-                    p.future.set_result(Result(output, attn_probs, waited, compute_s, len(batch)))
+                    p.future.set_result(Result(output, attn_probs, waited, compute_s, len(batch), p.reservation))
+                else:
+                    p.drop()
             failed = False
         except Exception as err:
             logger.exception("model %s: batch of %d requests failed", self.name, len(batch))
@@ -394,7 +469,10 @@ class Batcher:
                         logged=True)  # just above, once for the batch
                     failure.__cause__ = err
                     p.future.set_exception(failure)
+                p.drop()
         finally:
+            if extra is not None:
+                extra.release()
             self._computing -= 1
             self._slots.release()
             self._wakeup.set()  # a partial batch waiting for company stops waiting once the model idles

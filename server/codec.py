@@ -6,6 +6,12 @@ with the tensor's name and the expectation; a bad request therefore fails alone,
 join a batch. Raw contents are wrapped with np.frombuffer, without a copy. The attention-matrix
 bound is checked last, against the graph that will run the request (server.graphs), once its
 mask is read.
+
+Typed contents (`fp32_contents`, `bool_contents`) never become Python objects: they are read
+from, and written as, their packed wire bytes (attnserve.proto.wire; a 63 MB typed answer built
+with `tolist()` held the event loop for 0.6 s, every other client stalled behind it). Large raw
+contents (a message of WIRE_MIN_BYTES or more) skip protobuf's copies: InferRequest,
+InferResponse.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from attnserve.contract import (
 from attnserve.server import heap
 from attnserve.server.echo import echo
 from attnserve.server.graphs import UNFUSED, GraphSet, attention_bytes
+from attnserve.server.lifecycle import Reservation
 from attnserve.server.repository import ModelSpec
 
 # Little-endian on the wire, whatever this machine is.
@@ -112,7 +119,7 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> De
             if len(values) != count:
                 raise ValueError(f"input {tensor.name!r}: shape {list(shape)} needs {count} values in "
                                  f"contents.{_TYPED_FIELD[tensor.datatype]}, got {len(values)}")
-            array = np.asarray(values, dtype=dtype).reshape(shape)
+            array = _typed_values(tensor.contents, tensor.datatype, count).reshape(shape)
         arrays[tensor.name] = array.astype(np.float32, copy=False) if tensor.datatype == "FP32" else array
 
     work = Work(arrays["query"], arrays["key"], arrays["value"], arrays.get("mask"),
@@ -218,8 +225,9 @@ def encode(request: "InferRequest | pb.ModelInferRequest", decoded: Decoded, res
         if decoded.raw:
             raw_outputs.append(np.ascontiguousarray(array, dtype="<f4"))
         else:
-            tensor.contents.fp32_contents.extend(array.ravel().tolist())
-    answer = InferResponse(response, raw_outputs)  # raw outputs written by serialize_infer_response
+            tensor.contents.MergeFromString(_packed("fp32_contents", np.ascontiguousarray(array, dtype="<f4")))
+    # Raw outputs written by serialize_infer_response; the reservation released by the transport.
+    answer = InferResponse(response, raw_outputs, result.reservation)
     if sum(a.nbytes for a in raw_outputs) < WIRE_MIN_BYTES:
         answer.as_message()  # small: protobuf's own serialization is the cheaper one
     return answer
@@ -244,13 +252,21 @@ class InferRequest:
 
 class InferResponse:
     """A ModelInferResponse to send: the message, and the raw outputs it will carry, as arrays
-    (little-endian fp32, contiguous) written straight into the serialized answer."""
+    (little-endian fp32, contiguous) written straight into the serialized answer; and its share
+    of the memory budget (lifecycle.Reservation), which the transport gives back with
+    `release()` once the answer is sent (or its call is over)."""
 
-    __slots__ = ("message", "raw_output_contents")
+    __slots__ = ("message", "raw_output_contents", "reservation")
 
-    def __init__(self, message: pb.ModelInferResponse, raw_output_contents: list[np.ndarray]) -> None:
+    def __init__(self, message: pb.ModelInferResponse, raw_output_contents: list[np.ndarray],
+                 reservation: Reservation | None = None) -> None:
         self.message = message
         self.raw_output_contents = raw_output_contents
+        self.reservation = reservation
+
+    def release(self) -> None:
+        if self.reservation is not None:
+            self.reservation.release()
 
     def as_message(self) -> pb.ModelInferResponse:
         """The whole answer as one protobuf message (copies the raw outputs: streams nest it)."""
@@ -285,3 +301,25 @@ def serialize_infer_response(response: InferResponse | pb.ModelInferResponse) ->
     if not response.raw_output_contents:
         return response.message.SerializeToString()
     return wire.serialize_with_raw(response.message, "raw_output_contents", response.raw_output_contents)
+
+
+# -- typed contents as packed wire bytes -------------------------------------------------------
+
+
+def _packed(field: str, array: np.ndarray) -> bytes:
+    """A packed repeated field of InferTensorContents on the wire: its values' little-endian bytes."""
+    return wire.serialize_with_raw(pb.InferTensorContents(), field, [array])
+
+
+def _typed_values(contents: pb.InferTensorContents, datatype: str, count: int) -> np.ndarray:
+    """The values of contents' typed field for `datatype`, from their packed wire bytes (protobuf
+    writes repeated scalars packed): no Python object per value. BOOL values are varints of 0 or
+    1, one byte each."""
+    _, chunks = wire.parse_with_raw(pb.InferTensorContents, contents.SerializeToString(), _TYPED_FIELD[datatype])
+    raw = b"".join(chunks)
+    if datatype == "BOOL":
+        octets = np.frombuffer(raw, dtype=np.uint8)
+        if octets.size != count:  # a value other than 0 or 1 took more than one byte
+            raise ValueError(f"contents.bool_contents: expected {count} one-byte values, got {octets.size} bytes")
+        return octets.astype(np.bool_)
+    return np.frombuffer(raw, dtype=_DTYPES[datatype])

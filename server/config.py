@@ -41,6 +41,11 @@ class ServerConfig:
     intra_op_threads: int = 0  # ONNX Runtime threads per run; 0 = one per core
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_queued_bytes: int = 1024**3  # input bytes waiting per model; beyond it RESOURCE_EXHAUSTED
+    # RSS above idle for queued inputs, runs in flight and answers not yet sent (server.memory);
+    # None: a share of the cgroup's (or machine's) memory, memory.default_memory_limit().
+    memory_limit_bytes: int | None = None
+    # HTTP/2 streams (calls) per connection at once; a client's further calls wait client-side.
+    max_concurrent_streams: int = 100
     # On SIGTERM/SIGINT/SIGHUP: readiness goes NOT_SERVING at once, calls are still admitted for
     # drain_delay_s (load balancers and Kubernetes endpoints take that long to stop sending),
     # then new streams are refused (GOAWAY) and what was admitted finishes within grace_period_s.
@@ -77,9 +82,11 @@ class ServerConfig:
             if not -1 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in -1..65535, got {getattr(self, name)}")
         for name in ("max_queue_size", "batches_in_flight", "max_message_bytes", "max_attention_bytes",
-                     "max_queued_bytes"):
+                     "max_queued_bytes", "max_concurrent_streams"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes < 1:
+            raise ValueError(f"memory_limit_bytes must be >= 1, got {self.memory_limit_bytes}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_queue_delay_ms is not None and self.max_queue_delay_ms < 0:
@@ -120,6 +127,9 @@ _HELP: dict[str, str] = {
     "intra_op_threads": "ONNX Runtime intra-op threads (0 = one per core)",
     "max_message_bytes": "largest gRPC message received or sent; largest REST body received (inflated)",
     "max_queued_bytes": "input bytes queued per model before RESOURCE_EXHAUSTED",
+    "memory_limit_bytes": "memory budget above idle RSS: queued inputs, runs in flight, unsent answers "
+                          "(default: 60%% of the cgroup's or machine's memory, less idle)",
+    "max_concurrent_streams": "HTTP/2 streams (calls) at once per client connection",
     "drain_delay_s": "seconds after SIGTERM that calls are still admitted (readiness already NOT_SERVING)",
     "grace_period_s": "seconds to finish admitted requests once the drain delay is over",
     "model_versions": "pin versions: NAME=VERSION[,NAME=VERSION...] (default: highest)",

@@ -15,8 +15,9 @@ import numpy as np
 import onnxruntime as ort
 
 from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, GRAPH_INPUTS, KEY_PADDING_MASK, OUTPUT_ONLY, REQUIRED_INPUTS
+from attnserve.server import heap
 from attnserve.server.batcher import dense_mask
-from attnserve.server.graphs import GraphSet, masking_of
+from attnserve.server.graphs import BYTES_PER_SCORE, GraphSet, masking_of
 from attnserve.server.repository import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,10 @@ def session_options(intra_op_threads: int) -> ort.SessionOptions:
     # event loop shares the cores, that spinning starves the loop (measured: the pool thread
     # burned 7.2 s of CPU against the loop's 6.0 s in an 11 s run at concurrency 32).
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # No CPU memory arena: with it RSS stays at the largest run's peak for good (measured, self_attention
+    # (8, 512, 512): +416 MB after the run with the arena, +152 MB with its shrinkage run option,
+    # +16 MB without it; peak 416 / 320 / 248 MB; small runs no slower). README, "Memory".
+    options.enable_cpu_mem_arena = False
     return options
 
 
@@ -122,7 +127,13 @@ class Engine:
         (B, Lq, Lk) bool or key_padding_mask (B, Lk) int32 (server.batcher.merge).
         Returns output (B, Lq, out_dim) and attn_probs (B, H, Lq, Lk) or None."""
         kind = self.graph_for(feeds, want_probs)
-        outputs = self._run(self._sessions[kind], _graph_feeds(kind, feeds))
+        try:
+            outputs = self._run(self._sessions[kind], _graph_feeds(kind, feeds))
+        finally:
+            # A large run's freed buffers go back to the system now (server.heap): sized by the
+            # batch's (B, H, Lq, Lk) matrix whichever graph ran, the run's scale.
+            b, lq, _ = feeds["query"].shape
+            heap.release_after(b * self.spec.num_heads * lq * feeds["key"].shape[1] * BYTES_PER_SCORE)
         self.runs[kind] += 1
         if kind == ALL_OUTPUTS:
             output, attn_probs = outputs

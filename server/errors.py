@@ -20,6 +20,7 @@ import grpc
 
 from attnserve.server.batcher import BatcherClosed, BatchFailed, DeadlineExpired, QueueFull
 from attnserve.server.echo import capped
+from attnserve.server.lifecycle import MemoryExhausted, MemoryTooLarge
 from attnserve.server.models import ModelControlDisabled, ModelLoadFailed, ModelNotFound, ModelUnavailable
 
 logger = logging.getLogger(__name__)
@@ -55,8 +56,9 @@ class NoSuchEndpoint(LookupError):
 _S = grpc.StatusCode
 # The most specific class in an error's MRO decides. Anything else is INTERNAL (500).
 # NOT_FOUND is 404 (Triton answers 400 for an unknown model; tritonclient.http reads the body's
-# error either way). RESOURCE_EXHAUSTED is 429 for a full queue (retry later) and 413 for a body
-# too large (do not retry); UNAVAILABLE's 503 says: never computed, retry elsewhere.
+# error either way). RESOURCE_EXHAUSTED is 429 for a full queue or a spent memory budget (retry
+# later) and 413 for a body too large (do not retry); UNAVAILABLE's 503 says: never computed,
+# retry elsewhere.
 _STATUS: dict[type[BaseException], tuple[grpc.StatusCode, int]] = {
     ValueError: (_S.INVALID_ARGUMENT, 400),  # codec.decode: the request does not fit the model
     MalformedMessage: (_S.INVALID_ARGUMENT, 400),
@@ -69,6 +71,8 @@ _STATUS: dict[type[BaseException], tuple[grpc.StatusCode, int]] = {
     ModelLoadFailed: (_S.INVALID_ARGUMENT, 400),
     QueueFull: (_S.RESOURCE_EXHAUSTED, 429),
     BodyTooLarge: (_S.RESOURCE_EXHAUSTED, 413),
+    MemoryExhausted: (_S.RESOURCE_EXHAUSTED, 429),  # the memory budget is spent now: retry later
+    MemoryTooLarge: (_S.INVALID_ARGUMENT, 400),  # could never fit the budget (a ValueError too)
     DeadlineExpired: (_S.DEADLINE_EXCEEDED, 504),
     BatcherClosed: (_S.UNAVAILABLE, 503),  # never computed: safe to retry elsewhere
     ShuttingDown: (_S.UNAVAILABLE, 503),  # likewise

@@ -26,12 +26,14 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, OUTPUT_ONLY
-from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch
+from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch, Work
 from attnserve.server.codec import Limits
 from attnserve.server.config import ServerConfig
 from attnserve.server.echo import echo
 from attnserve.server.engine import DeviceChoice, Engine
 from attnserve.server.graphs import UNFUSED, GraphSet
+from attnserve.server.lifecycle import MemoryBudget
+from attnserve.server.memory import AttentionDims, Cost, request_cost, run_working_set
 from attnserve.server.metrics import Metrics
 from attnserve.server.repository import (
     ModelLoadError,
@@ -73,6 +75,24 @@ RunBatchFactory = Callable[[ModelSpec], RunBatch]
 StateListener = Callable[[str, bool], Awaitable[None]]
 
 
+class GraphCosting:
+    """server.memory's estimate for one version's graphs (batcher.Costing): each run on the graph
+    server.graphs chooses for it, as the engine does."""
+
+    def __init__(self, spec: ModelSpec, graphs: GraphSet) -> None:
+        d_model = spec.d_model or max(spec.query_dim, spec.kv_dim, spec.out_dim)  # older config.json: a bound
+        self.dims = AttentionDims(spec.query_dim, spec.kv_dim, d_model, spec.out_dim, spec.num_heads)
+        self._graphs = graphs
+
+    def cost(self, work: Work) -> Cost:
+        kind = self._graphs.graph_for(work.masking, work.want_probs, work.q_len, work.k_len)
+        return request_cost(kind, self.dims, work.rows, work.q_len, work.k_len, work.nbytes, work.want_probs)
+
+    def batch_run(self, rows: int, q_len: int, k_len: int, masking: str, want_probs: bool) -> int:
+        kind = self._graphs.graph_for(masking, want_probs, q_len, k_len)
+        return run_working_set(kind, self.dims, rows, q_len, k_len)
+
+
 @dataclass(eq=False)  # identity: a version being retired is tracked in a set
 class LoadedVersion:
     spec: ModelSpec
@@ -109,15 +129,18 @@ class _Model:
 class ModelRegistry:
     def __init__(self, config: ServerConfig | None = None, device: DeviceChoice | None = None,
                  metrics: Metrics | None = None, arrivals: ArrivalSignal | None = None,
-                 run_batch: RunBatchFactory | None = None, listener: StateListener | None = None) -> None:
+                 run_batch: RunBatchFactory | None = None, listener: StateListener | None = None,
+                 budget: MemoryBudget | None = None) -> None:
         """arrivals: requests received but not yet submitted (each batcher's hint of company).
         run_batch: makes each model's run instead of an ONNX Runtime Engine (bench.floor).
-        listener: told of each change (the server's health service)."""
+        listener: told of each change (the server's health service).
+        budget: the process's memory budget, shared by every version's batcher."""
         self.config = config or ServerConfig()
         self._device = device
         self._metrics = metrics or Metrics()
         self._arrivals = arrivals
         self._run_batch = run_batch
+        self._budget = budget
         self.listener = listener
         self._models: dict[str, _Model] = {}
         self._lock = asyncio.Lock()  # one load or unload at a time
@@ -133,11 +156,11 @@ class ModelRegistry:
 
     @classmethod
     def from_repository(cls, config: ServerConfig, device: DeviceChoice, metrics: Metrics,
-                        arrivals: ArrivalSignal | None = None, run_batch: RunBatchFactory | None = None
-                        ) -> "ModelRegistry":
+                        arrivals: ArrivalSignal | None = None, run_batch: RunBatchFactory | None = None,
+                        budget: MemoryBudget | None = None) -> "ModelRegistry":
         """Load every model of the repository, before serving (blocking); a model that fails is
         logged and kept with its reason."""
-        registry = cls(config, device, metrics, arrivals, run_batch)
+        registry = cls(config, device, metrics, arrivals, run_batch, budget=budget)
         for name in model_names(registry.root):
             seen = repository_signature(registry.root / name)
             try:
@@ -398,7 +421,8 @@ class ModelRegistry:
             label = name if len(specs) == 1 else f"{name}-v{spec.version}"
             # A merged batch's run, like a request's, is bounded by what the graph that runs it holds.
             batcher = Batcher(label, run, policy, self._metrics.observer(name), self._arrivals,
-                              scores_of=graphs.scores_held)
+                              scores_of=graphs.scores_held, budget=self._budget,
+                              costing=None if self._budget is None else GraphCosting(spec, graphs))
             limits = Limits(spec.max_q_len, spec.max_kv_len, cfg.max_attention_bytes,
                             max_response_bytes=cfg.max_message_bytes, graphs=graphs)
             if self._started:

@@ -52,6 +52,7 @@ class ModelSpec:
     available_versions: tuple[int, ...] = ()
     # config.json's "crossover": fused graph kind -> sqrt(Lq * Lk) from which it runs (server.graphs)
     crossover: tuple[tuple[str, int], ...] = ()
+    d_model: int | None = None  # projection width (num_heads * head_dim); server.memory's estimate
 
     @property
     def graph_all_outputs(self) -> Path:
@@ -178,6 +179,7 @@ def read_model_specs(model_dir: Path, pinned_version: int | None = None) -> tupl
         max_kv_len=serving.max_kv_len,
         available_versions=available,
         crossover=crossover,
+        d_model=attention["d_model"] if isinstance(attention.get("d_model"), int) and attention["d_model"] > 0 else None,
     )
     return tuple(dataclasses.replace(first, version=v, version_dir=model_dir / str(v)) for v in chosen)
 

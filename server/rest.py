@@ -288,12 +288,28 @@ class RestPort:
         answer, status = await self._answers.infer(message, None)
         if answer is None:
             return error_response(status)
-        body, json_length = encode_infer(answer, binary_outputs)
-        response = web.Response(body=body, content_type=_JSON if json_length is None else "application/octet-stream")
-        if json_length is not None:
-            response.headers[HEADER_LENGTH] = str(json_length)
-        if "gzip" in request.headers.get("Accept-Encoding", "") or "deflate" in request.headers.get("Accept-Encoding", ""):
-            response.enable_compression()
+        try:
+            body, json_length = encode_infer(answer, binary_outputs)
+            response = web.Response(body=body, content_type=_JSON if json_length is None else "application/octet-stream")
+            if json_length is not None:
+                response.headers[HEADER_LENGTH] = str(json_length)
+            if "gzip" in request.headers.get("Accept-Encoding", "") or "deflate" in request.headers.get("Accept-Encoding", ""):
+                response.enable_compression()
+            return await self._sent(request, response)
+        finally:
+            answer.release()  # sent (or the client is gone): its share of the memory budget goes back
+
+    async def _sent(self, request: web.BaseRequest, response: web.Response) -> web.Response:
+        """Write the answer now (aiohttp would once the handler returns), so that what it holds
+        is counted until it is written: a client that does not read holds its share of the
+        memory budget, as a gRPC one does, until the write is done or its connection ends."""
+        if self._draining.active:
+            response.force_close()  # before the headers go: they say "Connection: close"
+        try:
+            await response.prepare(request)
+            await response.write_eof()
+        except ConnectionError:
+            pass  # the client went away; aiohttp's own write of the response finds it gone too
         return response
 
 

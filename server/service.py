@@ -13,11 +13,16 @@ import functools
 
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
+from attnserve.server import codec
 from attnserve.server.answers import Answers
 from attnserve.server.errors import Status, abort
+from attnserve.server.lifecycle import MemoryBudget
 
 # Requests of one ModelStreamInfer stream in the server at once; reading pauses beyond it.
 STREAM_WINDOW = 64
+# The share of the memory budget one stream's unsent answers may hold before its reading pauses
+# (one request always goes): a stream that stops reading holds no more.
+STREAM_BUDGET_SHARE = 0.25
 
 
 def _mapped_errors(rpc):
@@ -34,9 +39,11 @@ def _mapped_errors(rpc):
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, answers: Answers) -> None:
-        """answers: the request path both transports share (server.answers)."""
+    def __init__(self, answers: Answers, budget: MemoryBudget | None = None) -> None:
+        """answers: the request path both transports share (server.answers).
+        budget: the server's memory budget; a stream's share of it is bounded here."""
         self._answers = answers
+        self._stream_share = None if budget is None else int(budget.limit_bytes * STREAM_BUDGET_SHARE)
 
     # -- health and metadata -----------------------------------------------------------------
 
@@ -92,6 +99,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         response, status = await self._answered(request, context)
         if response is None:
             await context.abort(status.code, status.details)
+        # The answer stays counted in the memory budget until the call is over: sent (a client
+        # that does not read holds it until its deadline or its connection ends), or cancelled.
+        context.add_done_callback(lambda _context: response.release())
         return response
 
     async def ModelStreamInfer(self, request_iterator, context):
@@ -100,29 +110,68 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         An error answers its request and the stream goes on; a message that does not parse
         ends the stream with INVALID_ARGUMENT after the answers before it."""
         answers: asyncio.Queue[asyncio.Future | None] = asyncio.Queue(maxsize=STREAM_WINDOW)
-        reader = asyncio.create_task(self._read_stream(request_iterator, context, answers))
+        held = _StreamHold(self._stream_share)
+        reader = asyncio.create_task(self._read_stream(request_iterator, context, answers, held))
         try:
             while (answer := await answers.get()) is not None:
-                yield await answer
+                message, response = await answer
+                try:
+                    yield message  # resumes once gRPC has written it (HTTP/2 flow control)
+                finally:
+                    held.release(response)
             await reader  # raises what ended the reading, if anything did
         finally:
             reader.cancel()
             while not answers.empty():
                 pending = answers.get_nowait()
-                if pending is not None:
-                    pending.cancel()
+                if pending is None:
+                    continue
+                if pending.done() and not pending.cancelled() and pending.exception() is None:
+                    held.release(pending.result()[1])
+                pending.cancel()
 
-    async def _read_stream(self, request_iterator, context, answers: asyncio.Queue) -> None:
+    async def _read_stream(self, request_iterator, context, answers: asyncio.Queue, held: "_StreamHold") -> None:
         try:
             async for request in request_iterator:
-                await answers.put(asyncio.ensure_future(self._stream_answer(request, context)))
+                await answers.put(asyncio.ensure_future(self._stream_answer(request, context, held)))
+                await held.room()  # this stream's share of the memory budget is full: stop reading
         finally:
             await answers.put(None)
 
-    async def _stream_answer(self, request: codec.InferRequest | pb.ModelInferRequest, context) -> pb.ModelStreamInferResponse:
+    async def _stream_answer(self, request: codec.InferRequest | pb.ModelInferRequest, context, held: "_StreamHold"
+                             ) -> tuple[pb.ModelStreamInferResponse, codec.InferResponse | None]:
         response, status = await self._answered(request, context)
         if response is None:  # the stream goes on
             return pb.ModelStreamInferResponse(
                 error_message=status.stream_message(),
-                infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id))
-        return pb.ModelStreamInferResponse(infer_response=response.as_message())
+                infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id)), None
+        held.hold(response)
+        return pb.ModelStreamInferResponse(infer_response=response.as_message()), response
+
+
+class _StreamHold:
+    """The memory one stream's answers hold (computed, not yet written), against its share of
+    the budget: its reading pauses while it holds more (one answer always goes)."""
+
+    def __init__(self, share_bytes: int | None) -> None:
+        self._share = share_bytes
+        self._held: dict[int, int] = {}  # id(answer) -> its reserved bytes
+        self._bytes = 0
+        self._changed = asyncio.Event()
+
+    def hold(self, answer: codec.InferResponse) -> None:
+        if answer.reservation is not None:
+            self._held[id(answer)] = answer.reservation.nbytes
+            self._bytes += answer.reservation.nbytes
+
+    def release(self, answer: codec.InferResponse | None) -> None:
+        if answer is None:
+            return
+        answer.release()
+        self._bytes -= self._held.pop(id(answer), 0)
+        self._changed.set()
+
+    async def room(self) -> None:
+        while self._share is not None and self._bytes > self._share:
+            self._changed.clear()
+            await self._changed.wait()
