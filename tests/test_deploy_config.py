@@ -338,13 +338,16 @@ def test_nginx_conf_balances_rest_with_keepalive_and_retries_503():
     assert directive("listen") == "8000"
     assert directive("proxy_pass") == "http://attnserve_http"
     assert directive("proxy_http_version") == "1.1" and directive("proxy_set_header Connection") == '""'
-    assert set(directive("proxy_next_upstream").split()) == {"error", "timeout", "http_503", "non_idempotent"}
+    assert set(directive("proxy_next_upstream").split()) == {"error", "timeout", "non_idempotent"}
+    infer = re.search(r"location ~ \^/v2/models/.*?/infer\$ \{(.*?)\}", rest, re.S).group(1)
+    assert "proxy_pass http://attnserve_http;" in infer
+    assert re.search(r"proxy_next_upstream error timeout http_503 non_idempotent;", infer)
     assert directive("client_max_body_size") == "64m"
     assert int(compose_env("server")["ATTNSERVE_MAX_MESSAGE_BYTES"]) == 64 << 20
     assert re.search(r"upstream attnserve_http \{[^}]*keepalive \d+;", NGINX_CONF.read_text())
-    # Each retried 503 counts as a failed attempt: no replica may be marked down for it.
     (line,) = [l for l in UPSTREAM_HTTP_CONF.read_text().splitlines() if re.match(r"\s*server\s", l)]
-    assert "max_fails=0" in line.rstrip(";").split()
+    (grpc_line,) = [l for l in UPSTREAM_CONF.read_text().splitlines() if re.match(r"\s*server\s", l)]
+    assert line.split()[2:] == grpc_line.split()[2:], "the same failure accounting for both ports"
 
 
 # ---------------------------------------------------------------------------------------------

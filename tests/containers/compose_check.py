@@ -352,21 +352,21 @@ def check_rest(port: int, modules, rng) -> None:
     (tritonclient.http) on both presets equal to eager PyTorch, spread over the replicas."""
     import tritonclient.http as httpclient
 
-    address = f"127.0.0.1:{port}"
+    nginx_rest = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 30
-    while (status := http_get(address, "/v2/health/ready")) != 200:  # nginx resolves `replicas` every 5 s
+    while (status := http_get(nginx_rest, "/v2/health/ready")) != 200:  # nginx resolves `replicas` every 5 s
         if time.monotonic() > deadline:
             raise Failed(f"GET /v2/health/ready through nginx answered {status} for 30 s")
         time.sleep(0.5)
     check(True, "GET /v2/health/ready through nginx's REST port: 200")
     replicas = containers("server")
-    check(all(http_get(address_of, "/v2/health/ready") == 200 for address_of in
-              (address(r, 8000) for r in replicas)), f"each replica's REST readiness is 200: {replicas}")
+    check(all(http_get(address(r, 8000), "/v2/health/ready") == 200 for r in replicas),
+          f"each replica's own REST readiness is 200: {replicas}")
     before = {r: successes(r) for r in replicas}
     cases = [("self_attention", 1, 10, 10, False, True), ("cross_attention", 2, 256, 77, True, True),
              ("self_attention", 2, 7, 13, True, False), ("cross_attention", 1, 3, 77, False, False),
              ("self_attention", 1, 1, 1, False, True), ("cross_attention", 3, 16, 5, True, False)]
-    client = httpclient.InferenceServerClient(url=address, connection_timeout=10.0, network_timeout=60.0)
+    client = httpclient.InferenceServerClient(url=nginx_rest, connection_timeout=10.0, network_timeout=60.0)
     try:
         for model, b, lq, lk, masked, binary in cases:
             x = random_inputs(rng, b, lq, lk, *DIMS[model], masked=masked)
@@ -411,6 +411,15 @@ def check_cuda_image_without_cuda() -> None:
               f"(healthy after {took:.0f} s)", text[-1500:])
     finally:
         podman("rm", "-f", "-t", "0", name, check_rc=False)
+
+
+def ready_through(client, quiet: bool = True):
+    """ServerReady through nginx; False (or, quiet=False, the error) while nginx answers 502:
+    no replica resolved yet (podman's DNS may not answer for the first seconds)."""
+    try:
+        return client.server_ready(timeout_s=5.0)
+    except Exception as err:  # noqa: BLE001 - attnserve.client.InferenceError (UNAVAILABLE from nginx)
+        return False if quiet else f"{type(err).__name__}: {err}"
 
 
 def remove_project() -> None:
@@ -463,18 +472,18 @@ def main() -> int:
         check(nginx_health.returncode == 0, f"{nginx} healthy by its healthcheck (wget /healthz)", nginx_health.stderr)
         rng = np.random.default_rng(7)
         with InferenceClient(f"127.0.0.1:{compose.port}", timeout_s=30.0) as client:
-            deadline = time.monotonic() + 30
-            while not client.server_ready(timeout_s=5.0):  # nginx resolves `replicas` every 5 s
+            deadline = time.monotonic() + 60
+            while not ready_through(client):  # nginx resolves `replicas` every 5 s
                 if time.monotonic() > deadline:
-                    raise Failed("no server ready through nginx within 30 s")
+                    raise Failed(f"no server ready through nginx within 60 s: {ready_through(client, quiet=False)}")
                 time.sleep(0.5)
             check_balancing(client, modules, replicas, rng)
             check_scale(compose, client, modules, rng)
             check_rest(compose.http_port, modules, rng)
             check_drain(compose.port, compose.http_port, modules, replicas[0])
         check_cuda_image_without_cuda()
-    except (Failed, AssertionError) as err:
-        log(f"FAIL: {err}")
+    except Exception as err:  # noqa: BLE001 - Failed, AssertionError, or a client's own: logs kept either way
+        log(f"FAIL: {type(err).__name__ + ': ' if not isinstance(err, Failed) else ''}{err}")
         save_logs(args.work)
         return 1
     finally:
