@@ -17,6 +17,7 @@ import onnxruntime as ort
 from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, GRAPH_INPUTS, KEY_PADDING_MASK, OUTPUT_ONLY, REQUIRED_INPUTS
 from attnserve.server import heap
 from attnserve.server.batcher import dense_mask
+from attnserve.server.cuda_probe import why_cuda_cannot_run
 from attnserve.server.graphs import BYTES_PER_SCORE, GraphSet, masking_of
 from attnserve.server.repository import ModelSpec
 
@@ -37,13 +38,21 @@ class DeviceChoice:
 
 
 def choose_device(device: str) -> DeviceChoice:
-    """The execution providers for --device, or DeviceUnavailable for 'cuda' without CUDA."""
+    """The execution providers for --device, or DeviceUnavailable for 'cuda' without CUDA.
+
+    CUDA is used when onnxruntime lists its provider and a probe session runs on it
+    (server.cuda_probe): onnxruntime-gpu lists it even where its libraries cannot load."""
     if device == "cpu":
         return DeviceChoice((CPU,), None)
     available = ort.get_available_providers()
     if CUDA in available:
-        return DeviceChoice((CUDA, CPU), None)
-    why_not_cuda = f"{CUDA} not in onnxruntime.get_available_providers() = {available} (onnxruntime {ort.__version__}; install onnxruntime-gpu)"
+        why_not_cuda = why_cuda_cannot_run()
+        if why_not_cuda is None:
+            return DeviceChoice((CUDA, CPU), None)
+        why_not_cuda = f"{CUDA} is listed but cannot run here: {why_not_cuda}"
+    else:
+        why_not_cuda = (f"{CUDA} not in onnxruntime.get_available_providers() = {available} "
+                        f"(onnxruntime {ort.__version__}; install onnxruntime-gpu)")
     if device == "cuda":
         raise DeviceUnavailable(why_not_cuda)
     return DeviceChoice((CPU,), why_not_cuda)

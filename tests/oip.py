@@ -70,3 +70,22 @@ def eager(module, query, key, value, mask=None) -> dict[str, np.ndarray]:
         output, attn_probs = module(torch.from_numpy(query), torch.from_numpy(key), torch.from_numpy(value),
                                     mask=None if mask is None else torch.from_numpy(mask))
     return {"output": output.numpy(), "attn_probs": attn_probs.numpy()}
+
+
+def rest_infer(client, model: str, x: dict[str, np.ndarray | None], binary: bool,
+               outputs: tuple[str, ...] = ("output", "attn_probs")) -> dict[str, np.ndarray]:
+    """One inference over REST with tritonclient.http's `client`: inputs and outputs as binary
+    tensors (binary=True) or as JSON numbers."""
+    import tritonclient.http as httpclient
+
+    from attnserve.contract import DATATYPES, INPUT_NAMES
+
+    inputs = []
+    for name in INPUT_NAMES:
+        if x.get(name) is not None:
+            tensor = httpclient.InferInput(name, list(x[name].shape), DATATYPES[name])
+            tensor.set_data_from_numpy(x[name], binary_data=binary)
+            inputs.append(tensor)
+    requested = [httpclient.InferRequestedOutput(name, binary_data=binary) for name in outputs]
+    result = client.infer(model, inputs, outputs=requested)
+    return {name: result.as_numpy(name) for name in outputs}

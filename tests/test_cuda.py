@@ -29,6 +29,12 @@ pytestmark = pytest.mark.skipif(CUDA not in onnxruntime.get_available_providers(
 CUDA_FP32_TOLERANCE = 2e-3
 
 
+def test_cuda_probe_runs_on_cuda():
+    from attnserve.server.cuda_probe import why_cuda_cannot_run
+
+    assert why_cuda_cannot_run() is None
+
+
 @pytest.mark.parametrize("model", ["self_attention", "cross_attention"])
 def test_cuda_engine_runs_with_io_binding_and_matches_the_cpu(model_repository, model):
     spec = read_model_spec(model_repository / model)

@@ -22,7 +22,7 @@ yaml = pytest.importorskip("yaml")
 
 from attnserve.server.config import DEVICES, ServerConfig, env_name  # noqa: E402
 from tests.server_process import REPO_ROOT  # noqa: E402
-from tests.test_deploy_nginx import NGINX_CONF, UPSTREAM_CONF  # noqa: E402
+from tests.test_deploy_nginx import NGINX_CONF, UPSTREAM_CONF, UPSTREAM_HTTP_CONF  # noqa: E402
 
 DEPLOY = REPO_ROOT / "deploy"
 COMPOSE = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
@@ -226,10 +226,11 @@ def test_ports_are_the_servers():
         assert published == [str(metrics_port), str(setting(env, "http_port"))], \
             f"{service} publishes its metrics and REST ports (on loopback), not gRPC's"
         assert upstream_port() == port, "nginx must reach the replicas on their gRPC port"
+        assert upstream_port(UPSTREAM_HTTP_CONF) == setting(env, "http_port"), "and on their REST port"
 
 
-def upstream_port() -> int:
-    (line,) = [l for l in UPSTREAM_CONF.read_text().splitlines() if re.match(r"\s*server\s", l)]
+def upstream_port(path: Path = UPSTREAM_CONF) -> int:
+    (line,) = [l for l in path.read_text().splitlines() if re.match(r"\s*server\s", l)]
     return int(re.match(r"\s*server\s+[^\s:]+:(\d+)", line).group(1))
 
 
@@ -289,17 +290,21 @@ def test_compose_nginx_mounts_the_config_the_nginx_test_runs():
     mounts = {volume(v)[1]: volume(v) for v in nginx["volumes"]}
     source, _, read_only = mounts[conf_path]
     assert (REPO_ROOT / source).resolve() == NGINX_CONF and read_only
-    # nginx resolves `include upstream.conf;` against the directory of the -c file.
-    assert re.search(r"^\s*include upstream\.conf;", NGINX_CONF.read_text(), re.M)
-    source, _, read_only = mounts[str(Path(conf_path).parent / "upstream.conf")]
-    assert (REPO_ROOT / source).resolve() == UPSTREAM_CONF and read_only
+    # nginx resolves `include upstream.conf;` against the directory of the -c file; each upstream
+    # block includes its own file.
+    for upstream, path in (("attnserve", UPSTREAM_CONF), ("attnserve_http", UPSTREAM_HTTP_CONF)):
+        assert re.search(rf"upstream {upstream} \{{[^}}]*include {path.name};", NGINX_CONF.read_text()), upstream
+        source, _, read_only = mounts[str(Path(conf_path).parent / path.name)]
+        assert (REPO_ROOT / source).resolve() == path and read_only
     assert command[-2:] == ["-g", "daemon off;"] and command[command.index("-p") + 1] == "/var/cache/nginx/"
-    assert nginx["ports"] == ["8001:8001"]
+    assert nginx["ports"] == ["8001:8001", "8000:8000"]
     assert re.search(r"^\s*listen 8001 http2;", NGINX_CONF.read_text(), re.M)
+    assert re.search(r"^\s*listen 8000;", NGINX_CONF.read_text(), re.M)
 
 
-def test_compose_nginx_finds_every_replica_by_dns():
-    conf = UPSTREAM_CONF.read_text()
+@pytest.mark.parametrize("path", [UPSTREAM_CONF, UPSTREAM_HTTP_CONF], ids=lambda p: p.name)
+def test_compose_nginx_finds_every_replica_by_dns(path):
+    conf = path.read_text()
     name = re.search(r"^\s*server\s+([^\s:]+):\d+\s+resolve\b", conf, re.M).group(1)
     assert re.search(r"^\s*resolver 127\.0\.0\.11\b", conf, re.M), "Docker's embedded DNS"
     for service in SERVER_SERVICES:
@@ -308,6 +313,7 @@ def test_compose_nginx_finds_every_replica_by_dns():
     version = tuple(int(x) for x in re.match(r"nginx:(\d+)\.(\d+)", SERVICES["nginx"]["image"]).groups())
     assert version >= (1, 28)
     assert re.search(r"upstream attnserve \{[^}]*zone attnserve", NGINX_CONF.read_text())
+    assert re.search(r"upstream attnserve_http \{[^}]*zone attnserve_http", NGINX_CONF.read_text())
 
 
 def test_nginx_conf_carries_grpc_of_the_servers_size_and_fails_over():
@@ -321,6 +327,27 @@ def test_nginx_conf_carries_grpc_of_the_servers_size_and_fails_over():
     assert {"error", "timeout"} <= set(directive("grpc_next_upstream").split())
     for name in ("grpc_connect_timeout", "grpc_read_timeout", "grpc_send_timeout"):
         assert directive(name)
+
+
+def test_nginx_conf_balances_rest_with_keepalive_and_retries_503():
+    """The REST server block: to the replicas' REST port over kept-alive HTTP/1.1, bodies up to
+    the replicas' own limit, and a 503 (never computed, server/errors.py) sent to the next replica
+    (tests/test_deploy_nginx.py shows each of these working, or failing without it)."""
+    rest = re.search(r"\n    server \{\n        # The REST port.*?\n    \}\n", NGINX_CONF.read_text(), re.S).group(0)
+    directive = lambda name: re.search(rf"^\s*{name}\s+([^;]+);", rest, re.M).group(1)  # noqa: E731
+    assert directive("listen") == "8000"
+    assert directive("proxy_pass") == "http://attnserve_http"
+    assert directive("proxy_http_version") == "1.1" and directive("proxy_set_header Connection") == '""'
+    assert set(directive("proxy_next_upstream").split()) == {"error", "timeout", "non_idempotent"}
+    infer = re.search(r"location ~ \^/v2/models/.*?/infer\$ \{(.*?)\}", rest, re.S).group(1)
+    assert "proxy_pass http://attnserve_http;" in infer
+    assert re.search(r"proxy_next_upstream error timeout http_503 non_idempotent;", infer)
+    assert directive("client_max_body_size") == "64m"
+    assert int(compose_env("server")["ATTNSERVE_MAX_MESSAGE_BYTES"]) == 64 << 20
+    assert re.search(r"upstream attnserve_http \{[^}]*keepalive \d+;", NGINX_CONF.read_text())
+    (line,) = [l for l in UPSTREAM_HTTP_CONF.read_text().splitlines() if re.match(r"\s*server\s", l)]
+    (grpc_line,) = [l for l in UPSTREAM_CONF.read_text().splitlines() if re.match(r"\s*server\s", l)]
+    assert line.split()[2:] == grpc_line.split()[2:], "the same failure accounting for both ports"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,9 +562,14 @@ def test_kserve_example_uses_the_servers_port_probes_and_repository():
     container = _kserve_container()
     assert container["name"] == "kserve-container"
     env = env_list(container)
-    (port,) = container["ports"]
-    assert port == {"name": "h2c", "containerPort": setting(env, "port"), "protocol": "TCP"}
-    _assert_grpc_probes(container, setting(env, "port"))
+    # KServe (RawDeployment) sends the Service's port 80, the InferenceService's URL, to the first
+    # container port: REST; a port named h2c (or grpc) is marked HTTP/2 for gRPC.
+    assert container["ports"] == [
+        {"name": "http1", "containerPort": setting(env, "http_port"), "protocol": "TCP"},
+        {"name": "h2c", "containerPort": setting(env, "port"), "protocol": "TCP"}]
+    assert env["PROTOCOL"] == "v2", "KServe takes a custom predictor for V1 unless PROTOCOL says v2"
+    _assert_grpc_probes(container, setting(env, "port"), names=("startupProbe", "livenessProbe"))
+    assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": setting(env, "http_port")}
     # KServe's storage initializer mounts STORAGE_URI at /mnt/models.
     assert str(setting(env, "model_repository")) == "/mnt/models"
     (claim,) = _kind(KSERVE_DOCS, "PersistentVolumeClaim")

@@ -1,10 +1,11 @@
 """The compose topology, run here without Docker: two real server replicas behind a real nginx
-running deploy/nginx/nginx.conf, the very file docker-compose.yml mounts.
+running deploy/nginx/nginx.conf, the very file docker-compose.yml mounts, for gRPC and for REST.
 
-What the test changes, and only that: the two `listen` ports (to free loopback ports), and
-upstream.conf, the file nginx.conf includes inside its upstream block: the compose one names
-the replicas by Docker's DNS name (`server replicas:8001 resolve ...` with resolver 127.0.0.11);
-here each `server` line becomes one line per replica's loopback address with the same
+What the test changes, and only that: the three `listen` ports (to free loopback ports), and
+upstream.conf and upstream-http.conf, the files nginx.conf includes inside its two upstream
+blocks: the compose ones name the replicas by Docker's DNS name (`server replicas:8001 resolve
+...`, `server replicas:8000 resolve ...`, with resolver 127.0.0.11); here each `server` line
+becomes one line per replica's loopback address (its gRPC or its REST port) with the same
 parameters (max_fails, fail_timeout), and the resolver lines are dropped (no Docker DNS here,
 and `resolve` needs nginx >= 1.27.3 where Debian ships 1.22). nginx runs in the foreground with
 a temporary directory as its prefix (`-p`), which holds its pid file and temp directories, as
@@ -15,12 +16,14 @@ All traffic is to 127.0.0.1. `make test` installs nginx (Debian package) when it
 
 from __future__ import annotations
 
+import http.client
 import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -29,15 +32,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.oip import eager, random_inputs
+from tests.oip import eager, random_inputs, rest_infer
 from tests.server_process import REPO_ROOT, ServerProcess
 
 NGINX_DIR = REPO_ROOT / "deploy" / "nginx"
 NGINX_CONF = NGINX_DIR / "nginx.conf"
 UPSTREAM_CONF = NGINX_DIR / "upstream.conf"
+UPSTREAM_HTTP_CONF = NGINX_DIR / "upstream-http.conf"
 HEALTHCHECK = REPO_ROOT / "deploy" / "healthcheck.py"
-# The ports nginx.conf listens on: gRPC (published by compose) and its own /healthz.
+# The ports nginx.conf listens on: gRPC and REST (published by compose) and its own /healthz.
 GRPC_LISTEN = 8001
+HTTP_LISTEN = 8000
 HEALTH_LISTEN = 8081
 TOLERANCE = 1e-5
 NGINX_START_TIMEOUT_S = 15.0
@@ -53,9 +58,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def render_nginx_conf(text: str, grpc_port: int, health_port: int) -> str:
-    """nginx.conf with its two listen ports moved to loopback ports; nothing else changes."""
-    for port, new in ((GRPC_LISTEN, grpc_port), (HEALTH_LISTEN, health_port)):
+def render_nginx_conf(text: str, grpc_port: int, http_port: int, health_port: int) -> str:
+    """nginx.conf with its three listen ports moved to loopback ports; nothing else changes."""
+    for port, new in ((GRPC_LISTEN, grpc_port), (HTTP_LISTEN, http_port), (HEALTH_LISTEN, health_port)):
         text, count = re.subn(rf"^(\s*)listen {port}\b", rf"\g<1>listen 127.0.0.1:{new}", text, flags=re.M)
         assert count == 1, f"nginx.conf should listen on {port} exactly once, found {count}"
     return text
@@ -81,21 +86,31 @@ def render_upstream_conf(text: str, addresses: list[str]) -> str:
 
 
 class NginxProcess:
-    """nginx in the foreground with `prefix` as its prefix: pid file, temp dirs and the two
-    config files live there; its stdout (access log) and stderr (error log) go to files."""
+    """nginx in the foreground with a new temporary directory as its prefix: pid file, temp dirs
+    and the three config files live there; its stdout (access log) and stderr (error log) go to
+    files. upstreams: the replicas' gRPC addresses; http_upstreams: their REST addresses.
 
-    def __init__(self, prefix: Path, upstreams: list[str]) -> None:
+    The directory is readable by all (removed by stop()): nginx started as root runs its workers
+    as nobody, and they write REST request bodies over client_body_buffer_size into
+    client_temp/ in it (pytest's own temporary directories are root's alone)."""
+
+    def __init__(self, upstreams: list[str], http_upstreams: list[str]) -> None:
+        self.prefix = prefix = Path(tempfile.mkdtemp(prefix="attnserve-nginx-"))
+        prefix.chmod(0o755)
         conf_dir = prefix / "conf"
         conf_dir.mkdir(parents=True)
-        self.port, self.health_port = free_port(), free_port()
+        self.port, self.http_port, self.health_port = free_port(), free_port(), free_port()
         self.conf = conf_dir / "nginx.conf"
-        self.conf.write_text(render_nginx_conf(NGINX_CONF.read_text(), self.port, self.health_port))
+        self.conf.write_text(render_nginx_conf(NGINX_CONF.read_text(), self.port, self.http_port, self.health_port))
         (conf_dir / "upstream.conf").write_text(render_upstream_conf(UPSTREAM_CONF.read_text(), upstreams))
+        (conf_dir / "upstream-http.conf").write_text(render_upstream_conf(UPSTREAM_HTTP_CONF.read_text(),
+                                                                          http_upstreams))
         self.access_log, self.error_log = prefix / "access.log", prefix / "error.log"
         self._out, self._err = open(self.access_log, "wb"), open(self.error_log, "wb")
         self.command = [NGINX, "-p", f"{prefix}/", "-c", str(self.conf), "-e", "stderr", "-g", "daemon off;"]
         self.proc = subprocess.Popen(self.command, stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL)
         self.address = f"127.0.0.1:{self.port}"
+        self.http_address = f"127.0.0.1:{self.http_port}"
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -128,6 +143,7 @@ class NginxProcess:
                 self.proc.wait()
         self._out.close()
         self._err.close()
+        shutil.rmtree(self.prefix, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +158,9 @@ def replicas(model_repository):
 
 
 @pytest.fixture(scope="module")
-def nginx(replicas, tmp_path_factory):
-    proc = NginxProcess(tmp_path_factory.mktemp("nginx"), [r.address for r in replicas])
+def nginx(replicas):
+    proc = NginxProcess([r.address for r in replicas],
+                        [r.http_address for r in replicas])
     yield proc
     proc.stop()
 
@@ -222,6 +239,154 @@ def test_healthcheck_script_asks_the_health_service(nginx, replicas):
     assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr, unknown.stderr
     closed = run_healthcheck("--address", f"127.0.0.1:{free_port()}", "--timeout", "1")
     assert closed.returncode == 1 and "unhealthy" in closed.stderr
+
+
+def rest_client(address: str):
+    import tritonclient.http as httpclient
+
+    return httpclient.InferenceServerClient(url=address, connection_timeout=10.0, network_timeout=60.0)
+
+
+def http_get(address: str, path: str) -> int:
+    connection = http.client.HTTPConnection(address, timeout=30)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        response.read()
+        return response.status
+    finally:
+        connection.close()
+
+
+REST_LINE = re.compile(r'" (\d{3}) rest upstream=(.*) upstream-status=(.*) time=')
+
+
+def rest_retries(access_log: str) -> list[tuple[str, str]]:
+    """(upstreams, their statuses) of each REST request nginx sent to more than one replica."""
+    return [(upstreams, statuses) for _status, upstreams, statuses in REST_LINE.findall(access_log)
+            if "," in statuses]
+
+
+def test_rest_through_nginx_equals_eager_on_both_presets_and_is_balanced(nginx, replicas, eager_modules):
+    """nginx's REST port (8000 in compose): readiness, and binary-tensor and JSON inference
+    (tritonclient.http, unmodified) equal to eager PyTorch, spread over both replicas."""
+    assert http_get(nginx.http_address, "/v2/health/ready") == 200
+    before = [successes(r) for r in replicas]
+    rng = np.random.default_rng(8)
+    cases = [("self_attention", 1, 9, 9, False, True), ("cross_attention", 2, 256, 77, True, True),
+             ("self_attention", 2, 5, 7, True, False), ("cross_attention", 1, 3, 77, False, False)]
+    client = rest_client(nginx.http_address)
+    try:
+        for model, b, lq, lk, masked, binary in cases:
+            x = random_inputs(rng, b, lq, lk, *DIMS[model], masked=masked)
+            got, want = rest_infer(client, model, x, binary), eager(eager_modules[model], **x)
+            for name in ("output", "attn_probs"):
+                np.testing.assert_allclose(got[name], want[name], rtol=0, atol=TOLERANCE,
+                                           err_msg=f"{model} {name} binary={binary}")
+        # 4.9 MB of binary body: over nginx's default client_max_body_size (1 MiB) and its
+        # client_body_buffer_size (nginx spills it to a temp file and passes it on whole).
+        x = random_inputs(rng, 4, 200, 200, *DIMS["self_attention"])
+        got = rest_infer(client, "self_attention", x, True, outputs=("output",))
+        np.testing.assert_allclose(got["output"], eager(eager_modules["self_attention"], **x)["output"],
+                                   rtol=0, atol=TOLERANCE)
+    except Exception:
+        print(nginx.logs())
+        raise
+    finally:
+        client.close()
+    served = [successes(r) - b for r, b in zip(replicas, before)]
+    print(f"REST calls served per replica: {served}")
+    assert sum(served) == len(cases) + 1 and min(served) >= 2, served
+
+
+def http_post(address: str, path: str, body: bytes = b"{}") -> int:
+    connection = http.client.HTTPConnection(address, timeout=30)
+    try:
+        connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        response.read()
+        return response.status
+    finally:
+        connection.close()
+
+
+def test_rest_503_that_is_no_drain_leaves_every_replica_in_rotation(nginx, replicas):
+    """A 503 that every replica gives outside inference (here: a model load, which the model
+    repository API refuses with UNAVAILABLE outside --model-control-mode explicit) reaches the
+    client as the replicas' 503, every time, and REST goes on: nginx counts each 503 it retried as
+    a failed attempt, so were 503 retried on every path, two such calls would leave no replica in
+    rotation (nginx: 502 to every REST call for fail_timeout). nginx.conf retries 503 on
+    inference only."""
+    path = "/v2/repository/models/cross_attention/load"
+    assert [http_post(r.http_address, path) for r in replicas] == [503, 503]
+    assert [http_post(nginx.http_address, path) for _ in range(4)] == [503] * 4, nginx.logs()
+    assert http_get(nginx.http_address, "/v2/health/ready") == 200, nginx.logs()
+    assert http_get(nginx.http_address, "/v2/models/cross_attention/ready") == 200, nginx.logs()
+
+
+def infer_once(address: str, model: str, x: dict) -> dict:
+    from attnserve.client import InferenceClient
+
+    with InferenceClient(address, timeout_s=60.0) as c:
+        return c.infer(model, x["query"], x["key"], x["value"], mask=x["mask"], outputs=("output",))
+
+
+def test_rest_calls_through_nginx_skip_a_draining_replica(model_repository, replicas, eager_modules):
+    """A replica drains while one call it admitted is held in flight (tests/gated_server.py),
+    so it stays up refusing: its own readiness and inference answer 503, and REST calls through
+    nginx all succeed: nginx sends the ones it chose the draining replica for again to the other
+    (proxy_next_upstream http_503). Once the held call is answered the replica exits 0, and calls
+    still succeed (the connection is refused: the next replica)."""
+    from tests.gated_server import GatedServer
+
+    survivor = replicas[1]  # test_service_goes_on_when_a_replica_stops stops replicas[0]
+    rng = np.random.default_rng(9)
+    with GatedServer(model_repository, "--intra-op-threads", "1", "--grace-period-s", "60") as draining, \
+            ThreadPoolExecutor(1) as pool:
+        proc = NginxProcess([draining.address, survivor.address],
+                            [draining.http_address, survivor.http_address])
+        client = rest_client(proc.http_address)
+        try:
+            held_x = random_inputs(rng, 1, 4, 4, *DIMS["cross_attention"])
+            held = pool.submit(infer_once, draining.address, "cross_attention", held_x)
+            draining.gate.wait_started()
+            draining.signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while "refusing new calls (UNAVAILABLE); finishing 1 call(s)" not in draining.log():
+                assert time.monotonic() < deadline and draining.proc.poll() is None, draining.log()
+                time.sleep(0.05)
+            assert http_get(draining.http_address, "/v2/health/ready") == 503
+            status = http_get(draining.http_address, "/v2/models/cross_attention/ready")
+            assert status == 503, "a draining replica's models are not ready"
+            for i in range(4):
+                model = ("self_attention", "cross_attention")[i % 2]
+                x = random_inputs(rng, 1, 6, 5, *DIMS[model], masked=bool(i % 2))
+                got, want = rest_infer(client, model, x, bool(i < 2)), eager(eager_modules[model], **x)
+                for name in ("output", "attn_probs"):
+                    np.testing.assert_allclose(got[name], want[name], rtol=0, atol=TOLERANCE)
+            deadline = time.monotonic() + 20  # nginx logs a request as it finalizes it
+            while not (retried := rest_retries(proc.access_log.read_text())):
+                assert time.monotonic() < deadline, proc.logs()
+                time.sleep(0.05)
+            assert all(upstreams.startswith(draining.http_address) and statuses.startswith("503")
+                       for upstreams, statuses in retried), retried
+            draining.gate.release()
+            got = held.result(timeout=60)
+            np.testing.assert_allclose(got["output"], eager(eager_modules["cross_attention"], **held_x)["output"],
+                                       rtol=0, atol=TOLERANCE)
+            assert draining.wait(timeout=60) == 0, draining.log()
+            for i in range(2):
+                x = random_inputs(rng, 1, 3, 3, *DIMS["cross_attention"])
+                got = rest_infer(client, "cross_attention", x, True, outputs=("output",))
+                np.testing.assert_allclose(got["output"], eager(eager_modules["cross_attention"], **x)["output"],
+                                           rtol=0, atol=TOLERANCE)
+        except Exception:
+            print(proc.logs())
+            raise
+        finally:
+            client.close()
+            proc.stop()
+    print(f"REST calls nginx sent again to the other replica: {retried}")
 
 
 def test_service_goes_on_when_a_replica_stops(nginx, replicas, client, eager_modules):

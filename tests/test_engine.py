@@ -56,3 +56,30 @@ def test_io_binding_takes_the_fused_graphs_too(model_repository, model):
         assert bound.graph_for(feeds, False) == kind
         np.testing.assert_array_equal(bound.run(feeds, False)[0], plain.run(feeds, False)[0])
         assert bound.runs == plain.runs
+
+
+def test_cuda_probe_graph_is_valid_onnx_and_runs_on_cpu():
+    """server.cuda_probe writes its one-node graph as protobuf bytes by hand: onnx's checker
+    accepts them and ONNX Runtime computes y = -x with them."""
+    import onnx
+    import onnxruntime
+
+    from attnserve.server.cuda_probe import probe_model
+
+    onnx.checker.check_model(onnx.load_from_string(probe_model()), full_check=True)
+    session = onnxruntime.InferenceSession(probe_model(), providers=["CPUExecutionProvider"])
+    (y,) = session.run(None, {"x": np.array([2.5], np.float32)})
+    assert y.tolist() == [-2.5]
+
+
+def test_cuda_probe_says_why_a_session_would_not_run_on_cuda():
+    """Here the session asked for CUDA runs on CPU (no CUDAExecutionProvider, or one whose
+    libraries or GPU are missing): the probe says so. On a GPU machine, test_cuda.py asserts None."""
+    import onnxruntime
+
+    from attnserve.server.cuda_probe import why_cuda_cannot_run
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers() and why_cuda_cannot_run() is None:
+        pytest.skip("CUDA runs here (tests/test_cuda.py covers it)")
+    why = why_cuda_cannot_run()
+    assert why is not None and "CUDAExecutionProvider" in why and "CPUExecutionProvider" in why, why

@@ -3,11 +3,12 @@ are built): one PASS/FAIL line per property, exit 1 on the first failure, the co
 WORK/logs/ either way.
 
 What differs from `docker compose up` here, and only that (an override file written into WORK):
-nginx's image (a stand-in, localhost/attnserve-ci/nginx: no registry), its published port (a free
-loopback port instead of 8001) and upstream.conf's resolver: Docker's embedded DNS is 127.0.0.1:1
-... 127.0.0.11; podman's (aardvark-dns) answers on the network's gateway, so the project network
-is made first with a fixed subnet and upstream.conf is mounted with `resolver GATEWAY` in place of
-`resolver 127.0.0.11`; every other line of it, and nginx.conf, are the repository's files.
+nginx's image (a stand-in, localhost/attnserve-ci/nginx: no registry), its published ports (free
+loopback ports instead of 8001 and 8000) and the resolver of upstream.conf and upstream-http.conf:
+Docker's embedded DNS is 127.0.0.11; podman's (aardvark-dns) answers on the network's gateway, so
+the project network is made first with a fixed subnet and both files are mounted with `resolver
+GATEWAY` in place of `resolver 127.0.0.11`; every other line of them, and nginx.conf, are the
+repository's files.
 
 Health: podman 4.3 has no systemd here to run HEALTHCHECKs on a timer, and podman-compose ignores
 `condition: service_healthy` before podman 4.6; so this runs each container's own HEALTHCHECK
@@ -17,6 +18,7 @@ Health: podman 4.3 has no systemd here to run HEALTHCHECKs on a timer, and podma
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import re
 import socket
@@ -32,7 +34,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.oip import eager, random_inputs  # noqa: E402
+from tests.oip import eager, random_inputs, rest_infer  # noqa: E402
 
 PROJECT = "attnserve"
 NETWORK = f"{PROJECT}_default"
@@ -78,17 +80,20 @@ def free_port() -> int:
 class Compose:
     def __init__(self, podman_compose: str, work: Path, nginx_image: str) -> None:
         self.work = work
-        self.port = free_port()
-        upstream = (REPO / "deploy/nginx/upstream.conf").read_text()
-        upstream, count = re.subn(r"^resolver 127\.0\.0\.11 ", f"resolver {GATEWAY} ", upstream, flags=re.M)
-        assert count == 1, "upstream.conf should name Docker's resolver 127.0.0.11 once"
-        (work / "upstream.conf").write_text(upstream)
-        (work / "compose.override.yml").write_text(json.dumps({"services": {"nginx": {
-            "image": nginx_image,
-            "ports": [f"127.0.0.1:{self.port}:8001"],
-            "volumes": [f"{REPO}/deploy/nginx/nginx.conf:/etc/nginx/nginx.conf:ro",
-                        f"{work.resolve()}/upstream.conf:/etc/nginx/upstream.conf:ro"],
-        }}}, indent=2))
+        self.port, self.http_port = free_port(), free_port()  # nginx's gRPC and REST ports
+        volumes = [f"{REPO}/deploy/nginx/nginx.conf:/etc/nginx/nginx.conf:ro"]
+        for name in ("upstream.conf", "upstream-http.conf"):
+            upstream = (REPO / "deploy/nginx" / name).read_text()
+            upstream, count = re.subn(r"^resolver 127\.0\.0\.11 ", f"resolver {GATEWAY} ", upstream, flags=re.M)
+            assert count == 1, f"{name} should name Docker's resolver 127.0.0.11 once"
+            (work / name).write_text(upstream)
+            volumes.append(f"{work.resolve()}/{name}:/etc/nginx/{name}:ro")
+        # YAML, for podman-compose's `!override`: its merge would add these ports to the file's
+        # own (8001 and 8000 on every interface) instead of replacing them.
+        (work / "compose.override.yml").write_text(
+            f"services:\n  nginx:\n    image: {json.dumps(nginx_image)}\n"
+            f"    ports: !override {json.dumps([f'127.0.0.1:{self.port}:8001', f'127.0.0.1:{self.http_port}:8000'])}\n"
+            f"    volumes: {json.dumps(volumes)}\n")
         self.cmd = [podman_compose, "-f", str(REPO / "docker-compose.yml"), "-f", str(work / "compose.override.yml")]
 
     def __call__(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -112,9 +117,36 @@ def inspect(container: str, fmt: str) -> str:
     return podman("inspect", "--format", fmt, container).stdout.strip()
 
 
-def address(container: str) -> str:
+def address(container: str, port: int = 8001) -> str:
+    """The container's address on the project network: its gRPC port, or `port` (8000: REST)."""
     ip = inspect(container, f'{{{{(index .NetworkSettings.Networks "{NETWORK}").IPAddress}}}}')
-    return f"{ip}:8001"
+    return f"{ip}:{port}"
+
+
+def http_get(address: str, path: str, timeout: float = 10.0) -> int:
+    connection = http.client.HTTPConnection(address, timeout=timeout)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        response.read()
+        return response.status
+    finally:
+        connection.close()
+
+
+def rest_json_infer(connection: http.client.HTTPConnection, model: str, x: dict) -> dict:
+    """One JSON inference over REST with the standard library (for the load threads)."""
+    from attnserve.contract import DATATYPES, INPUT_NAMES
+
+    body = json.dumps({"inputs": [{"name": n, "shape": list(x[n].shape), "datatype": DATATYPES[n],
+                                   "data": x[n].ravel().tolist()} for n in INPUT_NAMES if x.get(n) is not None],
+                       "outputs": [{"name": "output"}]})
+    connection.request("POST", f"/v2/models/{model}/infer", body=body, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    text = response.read()
+    if response.status != 200:
+        raise RuntimeError(f"REST {model}: HTTP {response.status}: {text[:300]!r}")
+    return {o["name"]: np.asarray(o["data"], np.float32).reshape(o["shape"]) for o in json.loads(text)["outputs"]}
 
 
 def wait_healthy(container: str) -> float:
@@ -222,8 +254,9 @@ def wait_for_calls(counts: list[int], errors: list[str], total: int, timeout_s: 
         time.sleep(0.05)
 
 
-def check_drain(port: int, modules, victim: str) -> None:
-    """Stop one replica (`podman stop`: SIGTERM, then its stop_grace_period) while calls go on."""
+def check_drain(port: int, http_port: int, modules, victim: str) -> None:
+    """Stop one replica (`podman stop`: SIGTERM, then its stop_grace_period) while calls go on:
+    two gRPC clients and one REST client (JSON), all through nginx."""
     from attnserve.client import InferenceClient
 
     check(inspect(victim, "{{.Config.StopSignal}}") in ("SIGTERM", "15"), f"{victim}: stop signal SIGTERM")
@@ -233,7 +266,7 @@ def check_drain(port: int, modules, victim: str) -> None:
     grace_s = int(grace.removesuffix("s"))
     stop = threading.Event()
     errors: list[str] = []
-    counts = [0, 0]
+    counts = [0, 0, 0]  # gRPC, gRPC, REST
 
     def load(index: int) -> None:
         rng = np.random.default_rng(100 + index)
@@ -246,26 +279,47 @@ def check_drain(port: int, modules, victim: str) -> None:
                     errors.append(f"{type(err).__name__}: {err}")
             retries.append(c.retry_count)
 
+    def rest_load(index: int) -> None:
+        rng = np.random.default_rng(100 + index)
+        connection = http.client.HTTPConnection(f"127.0.0.1:{http_port}", timeout=30)
+        while not stop.is_set():
+            model = ("self_attention", "cross_attention")[counts[index] % 2]
+            x = random_inputs(rng, 1, 5, 5, *DIMS[model])
+            try:
+                got = rest_json_infer(connection, model, x)
+                np.testing.assert_allclose(got["output"], eager(modules[model], **x)["output"], rtol=0, atol=TOLERANCE)
+                counts[index] += 1
+            except Exception as err:  # noqa: BLE001 - every failure is reported
+                errors.append(f"REST {type(err).__name__}: {err}")
+                connection.close()
+        connection.close()
+
     retries: list[int] = []
     threads = [threading.Thread(target=load, args=(i,)) for i in range(2)]
+    threads.append(threading.Thread(target=rest_load, args=(2,)))
     for t in threads:
         t.start()
     wait_for_calls(counts, errors, 20)  # calls flowing through nginx before the signal
-    sent_before = sum(counts)
+    sent_before, rest_before = sum(counts), counts[2]
     stopper = threading.Thread(target=lambda: podman("stop", "-t", str(grace_s), victim, check_rc=False, timeout=120))
     started = time.monotonic()
     stopper.start()
     deadline = started + 10
-    draining_health = None
+    draining_health = draining_rest_ready = None
+    victim_rest = address(victim, 8000)
     while time.monotonic() < deadline and inspect(victim, "{{.State.Status}}") in ("running", "stopping"):
         logs = podman("logs", victim, check_rc=False)
         if "draining: readiness NOT_SERVING" in logs.stdout + logs.stderr:
+            try:
+                draining_rest_ready = http_get(victim_rest, "/v2/health/ready", timeout=3)
+            except OSError as err:
+                draining_rest_ready = f"{type(err).__name__}: {err}"
             draining_health = podman("healthcheck", "run", victim, check_rc=False, timeout=30).returncode
             break
         time.sleep(0.2)
     stopper.join(timeout=120)
     stop_s = time.monotonic() - started
-    after_stop = sum(counts)
+    after_stop, rest_after_stop = sum(counts), counts[2]
     wait_for_calls(counts, errors, after_stop + 20)  # and after the replica is gone
     stop.set()
     for t in threads:
@@ -275,46 +329,97 @@ def check_drain(port: int, modules, victim: str) -> None:
           podman("logs", victim, check_rc=False).stderr[-3000:])
     if draining_health is not None:
         check(draining_health != 0, f"{victim} HEALTHCHECK failed while draining (readiness NOT_SERVING)")
+        check(draining_rest_ready == 503, f"{victim} REST readiness (GET /v2/health/ready) 503 while draining",
+              str(draining_rest_ready))
+    else:
+        log(f"NOTE: {victim} stopped before its drain could be seen; its readiness while draining was not asked")
     check(after_stop > sent_before and sum(counts) >= after_stop + 20 or errors,
           f"calls went on through the drain: {sent_before} before the stop, {after_stop - sent_before} during it, "
           f"{sum(counts) - after_stop} after")
+    check(counts[2] > rest_after_stop > rest_before or errors,
+          f"REST calls among them: {rest_before} before, {rest_after_stop - rest_before} during, "
+          f"{counts[2] - rest_after_stop} after")
+    (nginx,) = containers("nginx")
+    access = podman("logs", nginx, check_rc=False).stdout
+    retried = re.findall(r"rest upstream=(\S+), \S+ upstream-status=(\d+), (\d+)", access)
+    log(f"NOTE: REST calls nginx sent to a second replica during the drain (first upstream, its status): "
+        f"{[(u, first) for u, first, _ in retried] or 'none'}")
     check(not errors, f"no call failed while {victim} drained (client retries: {sum(retries)})", "\n".join(errors[:10]))
 
 
-# REST (being built elsewhere): once the server has a REST port, expose it in the Dockerfiles and
-# docker-compose.yml, and check here, the same way as gRPC: the HEALTHCHECK or a probe on it, nginx
-# balancing it over the replicas, and answers equal to eager PyTorch.
-def check_rest() -> None:
-    log("SKIP: REST: the server has no REST port yet (tests/containers/compose_check.py, check_rest)")
+def check_rest(port: int, modules, rng) -> None:
+    """nginx's REST port (8000, published): readiness, binary-tensor and JSON inference
+    (tritonclient.http) on both presets equal to eager PyTorch, spread over the replicas."""
+    import tritonclient.http as httpclient
+
+    nginx_rest = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while (status := http_get(nginx_rest, "/v2/health/ready")) != 200:  # nginx resolves `replicas` every 5 s
+        if time.monotonic() > deadline:
+            raise Failed(f"GET /v2/health/ready through nginx answered {status} for 30 s")
+        time.sleep(0.5)
+    check(True, "GET /v2/health/ready through nginx's REST port: 200")
+    replicas = containers("server")
+    check(all(http_get(address(r, 8000), "/v2/health/ready") == 200 for r in replicas),
+          f"each replica's own REST readiness is 200: {replicas}")
+    before = {r: successes(r) for r in replicas}
+    cases = [("self_attention", 1, 10, 10, False, True), ("cross_attention", 2, 256, 77, True, True),
+             ("self_attention", 2, 7, 13, True, False), ("cross_attention", 1, 3, 77, False, False),
+             ("self_attention", 1, 1, 1, False, True), ("cross_attention", 3, 16, 5, True, False)]
+    client = httpclient.InferenceServerClient(url=nginx_rest, connection_timeout=10.0, network_timeout=60.0)
+    try:
+        for model, b, lq, lk, masked, binary in cases:
+            x = random_inputs(rng, b, lq, lk, *DIMS[model], masked=masked)
+            got, want = rest_infer(client, model, x, binary), eager(modules[model], **x)
+            for name in ("output", "attn_probs"):
+                np.testing.assert_allclose(got[name], want[name], rtol=0, atol=TOLERANCE,
+                                           err_msg=f"REST {model} {name} binary={binary}")
+    finally:
+        client.close()
+    check(True, f"{len(cases)} REST calls through nginx (binary tensors and JSON) equal eager PyTorch "
+                f"(atol {TOLERANCE}) on both presets")
+    served = {r: successes(r) - before[r] for r in replicas}
+    check(sum(served.values()) == len(cases) and sum(n >= 1 for n in served.values()) >= 2,
+          f"nginx balanced the REST calls over the replicas: {served}", str(served))
 
 
 def check_cuda_image_without_cuda() -> None:
-    """The CUDA image on its stand-in base (no CUDA libraries) must not serve on CPU unnoticed."""
+    """The CUDA image on its stand-in base: onnxruntime-gpu lists CUDAExecutionProvider, whose
+    library cannot load there (no CUDA or cuDNN libraries). With ATTNSERVE_DEVICE=cuda (the
+    image's) the server exits 3 saying why; with auto it serves on CPU, saying why."""
     name = "attnserve-ci-cuda-standin"
     podman("rm", "-f", "-t", "0", name, check_rc=False)
-    podman("run", "-d", "--name", name, "--network", "none", "-v", f"{VOLUME}:/models:ro", "attnserve:cuda-standin")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            logs = podman("logs", name, check_rc=False)
-            text = logs.stdout + logs.stderr
-            status = inspect(name, "{{.State.Status}}")
-            if status == "exited" or "serving 0 model(s)" in text or time.monotonic() > deadline:
-                break
-            time.sleep(1)
-        if status == "exited":
-            code = inspect(name, "{{.State.ExitCode}}")
-            check(code == "3" and "CUDA" in text, "attnserve:cuda-standin refuses to start without CUDA: exit 3",
-                  f"exit {code}: {text[-1500:]}")
-            return
-        health = podman("healthcheck", "run", name, check_rc=False, timeout=60)
-        check("DeviceUnavailable" in text and health.returncode != 0,
-              "attnserve:cuda-standin (ATTNSERVE_DEVICE=cuda, no CUDA libraries) does not serve on CPU: "
-              "its models are not ready (DeviceUnavailable) and its HEALTHCHECK fails", text[-1500:])
-        log("NOTE: it kept running with no model ready rather than exiting 3 as deploy/Dockerfile.cuda says "
-            "(onnxruntime-gpu lists CUDAExecutionProvider, whose library then fails to load)")
+        run = podman("run", "--name", name, "--network", "none", "--no-healthcheck", "-v", f"{VOLUME}:/models:ro",
+                     "attnserve:cuda-standin", check_rc=False, timeout=180)
+        text = run.stdout + run.stderr
+        lines = [line for line in text.splitlines() if "cannot start:" in line]
+        check(run.returncode == 3 and len(lines) == 1 and "CUDAExecutionProvider is listed but cannot run here" in lines[0]
+              and "libcublasLt.so.12" in lines[0],
+              "attnserve:cuda-standin (ATTNSERVE_DEVICE=cuda) exits 3 with one line naming the library that does "
+              f"not load: {lines[0].split('cannot start: ', 1)[-1][:200] if lines else ''}",
+              f"exit {run.returncode}: {text[-1500:]}")
+        podman("rm", "-f", "-t", "0", name, check_rc=False)
+        podman("run", "-d", "--name", name, "--network", "none", "-e", "ATTNSERVE_DEVICE=auto",
+               "-v", f"{VOLUME}:/models:ro", "attnserve:cuda-standin")
+        took = wait_healthy(name)
+        logs = podman("logs", name, check_rc=False)
+        text = logs.stdout + logs.stderr
+        check("device auto: serving on CPU because CUDAExecutionProvider is listed but cannot run here" in text
+              and re.search(r"serving 2 model\(s\)", text) is not None,
+              f"attnserve:cuda-standin with ATTNSERVE_DEVICE=auto serves both models on CPU, saying why "
+              f"(healthy after {took:.0f} s)", text[-1500:])
     finally:
         podman("rm", "-f", "-t", "0", name, check_rc=False)
+
+
+def ready_through(client, quiet: bool = True):
+    """ServerReady through nginx; False (or, quiet=False, the error) while nginx answers 502:
+    no replica resolved yet (podman's DNS may not answer for the first seconds)."""
+    try:
+        return client.server_ready(timeout_s=5.0)
+    except Exception as err:  # noqa: BLE001 - attnserve.client.InferenceError (UNAVAILABLE from nginx)
+        return False if quiet else f"{type(err).__name__}: {err}"
 
 
 def remove_project() -> None:
@@ -367,18 +472,18 @@ def main() -> int:
         check(nginx_health.returncode == 0, f"{nginx} healthy by its healthcheck (wget /healthz)", nginx_health.stderr)
         rng = np.random.default_rng(7)
         with InferenceClient(f"127.0.0.1:{compose.port}", timeout_s=30.0) as client:
-            deadline = time.monotonic() + 30
-            while not client.server_ready(timeout_s=5.0):  # nginx resolves `replicas` every 5 s
+            deadline = time.monotonic() + 60
+            while not ready_through(client):  # nginx resolves `replicas` every 5 s
                 if time.monotonic() > deadline:
-                    raise Failed("no server ready through nginx within 30 s")
+                    raise Failed(f"no server ready through nginx within 60 s: {ready_through(client, quiet=False)}")
                 time.sleep(0.5)
             check_balancing(client, modules, replicas, rng)
             check_scale(compose, client, modules, rng)
-            check_drain(compose.port, modules, replicas[0])
-            check_rest()
+            check_rest(compose.http_port, modules, rng)
+            check_drain(compose.port, compose.http_port, modules, replicas[0])
         check_cuda_image_without_cuda()
-    except (Failed, AssertionError) as err:
-        log(f"FAIL: {err}")
+    except Exception as err:  # noqa: BLE001 - Failed, AssertionError, or a client's own: logs kept either way
+        log(f"FAIL: {type(err).__name__ + ': ' if not isinstance(err, Failed) else ''}{err}")
         save_logs(args.work)
         return 1
     finally:
