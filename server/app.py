@@ -229,8 +229,8 @@ class Server:
         2. then new calls are refused with UNAVAILABLE (REST: 503; never computed: retry elsewhere), and
            every admitted call finishes within grace_s; what is still queued then is refused
            with UNAVAILABLE and running batches finish;
-        3. Watch streams end, and once the event loop has seen every call gRPC's core took,
-           gRPC stops: GOAWAY, the listener closed; then the REST port's listeners and
+        3. Watch streams end; after a pause in incoming calls, and once the event loop has seen
+           every call gRPC's core took, gRPC stops: GOAWAY, the listener closed; then the REST port's listeners and
            connections close. hurry() cuts 1 and 2 short. Readiness on REST
            (/v2/health/ready) is 503 from step 1 on."""
         started = time.monotonic()
@@ -240,6 +240,7 @@ class Server:
             logger.info("draining: readiness NOT_SERVING, still admitting calls for %.1fs", drain_delay_s)
             await _wait_for(self._draining.hurried, drain_delay_s)
         self._draining.refuse()
+        refused_at = time.monotonic()
         in_flight = self._admission.in_flight
         grace_left = 0.0 if self._draining.hurried.is_set() else grace_s
         logger.info("refusing new calls (UNAVAILABLE); finishing %d call(s) in flight within %.1fs",
@@ -254,6 +255,7 @@ class Server:
         watches = await self._gate.end_watches() if self._gate is not None else 0
         if self._grpc is not None:
             if self._gate is not None and not self._draining.hurried.is_set():
+                await self._gate.quiet(refused_at, _QUIET_S, _QUIET_BOUND_S)
                 if self._core_calls is None:
                     await asyncio.sleep(_HANDOVER_PAUSE_S)  # channelz cannot tell: give the loop turns
                 elif not await self._gate.handed_over(self._core_calls, _HANDOVER_BOUND_S):
@@ -271,7 +273,12 @@ class Server:
                     "ended)", time.monotonic() - started, in_flight, watches)
 
 
-# Before GOAWAY, wait (at most _HANDOVER_BOUND_S) until the event loop has seen every call gRPC's
+# Before GOAWAY, refuse for at least _QUIET_S and until calls pause that long (at most
+# _QUIET_BOUND_S): gRPC's stop cancels (CANCELLED) a call that arrives while it begins, so calls
+# still coming (a load balancer that has not noticed, clients retrying) meet the refusal instead.
+_QUIET_S = 0.1
+_QUIET_BOUND_S = 0.5
+# Then wait (at most _HANDOVER_BOUND_S) until the event loop has seen every call gRPC's
 # core took: its stop cancels (CANCELLED) the ones core still holds for a busy loop, whereas
 # through the gate they are answered UNAVAILABLE (retry elsewhere). server.handover says how.
 _HANDOVER_BOUND_S = 2.0

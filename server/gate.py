@@ -83,6 +83,7 @@ class CallGate(grpc.GenericRpcHandler):
         counted_methods: the inference methods Admission counts (and draining refuses)."""
         self._handlers = {method: tolerant_handler(method, h) for method, h in method_handlers.items()}
         self.calls_seen = 0  # every call gRPC has handed to the event loop (server.handover)
+        self.last_call_at = float("-inf")  # time.monotonic() of the latest call's headers
         self._watches: dict[asyncio.Task, _WatchContext] = {}  # the handler tasks of open Watch streams
         self._ending: set[asyncio.Task] = set()  # those end_watches() cancelled
         if WATCH_METHOD in self._handlers:
@@ -95,6 +96,7 @@ class CallGate(grpc.GenericRpcHandler):
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         self.calls_seen += 1
+        self.last_call_at = time.monotonic()
         method = details.method
         # The token first, unknown methods included: nothing tells an outsider what exists.
         if self._token is not None and not self._token.admits(method, details.invocation_metadata):
@@ -110,6 +112,15 @@ class CallGate(grpc.GenericRpcHandler):
         if self._draining.refusing:
             return _DRAINING_REFUSAL
         return self._counted_call(handler)
+
+    async def quiet(self, since: float, quiet_s: float, bound_s: float) -> None:
+        """Return once no call has come for quiet_s, counting from `since` (when refusals
+        began) at the earliest, or after bound_s: a call on its way when the drain began (a
+        load balancer still sending) meets the refusal (UNAVAILABLE, retried elsewhere), not
+        gRPC's stop, which cancels calls that arrive while it begins."""
+        deadline = time.monotonic() + bound_s
+        while time.monotonic() - max(self.last_call_at, since) < quiet_s and time.monotonic() < deadline:
+            await asyncio.sleep(quiet_s / 4)
 
     async def handed_over(self, core: CoreCalls, bound_s: float) -> bool:
         """Return once every call gRPC's core has received on this server has come through
