@@ -351,10 +351,7 @@ def test_rest_calls_through_nginx_skip_a_draining_replica(model_repository, repl
             held = pool.submit(infer_once, draining.address, "cross_attention", held_x)
             draining.gate.wait_started()
             draining.signal(signal.SIGTERM)
-            deadline = time.monotonic() + 30
-            while "refusing new calls (UNAVAILABLE); finishing 1 call(s)" not in draining.log():
-                assert time.monotonic() < deadline and draining.proc.poll() is None, draining.log()
-                time.sleep(0.05)
+            draining.wait_for_log("refusing new calls (UNAVAILABLE); finishing 1 call(s)")
             assert http_get(draining.http_address, "/v2/health/ready") == 503
             status = http_get(draining.http_address, "/v2/models/cross_attention/ready")
             assert status == 503, "a draining replica's models are not ready"
