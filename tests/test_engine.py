@@ -58,18 +58,26 @@ def test_io_binding_takes_the_fused_graphs_too(model_repository, model):
         assert bound.runs == plain.runs
 
 
-def test_cuda_probe_graph_is_valid_onnx_and_runs_on_cpu():
-    """server.cuda_probe writes its one-node graph as protobuf bytes by hand: onnx's checker
-    accepts them and ONNX Runtime computes y = -x with them."""
-    import onnx
+def test_cuda_probe_graph_runs_on_cpu():
+    """server.cuda_probe writes its one-node graph as protobuf bytes by hand: ONNX Runtime
+    computes y = -x with them."""
     import onnxruntime
 
     from attnserve.server.cuda_probe import probe_model
 
-    onnx.checker.check_model(onnx.load_from_string(probe_model()), full_check=True)
     session = onnxruntime.InferenceSession(probe_model(), providers=["CPUExecutionProvider"])
     (y,) = session.run(None, {"x": np.array([2.5], np.float32)})
     assert y.tolist() == [-2.5]
+
+
+def test_cuda_probe_graph_is_valid_onnx():
+    """onnx's checker accepts the probe's hand-written bytes (onnx is the exporter's dependency:
+    the test-deps-* virtualenvs, which run this file, do not have it)."""
+    onnx = pytest.importorskip("onnx")
+
+    from attnserve.server.cuda_probe import probe_model
+
+    onnx.checker.check_model(onnx.load_from_string(probe_model()), full_check=True)
 
 
 def test_cuda_probe_says_why_a_session_would_not_run_on_cuda():
