@@ -69,7 +69,7 @@ class _Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, "--model-repository", str(repository), "--host", "127.0.0.1",
              "--port", "0", "--http-port", "0", "--metrics-port", "-1", "--log-level", "WARNING", "--ready-file", str(self.ready_file),
-             "--drain-delay-s", "0",
+             "--drain-delay-s", "0", "--workers", "1",
              *extra], cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while not self.ready_file.exists():

@@ -31,7 +31,9 @@ async def serve(config: ServerConfig, run_batch: RunBatchFactory | None = None) 
     from attnserve.server.engine import DeviceUnavailable
     from attnserve.server.repository import ModelLoadError
 
-    server = Server(config, run_batch)
+    from attnserve.server.workers import WorkerContext
+
+    server = Server(config, run_batch, worker=WorkerContext.from_env())
     # Handlers first: a signal that comes while the server starts (its ready file may already
     # be written, telling a supervisor it may stop it) drains once the start is done, instead of
     # killing the process (a test under load caught a SIGTERM between the two).
@@ -60,13 +62,33 @@ async def serve(config: ServerConfig, run_batch: RunBatchFactory | None = None) 
 
 
 def configure_logging(config: ServerConfig) -> None:
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import os
+
+    from attnserve.server.workers import WorkerContext
+
+    # A worker's lines say which (server.workers): they share the supervisor's log.
+    worker = WorkerContext.from_env()
+    who = f"[worker {worker.index} pid {os.getpid()}] " if worker is not None else ""
+    logging.basicConfig(level=config.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s")
+
+
+def run(config: ServerConfig, argv: list[str], command: list[str], run_batch: RunBatchFactory | None = None) -> int:
+    """Serve in this process, or as the supervisor of --workers processes, each `command argv`
+    (server.workers). The supervisor imports no ONNX Runtime and loads no model."""
+    from attnserve.server.workers import WorkerContext, default_workers, supervise
+
+    workers = default_workers(config)
+    if workers > 1 and WorkerContext.from_env() is None:
+        return asyncio.run(supervise(config, argv, command, workers))
+    return asyncio.run(serve(config, run_batch))
 
 
 def main(argv: list[str] | None = None, prog: str = "attnserve serve") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     config = load_config(argv, prog=prog)
     configure_logging(config)
-    return asyncio.run(serve(config))
+    return run(config, argv, [sys.executable, "-m", "attnserve", "serve"])
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ class Answers:
         response = pb.ModelStatisticsResponse()
         for name in names:
             spec = self._registry.get(name, version).spec
-            s = self._metrics.statistics[name]
+            s = self._metrics.model_statistics(name)  # every worker's, summed
             response.model_stats.add(
                 name=name, version=str(spec.version), last_inference=s.last_inference_ms,
                 inference_count=s.inference_count, execution_count=s.execution_count,

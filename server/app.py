@@ -31,7 +31,7 @@ from attnserve.server.engine import choose_device
 from attnserve.server.gate import CallGate, HandlerTable
 from attnserve.server.handover import CoreCalls
 from attnserve.server.lifecycle import Admission, Arrivals, Draining, MemoryBudget
-from attnserve.server.memory import default_memory_limit
+from attnserve.server.memory import DEFAULT_SHARE, default_memory_limit
 from attnserve.server.listen import listen_addresses
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_http import MetricsEndpoint
@@ -41,6 +41,7 @@ from attnserve.server.repository import ModelLoadError
 from attnserve.server.rest import RestPort
 from attnserve.server.security import bearer_token, server_credentials, server_ssl_context
 from attnserve.server.service import InferenceServicer
+from attnserve.server.workers import WorkerContext
 
 logger = logging.getLogger(__name__)
 
@@ -101,17 +102,20 @@ def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.Server
 
 
 class Server:
-    def __init__(self, config: ServerConfig, run_batch: RunBatchFactory | None = None) -> None:
+    def __init__(self, config: ServerConfig, run_batch: RunBatchFactory | None = None,
+                 worker: WorkerContext | None = None) -> None:
         """run_batch: how each model's batches are computed, made from its spec; None (the
         server) is ONNX Runtime. bench.floor passes one that returns zeros, to measure this
-        stack's own cost with the real gate, servicer and batchers."""
+        stack's own cost with the real gate, servicer and batchers. worker: this process is one
+        of several serving the same ports (server.workers); None: the server is this process."""
         self.config = config
+        self.worker = worker
         self._run_batch = run_batch
         self.port: int | None = None
         self.http_port: int | None = None
         self.metrics_port: int | None = None
         self._rest: RestPort | None = None
-        self.metrics = Metrics()
+        self.metrics = Metrics(worker.directory if worker is not None else None)
         self._metrics_endpoint = MetricsEndpoint(self.metrics.registry)
         self.registry: ModelRegistry | None = None
         self._grpc: grpc.aio.Server | None = None
@@ -136,7 +140,9 @@ class Server:
             logger.warning("device auto: serving on CPU because %s", device.why_not_cuda)
         # Creating sessions blocks for a while; nothing else is running yet.
         heap.configure_allocator()
-        limit = cfg.memory_limit_bytes if cfg.memory_limit_bytes is not None else default_memory_limit()
+        # With several workers each takes its share of the default (the supervisor divides a given limit).
+        share = DEFAULT_SHARE / (self.worker.workers if self.worker is not None else 1)
+        limit = cfg.memory_limit_bytes if cfg.memory_limit_bytes is not None else default_memory_limit(share)
         loop = asyncio.get_running_loop()
         # Once a large use of the budget is over, what gRPC and numpy freed goes back to the
         # system (off the event loop: malloc_trim walks every heap).
@@ -156,7 +162,8 @@ class Server:
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
-            ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
+            # A port in use is an error, not a silent second listener; workers share theirs (server.workers).
+            ("grpc.so_reuseport", int(self.worker is not None)),
             # A client that opens calls and never reads their answers is held here and by the
             # memory budget (its unsent answers stay counted until its calls end).
             ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
@@ -179,7 +186,8 @@ class Server:
             self._rest = RestPort(answers, self._admission, self._draining, token, cfg.max_message_bytes,
                                   cfg.access_log)
             try:
-                self.http_port = await self._rest.start(cfg.host, cfg.http_port, ssl_context)
+                self.http_port = await self._rest.start(cfg.host, cfg.http_port, ssl_context,
+                                                        reuse_port=self.worker is not None)
             except OSError as err:
                 await self._grpc.stop(None)
                 raise OSError(f"HTTP/REST port: {err}") from None

@@ -58,6 +58,9 @@ class ServerConfig:
     repository_poll_secs: float = 15.0
     ready_file: Path | None = None  # written with the bound ports once serving (tests, scripts)
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR, any case
+    # Processes serving the same ports (server.workers); None: one per two CPUs this process may
+    # use (affinity and cgroup quota; server.workers.default_workers), one in explicit mode.
+    workers: int | None = None
     access_log: bool = False
     # Security (server/security.py). TLS when both cert and key are given; mutual TLS (client
     # certificates required) when a client CA is given too; bearer tokens when a token file is.
@@ -93,6 +96,12 @@ class ServerConfig:
             raise ValueError(f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms}")
         if not 0.0 <= self.max_padding_ratio < 1.0:
             raise ValueError(f"max_padding_ratio must be in [0, 1), got {self.max_padding_ratio}")
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if (self.workers or 1) > 1 and self.model_control_mode == "explicit":
+            raise ValueError("--workers above 1 cannot be combined with --model-control-mode explicit: a model "
+                             "loaded or unloaded through one worker would not change the others' (use --workers 1, "
+                             "or --model-control-mode poll, where every worker rescans the repository)")
         if self.intra_op_threads < 0:
             raise ValueError(f"intra_op_threads must be >= 0, got {self.intra_op_threads}")
         if not 0 <= self.drain_delay_s < float("inf"):
@@ -137,6 +146,8 @@ _HELP: dict[str, str] = {
     "repository_poll_secs": "seconds between rescans of the repository in --model-control-mode poll",
     "ready_file": "write {grpc_port, http_port, metrics_port} as JSON here once serving",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "workers": "processes serving the same ports, each its own event loop and ONNX Runtime sessions "
+               "(default: one per two CPUs the process may use; 1 in explicit model control mode)",
     "access_log": "log every RPC (a switch; or true/false)",
     "tls_cert": "PEM certificate chain: serve TLS (with --tls-key)",
     "tls_key": "PEM private key of --tls-cert",

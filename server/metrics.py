@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
@@ -17,6 +19,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 disable_created_metrics()
 
 from attnserve.server.batcher import BatchStats
+
+if TYPE_CHECKING:
+    from attnserve.server.shared_stats import StatisticsFile
 
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -62,7 +67,11 @@ class ModelStatistics:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, shared_dir: Path | None = None) -> None:
+        """shared_dir: with several worker processes (server.workers), where every worker's
+        statistics are published and summed from (server.shared_stats); None: this process alone.
+        The Prometheus collectors are then in prometheus_client's multiprocess mode (set up by
+        the supervisor's PROMETHEUS_MULTIPROC_DIR before this process imported it)."""
         self.registry = CollectorRegistry()
         self.requests = Counter("attnserve_requests", "Inference requests by final gRPC status code.",
                                 ["model", "code"], registry=self.registry)
@@ -80,11 +89,28 @@ class Metrics:
         self.padding_ratio = Histogram("attnserve_padding_ratio",
                                        "Padded share of each batch's attention matrix.",
                                        ["model"], buckets=_RATIO_BUCKETS, registry=self.registry)
+        # With several workers: the sum over the live ones (a dead worker's queue is gone).
         self.queue_depth = Gauge("attnserve_queue_depth", "Requests waiting in the model's queue.",
-                                 ["model"], registry=self.registry)
+                                 ["model"], registry=self.registry, multiprocess_mode="livesum")
         self.statistics: dict[str, ModelStatistics] = {}
         # `statistics` is written and read on the event loop thread only (batcher callbacks,
         # the servicer): no lock on the request path.
+        self._shared_dir = shared_dir
+        self.shared: StatisticsFile | None = None
+        if shared_dir is not None:
+            import os
+
+            from attnserve.server.shared_stats import StatisticsFile
+
+            self.shared = StatisticsFile(shared_dir, os.getpid())
+
+    def model_statistics(self, model: str) -> ModelStatistics:
+        """The server's statistics of `model`: this process's, or every worker's summed."""
+        if self._shared_dir is None:
+            return self.statistics[model]
+        from attnserve.server.shared_stats import gather
+
+        return gather(self._shared_dir).get(model) or ModelStatistics()
 
     def observer(self, model: str) -> "ModelObserver":
         self.statistics.setdefault(model, ModelStatistics())
@@ -97,13 +123,17 @@ class Metrics:
         stats = self.statistics.get(model)
         if stats is not None:
             (stats.success if code == "OK" else stats.fail).add(duration_s)
+            if self.shared is not None:
+                self.shared.publish(model, stats)
 
 
 class ModelObserver:
     """The batcher's view of Metrics, bound to one model's labels."""
 
     def __init__(self, metrics: Metrics, model: str) -> None:
+        self._model = model
         self._stats = metrics.statistics[model]
+        self._shared = metrics.shared
         self._queue_duration = metrics.queue_duration.labels(model)
         self._compute_duration = metrics.compute_duration.labels(model)
         self._batch_requests = metrics.batch_requests.labels(model)
@@ -128,6 +158,8 @@ class ModelObserver:
             s.compute_infer.add(stats.run_s)
             s.compute_output.add(stats.split_s)
         s.batches.setdefault(stats.rows, BatchDurations()).add(stats)
+        if self._shared is not None:
+            self._shared.publish(self._model, s, stats.rows)
 
     def on_queue_depth(self, depth: int) -> None:
         self._queue_depth.set(depth)

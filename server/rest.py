@@ -112,8 +112,10 @@ class RestPort:
 
     # -- listening ---------------------------------------------------------------------------
 
-    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
-        """Listen on every address `host` resolves to, all on one port; returns it."""
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
+                    reuse_port: bool = False) -> int:
+        """Listen on every address `host` resolves to, all on one port; returns it. reuse_port:
+        share the port with the other worker processes (server.workers)."""
         loop = asyncio.get_running_loop()
         self._web = web.Server(self._handle, request_factory=self._make_request, max_line_size=MAX_FIELD_BYTES,
                                max_field_size=MAX_FIELD_BYTES, max_headers=MAX_HEADERS,
@@ -122,7 +124,8 @@ class RestPort:
             for address in listen_addresses(host):
                 try:
                     listener = await loop.create_server(self._protocol, address, port, ssl=ssl_context,
-                                                        reuse_address=True, backlog=MAX_CONNECTIONS)
+                                                        reuse_address=True, reuse_port=reuse_port or None,
+                                                        backlog=MAX_CONNECTIONS)
                 except OSError as err:
                     raise OSError(f"cannot listen on {address}:{port} (--host {host}): {err.strerror or err}") from None
                 self._listeners.append(listener)

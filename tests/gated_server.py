@@ -48,16 +48,19 @@ class Gate:
         self._stalled = os.open(self.directory / "stalled", os.O_RDWR | os.O_NONBLOCK)
         self._unstall = os.open(self.directory / "unstall", os.O_RDWR)
         self._pending = b""
+        self.last_pid: int | None = None
 
     def wait_started(self, timeout_s: float = 60.0) -> int:
-        """Block until a batch reaches the gate; the rows (sequences) in it."""
+        """Block until a batch reaches the gate; the rows (sequences) in it (its process: last_pid)."""
         while b"\n" not in self._pending:
             ready, _, _ = select.select([self._started], [], [], timeout_s)
             if not ready:
                 raise AssertionError(f"no batch reached the gate within {timeout_s}s")
             self._pending += os.read(self._started, 4096)
         line, self._pending = self._pending.split(b"\n", 1)
-        return int(line)
+        rows, pid = line.split()
+        self.last_pid = int(pid)  # the process whose batch it is (one of the workers, with --workers)
+        return int(rows)
 
     def has_started(self) -> bool:
         """Whether a batch has reached the gate that wait_started() has not yet reported."""
@@ -126,7 +129,7 @@ def _gated_engine_factory(directory: Path, intra_op_threads: int):
 
         def run(feeds, want_probs):
             with lock:
-                os.write(fifo("started", os.O_WRONLY), f"{feeds['query'].shape[0]}\n".encode())
+                os.write(fifo("started", os.O_WRONLY), f"{feeds['query'].shape[0]} {os.getpid()}\n".encode())
             if not os.read(fifo("release", os.O_RDONLY), 1):
                 raise RuntimeError("the test closed the gate")
             return engine.run(feeds, want_probs)
@@ -159,14 +162,19 @@ def _stall_on_sigusr1(directory: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from attnserve.server.__main__ import configure_logging, serve
+    from attnserve.server.__main__ import configure_logging, run
     from attnserve.server.config import load_config
+    from attnserve.server.workers import WorkerContext, default_workers
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     config = load_config(argv, prog="python -m tests.gated_server")
     configure_logging(config)
+    command = [sys.executable, "-m", "tests.gated_server"]
+    if default_workers(config) > 1 and WorkerContext.from_env() is None:
+        return run(config, argv, command)  # the supervisor: each of its workers is a gated server
     factory = _gated_engine_factory(Path(os.environ[GATE_ENV]), config.intra_op_threads)
     _stall_on_sigusr1(Path(os.environ[GATE_ENV]))
-    return asyncio.run(serve(config, run_batch=factory))
+    return run(config, argv, command, run_batch=factory)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ class ServerProcess:
             "--ready-file", str(self.ready_file),
             # No load balancer watches a test's server: stop at once unless a test asks for a delay.
             "--drain-delay-s", "0",
+            # One process unless a test asks for more: the default follows the machine's CPUs.
+            "--workers", "1",
             *extra_args,
         ]
         self._log = open(self.log_path, "wb")
@@ -123,7 +125,7 @@ def serve_with_port_taken(model_repository: Path, flag: str) -> tuple[subprocess
     another socket listens on, every other port free or off; (the finished run, that port)."""
     import socket
 
-    ports = {"--port": "0", "--http-port": "-1", "--metrics-port": "-1"}
+    ports = {"--port": "0", "--http-port": "-1", "--metrics-port": "-1", "--workers": "1"}
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -1,0 +1,368 @@
+"""Worker processes: `attnserve serve --workers N`, N processes serving the same ports.
+
+    code = asyncio.run(supervise(config, argv, command))   # the parent: no ONNX Runtime, no model
+    context = WorkerContext.from_env()                     # in a worker: its place in the server
+
+One process runs one event loop, which on a many-core host keeps the server to about one and a
+half cores. The supervisor (this module, the parent process) starts N workers, each today's
+whole server (app.Server: its event loop, batchers, ONNX Runtime sessions) on the same gRPC and
+REST ports, and:
+- shares the ports with SO_REUSEPORT: it binds each address itself, without listening, so that
+  port 0 means one port for every worker and a port in use fails at once (exit 3); each worker
+  binds the same address with SO_REUSEPORT and listens, and the kernel spreads new connections
+  over the workers' listeners (gRPC Python cannot adopt a listening socket handed down, so the
+  kernel's spreading is the one way for gRPC; REST does the same). A gRPC channel is one
+  connection, so one channel's calls all go to one worker (README: connection balance);
+- serves the one /metrics of the server: the workers' collectors are in prometheus_client's
+  multiprocess mode (PROMETHEUS_MULTIPROC_DIR, a private directory), summed here, with this
+  process's attnserve_worker_restarts_total; ModelStatistics is summed by whichever worker is
+  asked (server.shared_stats, files in the same directory);
+- splits what the process may use: intra-op threads (CPUs / N each, unless
+  --intra-op-threads is given) and the memory budget (--memory-limit-bytes / N each, or each
+  worker's default from a 1/N share);
+- writes --ready-file once every worker is ready (their pids under "workers");
+- forwards SIGTERM, SIGINT and SIGHUP to every worker (each drains; a second signal hurries
+  them) and exits 0 once all have drained; restarts a worker that exits otherwise (logged,
+  counted, after a back-off that grows while replacements die before they have served long).
+A worker dies with its supervisor (PR_SET_PDEATHSIG: SIGTERM, so it drains).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from attnserve.server.config import ServerConfig
+
+logger = logging.getLogger("attnserve.server.workers")
+
+WORKER_ENV = "ATTNSERVE_WORKER_OF"  # set by the supervisor in each worker: JSON of WorkerContext
+EXIT_CANNOT_START = 3
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+BACKOFF_MIN_S = 0.5
+BACKOFF_MAX_S = 30.0
+STABLE_S = 30.0  # a worker that served this long before it died is restarted without delay growth
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a worker knows of the server it is part of."""
+
+    directory: Path  # the supervisor's private directory: metrics and statistics files
+    workers: int  # how many workers share the ports and the budget
+    index: int
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> WorkerContext | None:
+        text = environ.get(WORKER_ENV)
+        if not text:
+            return None
+        data = json.loads(text)
+        return cls(Path(data["directory"]), int(data["workers"]), int(data["index"]))
+
+    def to_env(self) -> str:
+        return json.dumps({"directory": str(self.directory), "workers": self.workers, "index": self.index})
+
+
+# -- how many ------------------------------------------------------------------------------------
+
+
+def available_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """CPUs this process may use: its affinity, and its cgroup's quota (v2 cpu.max, v1
+    cpu.cfs_quota_us / cpu.cfs_period_us) rounded up, whichever is less."""
+    cpus = len(os.sched_getaffinity(0))
+    quota = _cgroup_quota(cgroup_root)
+    return max(1, min(cpus, math.ceil(quota))) if quota is not None else cpus
+
+
+def _cgroup_quota(root: Path) -> float | None:
+    try:
+        text = (root / "cpu.max").read_text().split()
+        if len(text) == 2 and text[0] != "max":
+            return int(text[0]) / int(text[1])
+        return None
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+CPUS_PER_WORKER = 2  # measured (README: workers): a worker keeps about 1.5 CPUs busy
+
+
+def default_workers(config: ServerConfig, cpus: int | None = None) -> int:
+    """--workers when not given: one per CPUS_PER_WORKER CPUs; 1 in explicit model control mode
+    (a load through one worker would not reach the others)."""
+    if config.workers is not None:
+        return config.workers
+    if config.model_control_mode == "explicit":
+        return 1
+    return max(1, (available_cpus() if cpus is None else cpus) // CPUS_PER_WORKER)
+
+
+# -- the ports ------------------------------------------------------------------------------------
+
+
+def reserve_port(host: str, port: int) -> tuple[int, list[socket.socket]]:
+    """Bind (never listen) every address of `host` on one port with SO_REUSEPORT: the port the
+    workers will share, held for the server's life. OSError if it is in use by a listener that
+    does not share."""
+    from attnserve.server.listen import listen_addresses
+
+    held: list[socket.socket] = []
+    try:
+        for address in listen_addresses(host):
+            family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            held.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind((address, port))
+            except OSError as err:
+                raise OSError(f"cannot listen on {address}:{port} (--host {host}): {err.strerror or err}") from None
+            port = sock.getsockname()[1]  # the rest take the port the first one got
+    except OSError:
+        for sock in held:
+            sock.close()
+        raise
+    return port, held
+
+
+# -- the supervisor ---------------------------------------------------------------------------
+
+
+class _Worker:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.proc: asyncio.subprocess.Process | None = None
+        self.generation = 0
+        self.ready_at: float | None = None
+        self.quick_deaths = 0  # exits in a row before serving STABLE_S
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+class Supervisor:
+    def __init__(self, config: ServerConfig, argv: list[str], command: list[str], workers: int) -> None:
+        self.config = config
+        self.argv = argv
+        self.command = command
+        self.count = workers
+        self.directory = Path(tempfile.mkdtemp(prefix="attnserve-workers-"))
+        self.workers = [_Worker(i) for i in range(workers)]
+        self.draining = False
+        self.hurried = False
+        self.restarts = None  # prometheus Counter, once the metrics are set up
+        self._changed = asyncio.Event()
+        self._held: list[socket.socket] = []
+        self._endpoint = None
+        self.grpc_port = self.http_port = self.metrics_port = None
+
+    # -- setup --
+    def _worker_args(self, worker: _Worker) -> list[str]:
+        cfg = self.config
+        args = [*self.argv, "--workers", "1", "--port", str(self.grpc_port),
+                "--http-port", str(self.http_port if self.http_port is not None else -1),
+                "--metrics-port", "-1", "--ready-file", str(self._ready_path(worker))]
+        if cfg.intra_op_threads == 0:
+            args += ["--intra-op-threads", str(max(1, available_cpus() // self.count))]
+        if cfg.memory_limit_bytes is not None:
+            args += ["--memory-limit-bytes", str(max(1, cfg.memory_limit_bytes // self.count))]
+        return args
+
+    def _ready_path(self, worker: _Worker) -> Path:
+        return self.directory / f"ready-{worker.index}-{worker.generation}.json"
+
+    def _setup_metrics(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        disable_created_metrics()  # as the workers' (server.metrics)
+        from attnserve.server.metrics_http import MetricsEndpoint
+
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(self.directory / "prometheus"))
+        self.restarts = Counter("attnserve_worker_restarts", "Worker processes restarted after an unexpected exit.",
+                                registry=registry)
+        self._endpoint = MetricsEndpoint(registry)
+
+    async def start_ports(self) -> None:
+        cfg = self.config
+        (self.directory / "prometheus").mkdir()
+        self.grpc_port, held = reserve_port(cfg.host, cfg.port)
+        self._held += held
+        if cfg.http_port >= 0:
+            try:
+                self.http_port, held = reserve_port(cfg.host, cfg.http_port)
+            except OSError as err:
+                raise OSError(f"HTTP/REST port: {err}") from None
+            self._held += held
+        self._setup_metrics()
+        if cfg.metrics_port >= 0:
+            try:
+                self.metrics_port = await self._endpoint.start(cfg.host, cfg.metrics_port)
+            except OSError as err:
+                raise OSError(f"metrics port {cfg.host}:{cfg.metrics_port}: {err.strerror or err}") from None
+
+    # -- workers --
+    async def _spawn(self, worker: _Worker) -> None:
+        worker.generation += 1
+        worker.ready_at = None
+        context = WorkerContext(self.directory, self.count, worker.index)
+        env = {**os.environ, WORKER_ENV: context.to_env(),
+               "PROMETHEUS_MULTIPROC_DIR": str(self.directory / "prometheus")}
+        worker.proc = await asyncio.create_subprocess_exec(
+            *self.command, *self._worker_args(worker), env=env, preexec_fn=_die_with_parent)
+        logger.info("worker %d starting (pid %d)", worker.index, worker.proc.pid)
+
+    async def _until_ready(self, worker: _Worker) -> int | None:
+        """None once the worker wrote its ready file; its exit status if it exited first."""
+        proc, path = worker.proc, self._ready_path(worker)
+        exited = asyncio.ensure_future(proc.wait())
+        try:
+            while not path.exists():
+                if exited.done() or self.draining:
+                    if not exited.done():
+                        return None
+                    return exited.result()
+                await asyncio.wait((exited,), timeout=0.05)
+        finally:
+            if not exited.done():
+                exited.cancel()
+        worker.ready_at = time.monotonic()
+        return None
+
+    def _write_ready_file(self) -> None:
+        if self.config.ready_file is None:
+            return
+        from attnserve.files import write_json_atomic
+
+        write_json_atomic(self.config.ready_file, {
+            "grpc_port": self.grpc_port, "http_port": self.http_port, "metrics_port": self.metrics_port,
+            "pid": os.getpid(), "workers": [w.proc.pid for w in self.workers if w.proc is not None]})
+
+    async def _keep(self, worker: _Worker) -> int:
+        """Run the worker (already started and ready), replacing it whenever it exits
+        unexpectedly, until the drain; its last exit status."""
+        from prometheus_client import multiprocess
+
+        while True:
+            code = await worker.proc.wait()
+            multiprocess.mark_process_dead(worker.proc.pid, str(self.directory / "prometheus"))
+            if self.draining:
+                return code
+            served = time.monotonic() - worker.ready_at if worker.ready_at is not None else 0.0
+            worker.quick_deaths = 0 if served >= STABLE_S else worker.quick_deaths + 1
+            delay = min(BACKOFF_MIN_S * 2 ** max(worker.quick_deaths - 1, 0), BACKOFF_MAX_S)
+            self.restarts.inc()
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
+            logger.error("worker %d (pid %d) exited unexpectedly (%s) after %.1fs serving; restarting it in %.1fs",
+                         worker.index, worker.proc.pid, how, served, delay)
+            if await self._wait_drain(delay):
+                return code
+            await self._spawn(worker)
+            status = await self._until_ready(worker)
+            if self.draining and worker.ready_at is None:
+                return await worker.proc.wait()
+            if status is None:
+                logger.info("worker %d replaced: pid %d ready", worker.index, worker.proc.pid)
+                self._write_ready_file()
+
+    async def _wait_drain(self, delay_s: float) -> bool:
+        """Sleep delay_s; True (at once) if the drain begins meanwhile."""
+        deadline = time.monotonic() + delay_s
+        while not self.draining and (left := deadline - time.monotonic()) > 0:
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                pass
+        return self.draining
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.draining:
+            self.hurried = True
+            logger.warning("%s received again: every worker stops now", sig.name)
+        else:
+            logger.info("%s received: every worker drains", sig.name)
+        self.draining = True
+        self._changed.set()
+        for worker in self.workers:
+            if worker.proc is not None and worker.proc.returncode is None:
+                try:
+                    worker.proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, self.signal, sig)
+        try:
+            await self.start_ports()
+        except OSError as err:
+            logger.error("cannot start: %s", err)
+            return EXIT_CANNOT_START
+        for worker in self.workers:
+            await self._spawn(worker)
+        statuses = await asyncio.gather(*(self._until_ready(w) for w in self.workers))
+        failed = [(w, s) for w, s in zip(self.workers, statuses) if s is not None]
+        if failed and not self.draining:
+            worker, status = failed[0]
+            logger.error("cannot start: worker %d exited with status %d before it was ready", worker.index, status)
+            self.signal(signal.SIGTERM)
+            self.hurried = True
+            await asyncio.gather(*(w.proc.wait() for w in self.workers))
+            return EXIT_CANNOT_START
+        if not self.draining:
+            self._write_ready_file()
+            logger.info("serving with %d workers (pids %s) on %s:%d (REST %s, metrics %s)", self.count,
+                        [w.proc.pid for w in self.workers], self.config.host, self.grpc_port,
+                        self.http_port or "off", self.metrics_port or "off")
+        codes = await asyncio.gather(*(self._keep(w) for w in self.workers))
+        logger.info("every worker stopped (exit statuses %s)", codes)
+        return 0 if all(c == 0 for c in codes) else 1
+
+    async def close(self) -> None:
+        if self._endpoint is not None:
+            await self._endpoint.close()
+        for sock in self._held:
+            sock.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+async def supervise(config: ServerConfig, argv: list[str], command: list[str], workers: int) -> int:
+    """Run `command argv` as `workers` worker processes (see the module's docstring); the exit
+    status: 0 after every worker drained, 3 if the server cannot start."""
+    supervisor = Supervisor(config, argv, command, workers)
+    try:
+        return await supervisor.run()
+    finally:
+        await supervisor.close()
+
+
+__all__ = ["WorkerContext", "available_cpus", "default_workers", "reserve_port", "supervise"]

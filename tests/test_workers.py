@@ -1,0 +1,251 @@
+"""`attnserve serve --workers N` (server.workers): N real worker processes on one port.
+
+Which worker a call reached is read from the gate (tests.gated_server): every worker is a gated
+server and each held batch names its process. Each channel here is its own connection
+(grpc.use_local_subchannel_pool), so the kernel places it on one worker for its whole life.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from attnserve.proto import inference_pb2 as pb
+from attnserve.proto import inference_pb2_grpc as pb_grpc
+from attnserve.server.config import ServerConfig
+from attnserve.server.workers import available_cpus, default_workers
+from tests.gated_server import GatedServer
+from tests.oip import eager, infer_request, outputs_of, random_inputs
+from tests.server_process import REPO_ROOT
+
+TOLERANCE = 1e-5
+MAX_CHANNELS = 40  # connections opened to find calls on every worker (2 workers: 2**-39 to miss one)
+# Every call reaches the gate at once, whichever worker it is on (none waits behind a held batch).
+FLAGS = ("--workers", "2", "--max-batch-size", "1", "--batches-in-flight", "16", "--grace-period-s", "120")
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def _own_connection(proc) -> grpc.Channel:
+    return proc.channel(**{"grpc.use_local_subchannel_pool": 1})
+
+
+class _Held:
+    """Calls held at the gate, by the worker (pid) they reached."""
+
+    def __init__(self, proc: GatedServer, pool: concurrent.futures.Executor, rng: np.random.Generator) -> None:
+        self.proc, self.pool, self.rng = proc, pool, rng
+        self.by_pid: dict[int, list[tuple[grpc.Channel, concurrent.futures.Future, dict]]] = {}
+        self.channels: list[grpc.Channel] = []
+
+    def send(self) -> int:
+        """One call on a new connection; once it is held at the gate, the pid of its worker."""
+        channel = _own_connection(self.proc)
+        self.channels.append(channel)
+        x = random_inputs(self.rng, 1, 4, 3, 512, 512)
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        future = self.pool.submit(stub.ModelInfer, infer_request("self_attention", outputs=("output",), **x),
+                                  timeout=120)
+        self.proc.gate.wait_started()
+        pid = self.proc.gate.last_pid
+        self.by_pid.setdefault(pid, []).append((channel, future, x))
+        return pid
+
+    def on_every(self, pids: set[int], calls: int) -> None:
+        """Send until every worker in `pids` holds at least `calls` calls."""
+        for _ in range(MAX_CHANNELS):
+            if all(len(self.by_pid.get(p, ())) >= calls for p in pids):
+                return
+            self.send()
+        raise AssertionError(f"{MAX_CHANNELS} connections did not reach every worker: {self.by_pid.keys()}")
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+
+
+def _close(response, x, eager_modules) -> bool:
+    want = eager(eager_modules["self_attention"], **x)["output"]
+    return float(np.max(np.abs(outputs_of(response)["output"] - want))) <= TOLERANCE
+
+
+def _metrics(proc) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10) as answer:
+        return answer.read().decode()
+
+
+def _ready(proc) -> dict:
+    return json.loads(Path(proc.ready_file).read_text())
+
+
+def test_sigkill_of_one_worker_fails_only_its_calls_and_it_is_replaced(model_repository, eager_modules):
+    """Two workers, calls held on each; one worker is killed (SIGKILL). Its calls fail
+    UNAVAILABLE, the other's are answered correctly, readiness never drops on the survivor's
+    connection nor on new ones, a replacement comes up and serves, and /metrics counts it."""
+    rng = np.random.default_rng(17)
+    with GatedServer(model_repository, *FLAGS) as proc, concurrent.futures.ThreadPoolExecutor(48) as pool:
+        pids = set(_ready(proc)["workers"])
+        assert len(pids) == 2
+        held = _Held(proc, pool, rng)
+        held.on_every(pids, 2)
+        victim, survivor = sorted(pids)
+        watch_channel = held.by_pid[survivor][0][0]
+        health = health_pb2_grpc.HealthStub(watch_channel)
+        seen: list[int] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                seen.append(health.Check(health_pb2.HealthCheckRequest(), timeout=30).status)
+
+        watcher = pool.submit(watch)
+        import os
+
+        os.kill(victim, signal.SIGKILL)
+        for _channel, future, _x in held.by_pid[victim]:
+            err = future.exception(timeout=120)
+            assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE, err
+        proc.wait_for_log(f"(pid {victim}) exited unexpectedly (signal SIGKILL)")
+        proc.gate.release(len(held.by_pid[survivor]))
+        for _channel, future, x in held.by_pid[survivor]:
+            assert _close(future.result(timeout=120), x, eager_modules)
+        # New connections go to the live listeners only: ready, whichever worker answers.
+        for _ in range(8):
+            with _own_connection(proc) as channel:
+                assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                 timeout=30).status == SERVING
+        proc.wait_for_log("replaced: pid")
+        replacement = (set(_ready(proc)["workers"]) - pids).pop()
+        assert survivor in _ready(proc)["workers"]
+        for _ in range(MAX_CHANNELS):  # the replacement serves (a connection reaches it)
+            pid = held.send()
+            proc.gate.release()
+            if pid == replacement:
+                break
+        else:
+            raise AssertionError("no connection reached the replacement")
+        channel, future, x = held.by_pid[replacement][0]
+        assert _close(future.result(timeout=120), x, eager_modules)
+        stop.set()
+        watcher.result(timeout=60)
+        assert seen and all(status == SERVING for status in seen), seen
+        assert "attnserve_worker_restarts_total 1.0" in _metrics(proc)
+        held.close()
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.log()
+
+
+def test_sigterm_drains_every_worker(model_repository, eager_modules):
+    """Calls held on both workers, then SIGTERM to the supervisor: every worker refuses new
+    calls (UNAVAILABLE) and answers every accepted one, and the server exits 0."""
+    rng = np.random.default_rng(18)
+    with GatedServer(model_repository, *FLAGS) as proc, concurrent.futures.ThreadPoolExecutor(48) as pool:
+        pids = set(_ready(proc)["workers"])
+        held = _Held(proc, pool, rng)
+        held.on_every(pids, 1)
+        proc.signal(signal.SIGTERM)
+        proc.wait_for_log("refusing new calls (UNAVAILABLE)", count=2)
+        assert proc.log().count("SIGTERM received: draining") == 2
+        for _ in range(4):
+            with _own_connection(proc) as channel:
+                with pytest.raises(grpc.RpcError) as late:
+                    pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
+                        infer_request("self_attention", **random_inputs(rng, 1, 4, 3, 512, 512)), timeout=30)
+                assert late.value.code() == grpc.StatusCode.UNAVAILABLE
+        proc.gate.release(100)
+        for calls in held.by_pid.values():
+            for _channel, future, x in calls:
+                assert _close(future.result(timeout=120), x, eager_modules)
+        held.close()
+        assert proc.wait(timeout=60) == 0, proc.log()
+        assert "every worker stopped (exit statuses [0, 0])" in proc.log()
+
+
+def test_model_statistics_and_metrics_are_the_whole_servers(model_repository):
+    """Calls answered by both workers: ModelStatistics asked through either worker, and the one
+    /metrics, count every call of both."""
+    rng = np.random.default_rng(19)
+    with GatedServer(model_repository, *FLAGS) as proc, concurrent.futures.ThreadPoolExecutor(48) as pool:
+        pids = set(_ready(proc)["workers"])
+        held = _Held(proc, pool, rng)
+        held.on_every(pids, 2)
+        calls = sum(len(c) for c in held.by_pid.values())
+        proc.gate.release(calls)
+        for group in held.by_pid.values():
+            for _channel, future, _x in group:
+                future.result(timeout=120)
+        for pid, group in held.by_pid.items():  # asked through a connection on each worker
+            stub = pb_grpc.GRPCInferenceServiceStub(group[0][0])
+            (stats,) = stub.ModelStatistics(pb.ModelStatisticsRequest(name="self_attention"), timeout=30).model_stats
+            assert (stats.inference_count, stats.execution_count) == (calls, calls), pid
+            assert stats.inference_stats.success.count == calls
+            assert stats.inference_stats.queue.count == calls
+            assert [(b.batch_size, b.compute_infer.count) for b in stats.batch_stats] == [(1, calls)]
+            assert 0 < len(group) < calls  # this worker alone served fewer
+        text = _metrics(proc)
+        assert f'attnserve_requests_total{{code="OK",model="self_attention"}} {float(calls)}' in text
+        assert "attnserve_worker_restarts_total 0.0" in text
+        held.close()
+
+
+def _serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "attnserve", "serve", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("args, env", [(["--workers", "0"], {}), (["--workers", "-2"], {}),
+                                       ([], {"ATTNSERVE_WORKERS": "0"}), (["--workers", "two"], {})])
+def test_bad_worker_counts_are_flag_errors(args, env):
+    done = _serve("--model-repository", "nowhere", *args, env=env)
+    assert done.returncode == 2, done.stderr
+    assert "workers" in done.stderr.lower()
+
+
+def test_explicit_model_control_with_several_workers_is_refused():
+    done = _serve("--model-repository", "nowhere", "--workers", "2", "--model-control-mode", "explicit")
+    assert done.returncode == 2
+    assert "would not change the others'" in done.stderr
+
+
+def test_a_worker_that_cannot_start_stops_the_server_with_status_3(tmp_path):
+    done = _serve("--model-repository", str(tmp_path), "--workers", "2", "--host", "127.0.0.1", "--port", "0",
+                  "--http-port", "0", "--metrics-port", "0")
+    assert done.returncode == 3, done.stderr
+    assert "holds no model" in done.stderr and "worker 0 exited with status 3" in done.stderr
+
+
+def test_a_port_in_use_is_refused_with_status_3(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _serve("--model-repository", str(tmp_path), "--workers", "2", "--host", "127.0.0.1",
+                      "--port", str(port), "--http-port", "-1", "--metrics-port", "-1")
+    assert done.returncode == 3, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+
+
+def test_default_worker_count_follows_the_cpus_the_process_may_use(tmp_path):
+    assert default_workers(ServerConfig(), cpus=16) == 8
+    assert default_workers(ServerConfig(), cpus=3) == 1
+    assert default_workers(ServerConfig(), cpus=1) == 1
+    assert default_workers(ServerConfig(workers=5), cpus=1) == 5
+    assert default_workers(ServerConfig(model_control_mode="explicit"), cpus=16) == 1
+    (tmp_path / "cpu.max").write_text("250000 100000\n")  # a quota of 2.5 CPUs: 3
+    assert available_cpus(tmp_path) == min(3, available_cpus(tmp_path / "none"))
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert available_cpus(tmp_path) == available_cpus(tmp_path / "none")
