@@ -101,6 +101,7 @@ BENCH_VENV := .venv-bench
 bench: export bench-tools
 	$(PY) -m bench --repository $(MODELS) $(BENCH_ARGS)
 	$(PY) -m bench.sweep --repository $(MODELS) $(SWEEP_ARGS)
+	$(PY) -m bench.scaling --repository $(MODELS) $(SCALING_ARGS)
 
 bench-sweep: export
 	$(PY) -m bench.sweep --repository $(MODELS) $(SWEEP_ARGS)

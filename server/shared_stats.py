@@ -3,6 +3,7 @@
     shared = StatisticsFile(directory)       # this worker's file, DIR/stats_<pid>.db
     shared.publish(model, stats, rows)       # after each change of that model's statistics
     totals = gather(directory)               # model -> ModelStatistics summed over every worker
+    gather_by_pid(directory)                 # pid -> model -> ModelStatistics (balance figures)
 
 Each worker keeps its statistics in memory (server.metrics) and copies what changed into its
 own memory-mapped file (prometheus_client's MmapedDict, the file format of its multiprocess
@@ -56,10 +57,20 @@ def gather(directory: Path) -> dict[str, ModelStatistics]:
     """Every worker's statistics in `directory`, summed per model (last_inference: the latest)."""
     totals: dict[str, ModelStatistics] = {}
     for path in sorted(directory.glob("stats_*.db")):
-        for key, value, _ts, _pos in MmapedDict.read_all_values_from_file(str(path)):
-            model, _, field = key.partition(_SEP)
-            _add(totals.setdefault(model, ModelStatistics()), field, int(value))
+        _read(path, totals)
     return totals
+
+
+def gather_by_pid(directory: Path) -> dict[int, dict[str, ModelStatistics]]:
+    """Each worker's own statistics (pid -> model -> statistics): the benchmark's balance figures."""
+    return {int(path.stem.split("_")[1]): _read(path, {}) for path in sorted(directory.glob("stats_*.db"))}
+
+
+def _read(path: Path, into: dict[str, ModelStatistics]) -> dict[str, ModelStatistics]:
+    for key, value, _ts, _pos in MmapedDict.read_all_values_from_file(str(path)):
+        model, _, field = key.partition(_SEP)
+        _add(into.setdefault(model, ModelStatistics()), field, int(value))
+    return into
 
 
 def _add(s: ModelStatistics, field: str, value: int) -> None:

@@ -54,6 +54,7 @@ BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
 STABLE_S = 30.0  # a worker that served this long before it died is restarted without delay growth
 _PR_SET_PDEATHSIG = 1
+RESTARTS_METRIC = "attnserve_worker_restarts"  # the supervisor's own series on /metrics (_total)
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,7 @@ class Supervisor:
 
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=str(self.directory / "prometheus"))
-        self.restarts = Counter("attnserve_worker_restarts", "Worker processes restarted after an unexpected exit.",
+        self.restarts = Counter(RESTARTS_METRIC, "Worker processes restarted after an unexpected exit.",
                                 registry=registry)
         self._endpoint = MetricsEndpoint(registry)
 
@@ -263,7 +264,8 @@ class Supervisor:
 
         write_json_atomic(self.config.ready_file, {
             "grpc_port": self.grpc_port, "http_port": self.http_port, "metrics_port": self.metrics_port,
-            "pid": os.getpid(), "workers": [w.proc.pid for w in self.workers if w.proc is not None]})
+            "pid": os.getpid(), "workers": [w.proc.pid for w in self.workers if w.proc is not None],
+            "workers_dir": str(self.directory)})  # each worker's statistics file (shared_stats.gather_by_pid)
 
     async def _keep(self, worker: _Worker) -> int:
         """Run the worker (already started and ready), replacing it whenever it exits

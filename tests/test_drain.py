@@ -279,7 +279,8 @@ def test_host_that_resolves_to_several_addresses_binds_all_or_refuses(model_repo
         taken.listen()
         port = taken.getsockname()[1]
         done = subprocess.run([sys.executable, "-m", "attnserve", "serve", "--model-repository", str(model_repository),
-                               "--host", "localhost", "--port", str(port), "--http-port", "-1", "--metrics-port", "-1"],
+                               "--host", "localhost", "--port", str(port), "--http-port", "-1", "--metrics-port", "-1",
+                               "--workers", "1"],
                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 3, done.stderr
     assert f"cannot listen on 127.0.0.1:{port} (--host localhost)" in done.stderr

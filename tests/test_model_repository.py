@@ -448,7 +448,7 @@ def test_empty_repository_is_an_error_unless_models_can_come_later(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     result = subprocess.run([sys.executable, "-m", "attnserve", "serve", "--model-repository", str(empty),
-                             "--port", "0", "--metrics-port", "-1"], cwd=REPO_ROOT, capture_output=True,
+                             "--port", "0", "--metrics-port", "-1", "--workers", "1"], cwd=REPO_ROOT, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 3, result.stderr
     assert "holds no model" in result.stderr and "--model-control-mode" in result.stderr

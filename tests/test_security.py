@@ -347,7 +347,8 @@ def test_bad_tls_and_token_files_are_clear_startup_errors(pki, tmp_path):
 
 def test_server_with_unreadable_tls_file_exits_3_before_loading_models(model_repository, tmp_path):
     done = subprocess.run([sys.executable, "-m", "attnserve", "serve", "--model-repository", str(model_repository),
-                           "--port", "0", "--http-port", "-1", "--metrics-port", "-1", "--tls-cert", str(tmp_path / "nope.pem"),
+                           "--port", "0", "--http-port", "-1", "--metrics-port", "-1", "--workers", "1",
+                           "--tls-cert", str(tmp_path / "nope.pem"),
                            "--tls-key", str(tmp_path / "nope.key")],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 3

@@ -67,7 +67,8 @@ def test_missing_graph_is_reported(model_repository, tmp_path):
 
 
 def _run_server(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "attnserve", "serve", *args], cwd=REPO_ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "attnserve", "serve", "--workers", "1", *args], cwd=REPO_ROOT,
+                          capture_output=True,
                           text=True, timeout=60)
 
 
