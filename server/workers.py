@@ -151,6 +151,12 @@ def reserve_port(host: str, port: int) -> tuple[int, list[socket.socket]]:
 # -- the supervisor ---------------------------------------------------------------------------
 
 
+def restart_delay(quick_deaths: int) -> float:
+    """Seconds before a worker is restarted, after `quick_deaths` exits in a row that came
+    before it had served STABLE_S (0: it had served long): 0.5, 0.5, 1, 2, ... up to 30."""
+    return min(BACKOFF_MIN_S * 2 ** max(quick_deaths - 1, 0), BACKOFF_MAX_S)
+
+
 class _Worker:
     def __init__(self, index: int) -> None:
         self.index = index
@@ -239,6 +245,8 @@ class Supervisor:
         worker.proc = await asyncio.create_subprocess_exec(
             *self.command, *self._worker_args(worker), env=env, preexec_fn=_die_with_parent)
         logger.info("worker %d starting (pid %d)", worker.index, worker.proc.pid)
+        if self.draining:  # the stop signal came while it was being started
+            worker.proc.send_signal(signal.SIGTERM)
 
     async def _until_ready(self, worker: _Worker) -> int | None:
         """None once the worker wrote its ready file; its exit status if it exited first."""
@@ -279,7 +287,7 @@ class Supervisor:
                 return code
             served = time.monotonic() - worker.ready_at if worker.ready_at is not None else 0.0
             worker.quick_deaths = 0 if served >= STABLE_S else worker.quick_deaths + 1
-            delay = min(BACKOFF_MIN_S * 2 ** max(worker.quick_deaths - 1, 0), BACKOFF_MAX_S)
+            delay = restart_delay(worker.quick_deaths)
             self.restarts.inc()
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
             logger.error("worker %d (pid %d) exited unexpectedly (%s) after %.1fs serving; restarting it in %.1fs",
@@ -329,6 +337,8 @@ class Supervisor:
         except OSError as err:
             logger.error("cannot start: %s", err)
             return EXIT_CANNOT_START
+        if self.draining:
+            return 0
         for worker in self.workers:
             await self._spawn(worker)
         statuses = await asyncio.gather(*(self._until_ready(w) for w in self.workers))

@@ -24,10 +24,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server.config import ServerConfig
-from attnserve.server.workers import available_cpus, default_workers
+from attnserve.server.workers import BACKOFF_MAX_S, available_cpus, default_workers, restart_delay
 from tests.gated_server import GatedServer
 from tests.oip import eager, infer_request, outputs_of, random_inputs
-from tests.server_process import REPO_ROOT
+from tests.server_process import REPO_ROOT, ServerProcess
 
 TOLERANCE = 1e-5
 MAX_CHANNELS = 40  # connections opened to find calls on every worker (2 workers: 2**-39 to miss one)
@@ -249,3 +249,34 @@ def test_default_worker_count_follows_the_cpus_the_process_may_use(tmp_path):
     assert available_cpus(tmp_path) == min(3, available_cpus(tmp_path / "none"))
     (tmp_path / "cpu.max").write_text("max 100000\n")
     assert available_cpus(tmp_path) == available_cpus(tmp_path / "none")
+
+
+def test_restarts_back_off_while_replacements_keep_dying():
+    assert [restart_delay(n) for n in range(5)] == [0.5, 0.5, 1.0, 2.0, 4.0]
+    assert restart_delay(100) == BACKOFF_MAX_S
+
+
+def test_workers_stop_when_their_supervisor_is_killed(model_repository):
+    """SIGKILL of the supervisor: every worker gets SIGTERM (PR_SET_PDEATHSIG), drains and exits."""
+    import os
+    import time
+
+    proc = ServerProcess(model_repository, "--workers", "2")
+    workers: list[int] = []
+    try:
+        workers = _ready(proc)["workers"]
+        proc.proc.kill()
+        proc.proc.wait(timeout=30)
+        for pid in workers:
+            deadline = time.monotonic() + 60
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)  # a worker's parent is gone: init reaps it once it has drained
+            assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+        assert proc.log().count("SIGTERM received: draining") == 2
+    finally:
+        proc.stop()
+        for pid in workers:  # none is left behind by a failure here
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
