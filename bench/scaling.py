@@ -186,7 +186,8 @@ def measure(repository: Path, workers: list[int], concurrency: int, connections:
                     runs += [(f"perf_analyzer {protocol}", lambda protocol=protocol: _perf_analyzer(
                         found, server, protocol, model, dims, shape, concurrency, seconds, Path(tmp), spec.version))
                         for protocol in ("grpc", "http")]
-                drive(server.address, model, dims, shape, 4, 4, 0.5)  # warm-up
+                warm = min(4, max(connections))
+                drive(server.address, model, dims, shape, warm, warm, 0.5)  # warm-up
                 for generator, run in runs:
                     base_cpu, base_requests = server.cpu_s(), server.requests_per_worker(model)
                     got = run()

@@ -151,6 +151,13 @@ def reserve_port(host: str, port: int) -> tuple[int, list[socket.socket]]:
 # -- the supervisor ---------------------------------------------------------------------------
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
+
+
 def restart_delay(quick_deaths: int) -> float:
     """Seconds before a worker is restarted, after `quick_deaths` exits in a row that came
     before it had served STABLE_S (0: it had served long): 0.5, 0.5, 1, 2, ... up to 30."""
@@ -208,9 +215,9 @@ class Supervisor:
         from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
         from prometheus_client.multiprocess import MultiProcessCollector
 
-        disable_created_metrics()  # as the workers' (server.metrics)
         from attnserve.server.metrics_http import MetricsEndpoint
 
+        disable_created_metrics()  # as the workers' (server.metrics)
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=str(self.directory / "prometheus"))
         self.restarts = Counter(RESTARTS_METRIC, "Worker processes restarted after an unexpected exit.",
@@ -289,7 +296,7 @@ class Supervisor:
             worker.quick_deaths = 0 if served >= STABLE_S else worker.quick_deaths + 1
             delay = restart_delay(worker.quick_deaths)
             self.restarts.inc()
-            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
+            how = f"signal {_signal_name(-code)}" if code < 0 else f"status {code}"
             logger.error("worker %d (pid %d) exited unexpectedly (%s) after %.1fs serving; restarting it in %.1fs",
                          worker.index, worker.proc.pid, how, served, delay)
             if await self._wait_drain(delay):
@@ -320,6 +327,9 @@ class Supervisor:
         else:
             logger.info("%s received: every worker drains", sig.name)
         self.draining = True
+        self._forward(sig)
+
+    def _forward(self, sig: signal.Signals) -> None:
         self._changed.set()
         for worker in self.workers:
             if worker.proc is not None and worker.proc.returncode is None:
@@ -346,8 +356,8 @@ class Supervisor:
         if failed and not self.draining:
             worker, status = failed[0]
             logger.error("cannot start: worker %d exited with status %d before it was ready", worker.index, status)
-            self.signal(signal.SIGTERM)
-            self.hurried = True
+            self.draining = self.hurried = True
+            self._forward(signal.SIGTERM)
             await asyncio.gather(*(w.proc.wait() for w in self.workers))
             return EXIT_CANNOT_START
         if not self.draining:

@@ -280,3 +280,18 @@ def test_workers_stop_when_their_supervisor_is_killed(model_repository):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_the_scaling_benchmark_reports_each_workers_share(model_repository, tmp_path):
+    """bench.scaling at a small size: one row per worker count, with requests per worker that
+    add up to what the load generator got answered."""
+    done = subprocess.run([sys.executable, "-m", "bench.scaling", "--repository", str(model_repository),
+                           "--workers", "2", "--concurrency", "2", "--connections", "2", "--seconds", "0.5",
+                           "--no-perf-analyzer", "--output", str(tmp_path)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = json.loads((tmp_path / "scaling.json").read_text())["rows"]
+    assert row["workers"] == 2 and row["errors"] == 0 and len(row["requests_per_worker"]) == 2
+    assert row["requests_per_s"] > 0 and row["loadgen_cpu_s"] > 0 and row["server_cpu_s"] > 0
+    answered = round(row["requests_per_s"] * 0.5)
+    assert sum(row["requests_per_worker"]) >= answered  # the worker counts include the calls still in the window's end
