@@ -306,8 +306,8 @@ class Supervisor:
             if self.draining and worker.ready_at is None:
                 return await worker.proc.wait()
             if status is None:
+                self._write_ready_file()  # before the log line, which tests wait for
                 logger.info("worker %d replaced: pid %d ready", worker.index, worker.proc.pid)
-                self._write_ready_file()
 
     async def _wait_drain(self, delay_s: float) -> bool:
         """Sleep delay_s; True (at once) if the drain begins meanwhile."""

@@ -109,40 +109,47 @@ def test_sigkill_of_one_worker_fails_only_its_calls_and_it_is_replaced(model_rep
                 seen.append(health.Check(health_pb2.HealthCheckRequest(), timeout=30).status)
 
         watcher = pool.submit(watch)
-        import os
-
-        os.kill(victim, signal.SIGKILL)
-        for _channel, future, _x in held.by_pid[victim]:
-            err = future.exception(timeout=120)
-            assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE, err
-        proc.wait_for_log(f"(pid {victim}) exited unexpectedly (signal SIGKILL)")
-        proc.gate.release(len(held.by_pid[survivor]))
-        for _channel, future, x in held.by_pid[survivor]:
-            assert _close(future.result(timeout=120), x, eager_modules)
-        # New connections go to the live listeners only: ready, whichever worker answers.
-        for _ in range(8):
-            with _own_connection(proc) as channel:
-                assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                                 timeout=30).status == SERVING
-        proc.wait_for_log("replaced: pid")
-        replacement = (set(_ready(proc)["workers"]) - pids).pop()
-        assert survivor in _ready(proc)["workers"]
-        for _ in range(MAX_CHANNELS):  # the replacement serves (a connection reaches it)
-            pid = held.send()
-            proc.gate.release()
-            if pid == replacement:
-                break
-        else:
-            raise AssertionError("no connection reached the replacement")
-        channel, future, x = held.by_pid[replacement][0]
-        assert _close(future.result(timeout=120), x, eager_modules)
-        stop.set()
+        try:
+            _kill_and_replace(proc, held, victim, survivor, pids, eager_modules)
+        finally:
+            stop.set()  # the watch ends whatever failed
         watcher.result(timeout=60)
         assert seen and all(status == SERVING for status in seen), seen
         assert "attnserve_worker_restarts_total 1.0" in _metrics(proc)
         held.close()
         proc.signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, proc.log()
+
+
+def _kill_and_replace(proc, held: _Held, victim: int, survivor: int, pids: set[int], eager_modules) -> None:
+    """SIGKILL `victim`: its calls fail, the survivor's are answered, the replacement serves."""
+    import os
+
+    os.kill(victim, signal.SIGKILL)
+    for _channel, future, _x in held.by_pid[victim]:
+        err = future.exception(timeout=120)
+        assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE, err
+    proc.wait_for_log(f"(pid {victim}) exited unexpectedly (signal SIGKILL)")
+    proc.gate.release(len(held.by_pid[survivor]))
+    for _channel, future, x in held.by_pid[survivor]:
+        assert _close(future.result(timeout=120), x, eager_modules)
+    # New connections go to the live listeners only: ready, whichever worker answers.
+    for _ in range(8):
+        with _own_connection(proc) as channel:
+            assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                             timeout=30).status == SERVING
+    proc.wait_for_log("replaced: pid")
+    replacement = (set(_ready(proc)["workers"]) - pids).pop()
+    assert survivor in _ready(proc)["workers"]
+    for _ in range(MAX_CHANNELS):  # the replacement serves (a connection reaches it)
+        pid = held.send()
+        proc.gate.release()
+        if pid == replacement:
+            break
+    else:
+        raise AssertionError("no connection reached the replacement")
+    channel, future, x = held.by_pid[replacement][0]
+    assert _close(future.result(timeout=120), x, eager_modules)
 
 
 def test_sigterm_drains_every_worker(model_repository, eager_modules):
