@@ -289,3 +289,14 @@ def test_the_export_gate_refuses_a_head_mask_graph_that_differs(model_repository
     served = checkpoint.demo_module(PRESETS["cross_attention"], seed=0).eval()
     with pytest.raises(ParityError, match=r"head_mask_output_only\.forms\.output"):
         check_parity(served, graphs)
+
+
+def test_the_project_client_sends_a_per_head_mask(server, seed000):
+    from attnserve.client import InferenceClient
+
+    rng = np.random.default_rng(31)
+    x = inputs("self_attention", rng, 2, 6, 5, "b_h_q_k")
+    with InferenceClient(server.address, timeout_s=30) as client:
+        got = client.infer("self_attention", x["query"], x["key"], x["value"], mask=x["mask"],
+                           outputs=("output", "attn_probs"))
+    assert_close(got, want(seed000, x))
