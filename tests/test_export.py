@@ -81,7 +81,9 @@ def test_config_json(model_repository, name):
         {"name": "attn_probs", "datatype": "FP32", "shape": [-1, h, -1, -1]},
     ]
     assert config["graphs"] == {"all_outputs": "model.onnx", "output_only": "model_output_only.onnx",
-                                "fused": "model_fused.onnx", "fused_key_padding": "model_fused_key_padding.onnx"}
+                                "fused": "model_fused.onnx", "fused_key_padding": "model_fused_key_padding.onnx",
+                                "head_mask_all_outputs": "model_head_mask.onnx",
+                                "head_mask_output_only": "model_head_mask_output_only.onnx"}
     crossover = config["crossover"]
     lengths = crossover["measured_ms"]["lengths"]
     for kind in ("fused", "fused_key_padding"):
@@ -102,13 +104,18 @@ def test_config_json(model_repository, name):
     assert {kind: set(errs) for kind, errs in errors.items()} == {
         "all_outputs": {"output", "attn_probs"}, "output_only": {"output"},
         "fused": {"output"}, "fused_key_padding": {"output"},
+        # The other mask forms (export.head_mask), on the graphs the server feeds them to.
+        "all_outputs.forms": {"output", "attn_probs"}, "output_only.forms": {"output"},
+        "head_mask_all_outputs.forms": {"output", "attn_probs"}, "head_mask_output_only.forms": {"output"},
     }
     assert all(0.0 <= e <= TOLERANCE for errs in errors.values() for e in errs.values()), errors
     # Unfused: each shape with and without a mask. Fused: each shape plus a long one; the key
     # padding graph with every key kept and with a key mask (the long shape: the key mask only).
+    # Mask forms: each shape in three forms, plus a long per-head mask.
     n = len(parity["shapes"])
-    assert parity["long_shapes"] == {"fused": [[1, 2048, 2048]], "fused_key_padding": [[2, 2048, 2048]]}
-    assert parity["cases"] == 2 * n + (n + 1) + (2 * n + 1) and n >= 8
+    assert parity["long_shapes"] == {"fused": [[1, 2048, 2048]], "fused_key_padding": [[2, 2048, 2048]],
+                                     "head_mask_output_only": [[1, 2048, 2048]]}
+    assert parity["cases"] == 2 * n + (n + 1) + (2 * n + 1) + (3 * n + 1) and n >= 8
     assert record["crossover"] == config["crossover"]
 
 
