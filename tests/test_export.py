@@ -53,13 +53,21 @@ def test_repository_layout(model_repository, name):
     model_dir = model_repository / name
     assert set(snapshot(model_dir)) == {
         "config.json", "1", "1/model.onnx", "1/model_output_only.onnx", "1/model_fused.onnx",
-        "1/model_fused_key_padding.onnx", "1/export.json",
+        "1/model_fused_key_padding.onnx", "1/model_head_mask.onnx", "1/model_head_mask_output_only.onnx",
+        "1/export.json",
     }  # so no *.onnx.data, no leftover temporary directory or file
     assert repository.versions(model_dir) == [1]
-    for graph in ("model.onnx", "model_output_only.onnx", "model_fused.onnx", "model_fused_key_padding.onnx"):
+    for graph in ("model.onnx", "model_output_only.onnx", "model_fused.onnx", "model_fused_key_padding.onnx",
+                  "model_head_mask.onnx", "model_head_mask_output_only.onnx"):
         model = onnx.load(str(model_dir / "1" / graph), load_external_data=False)
         assert model.graph.initializer, "the weights should be in the graph"
         assert all(t.data_location != onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+    for graph in ("model_head_mask.onnx", "model_head_mask_output_only.onnx"):
+        inputs = onnx.load(str(model_dir / "1" / graph), load_external_data=False).graph.input
+        (head_mask,) = [i for i in inputs if i.name == "head_mask"]
+        dims = head_mask.type.tensor_type.shape.dim  # (batch, heads, q_len, k_len): heads fixed
+        assert [bool(d.dim_param) for d in dims] == [True, False, True, True]
+        assert dims[1].dim_value == PRESETS[name].num_heads
 
 
 @pytest.mark.parametrize("name", PRESET_NAMES)
@@ -176,7 +184,8 @@ def test_second_export_is_version_2_and_versions_are_never_overwritten(model_rep
     assert {k: v for k, v in after.items() if k.startswith("1")} == version_1
     assert set(after) - set(version_1) == {
         "config.json", "2", "2/model.onnx", "2/model_output_only.onnx", "2/model_fused.onnx",
-        "2/model_fused_key_padding.onnx", "2/export.json",
+        "2/model_fused_key_padding.onnx", "2/model_head_mask.onnx", "2/model_head_mask_output_only.onnx",
+        "2/export.json",
     }
     config = json.loads((model_dir / "config.json").read_text())
     assert config["last_export"]["version"] == 2
