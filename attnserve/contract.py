@@ -7,7 +7,8 @@ Shapes (the symbols are the graphs' dynamic axes):
     query   (batch, q_len, query_dim)  FP32
     key     (batch, k_len, kv_dim)     FP32
     value   (batch, k_len, kv_dim)     FP32
-    mask    (batch, q_len, k_len)      BOOL, optional; True = attend, False = masked
+    mask    (batch, q_len, k_len)      BOOL, optional; True = attend, False = masked; also
+            (q_len, k_len), (batch, 1, q_len, k_len), (batch, heads, q_len, k_len): MASK_SHAPES
     output      (batch, q_len, out_dim)         FP32
     attn_probs  (batch, heads, q_len, k_len)    FP32
 
@@ -24,10 +25,13 @@ Layout:
                                                             attention, no mask (query, key, value)
     <repository>/<name>/<version>/model_fused_key_padding.onnx
                                                             the same with key_padding_mask (B, Lk)
+    <repository>/<name>/<version>/model_head_mask.onnx      both outputs, mask (B, H, Lq, Lk)
+    <repository>/<name>/<version>/model_head_mask_output_only.onnx   `output` alone, the same mask
     <repository>/<name>/<version>/export.json               parity figures, weights' source
 A version is an integer directory holding model.onnx; anything else (an export's staging
-directory) is not a version. The two fused graphs are optional (older repositories and fp16
-exports have none): a server serves without them exactly as before.
+directory) is not a version. The two fused graphs and the two head-mask graphs are optional
+(older repositories have none, fp16 exports no fused ones): a server serves without them exactly
+as before, and refuses a mask whose heads differ where the head-mask graphs are missing.
 """
 
 from __future__ import annotations
@@ -70,6 +74,17 @@ MASKED = False
 # is this mask for every query row.
 KEY_PADDING_MASK = "key_padding_mask"
 KEY_PADDING_SHAPE = (BATCH, K_LEN)
+
+# The shapes a request's `mask` may take, as the seeds' `masked_fill(mask == 0, ...)` broadcasts
+# them against the scores (batch, heads, q_len, k_len). The metadata's (and config.json's) mask
+# shape is the first, canonical one; the server reads (q_len, k_len) as the same mask for every
+# item, (batch, 1, q_len, k_len) as (batch, q_len, k_len), and a (batch, heads, q_len, k_len) mask
+# whose heads are alike as its first head. One whose heads differ runs on the head-mask graphs.
+MASK_SHAPES: tuple[tuple[str, ...], ...] = (
+    (BATCH, Q_LEN, K_LEN), (Q_LEN, K_LEN), (BATCH, 1, Q_LEN, K_LEN), (BATCH, "num_heads", Q_LEN, K_LEN))
+# Graph-side only: the head-mask graphs' mask, bool (batch, heads, q_len, k_len), True = attend.
+HEAD_MASK = "head_mask"
+HEAD_MASK_SHAPE = (BATCH, "num_heads", Q_LEN, K_LEN)
 
 
 @dataclass(frozen=True)
@@ -145,18 +160,26 @@ GRAPH_ALL_OUTPUTS = "model.onnx"
 GRAPH_OUTPUT_ONLY = "model_output_only.onnx"
 GRAPH_FUSED = "model_fused.onnx"
 GRAPH_FUSED_KEY_PADDING = "model_fused_key_padding.onnx"
+GRAPH_HEAD_MASK = "model_head_mask.onnx"
+GRAPH_HEAD_MASK_OUTPUT_ONLY = "model_head_mask_output_only.onnx"
 PLATFORM = "onnxruntime_onnx"
 
 # The graphs of a version by kind, as config.json's "graphs" names them. all_outputs is the one
 # every version has; the others are optional. Inputs of each kind, in graph order:
 ALL_OUTPUTS, OUTPUT_ONLY, FUSED, FUSED_KEY_PADDING = "all_outputs", "output_only", "fused", "fused_key_padding"
+HEAD_MASK_ALL_OUTPUTS, HEAD_MASK_OUTPUT_ONLY = "head_mask_all_outputs", "head_mask_output_only"
 GRAPH_FILES = {ALL_OUTPUTS: GRAPH_ALL_OUTPUTS, OUTPUT_ONLY: GRAPH_OUTPUT_ONLY,
-               FUSED: GRAPH_FUSED, FUSED_KEY_PADDING: GRAPH_FUSED_KEY_PADDING}
+               FUSED: GRAPH_FUSED, FUSED_KEY_PADDING: GRAPH_FUSED_KEY_PADDING,
+               HEAD_MASK_ALL_OUTPUTS: GRAPH_HEAD_MASK, HEAD_MASK_OUTPUT_ONLY: GRAPH_HEAD_MASK_OUTPUT_ONLY}
+_HEAD_MASK_INPUTS = (*REQUIRED_INPUTS, HEAD_MASK)
 GRAPH_INPUTS = {ALL_OUTPUTS: INPUT_NAMES, OUTPUT_ONLY: INPUT_NAMES,
-                FUSED: REQUIRED_INPUTS, FUSED_KEY_PADDING: (*REQUIRED_INPUTS, KEY_PADDING_MASK)}
+                FUSED: REQUIRED_INPUTS, FUSED_KEY_PADDING: (*REQUIRED_INPUTS, KEY_PADDING_MASK),
+                HEAD_MASK_ALL_OUTPUTS: _HEAD_MASK_INPUTS, HEAD_MASK_OUTPUT_ONLY: _HEAD_MASK_INPUTS}
 GRAPH_OUTPUTS = {ALL_OUTPUTS: OUTPUT_NAMES, OUTPUT_ONLY: ("output",), FUSED: ("output",),
-                 FUSED_KEY_PADDING: ("output",)}
+                 FUSED_KEY_PADDING: ("output",), HEAD_MASK_ALL_OUTPUTS: OUTPUT_NAMES,
+                 HEAD_MASK_OUTPUT_ONLY: ("output",)}
 FUSED_KINDS = (FUSED, FUSED_KEY_PADDING)
+HEAD_MASK_KINDS = (HEAD_MASK_ALL_OUTPUTS, HEAD_MASK_OUTPUT_ONLY)
 # config.json's "crossover": {"fused": L, "fused_key_padding": L, ...}. A fused graph runs when
 # sqrt(Lq * Lk) >= its L (below it the unfused graph was measured faster); a kind without an L
 # runs at every length.

@@ -71,17 +71,25 @@ def _as_mask(array: Any, expected: tuple[int, int, int]) -> np.ndarray:
             f"mask: expected bool (True = attend, False = masked) or integer 0/1, got dtype {array.dtype}; "
             "additive float masks are not supported"
         )
+    b, lq, lk = expected
     if array.shape == expected[1:]:  # one (lq, lk) mask for every item
         keep = np.broadcast_to(keep, expected)
+    elif array.ndim == 4 and array.shape[0] == b and array.shape[2:] == (lq, lk):
+        # (b, 1, lq, lk) is (b, lq, lk) (what every server takes); (b, heads, lq, lk) goes as it is:
+        # the server checks heads against the model (and refuses it where heads differ and its
+        # version has no head-mask graphs).
+        keep = keep[:, 0] if array.shape[1] == 1 else keep
     elif array.shape != expected:
-        raise ValueError(f"mask: expected shape (batch, lq, lk)={expected} or (lq, lk)={expected[1:]}, got {array.shape}")
+        raise ValueError(f"mask: expected shape (batch, lq, lk)={expected}, (lq, lk)={expected[1:]} or "
+                         f"(batch, 1|heads, lq, lk)=({b}, 1|heads, {lq}, {lk}), got {array.shape}")
     return np.ascontiguousarray(keep, dtype=np.bool_)
 
 
 def validate_inputs(query: Any, key: Any, value: Any, mask: Any = None) -> dict[str, np.ndarray]:
     """The request's inputs as float32 / bool C-contiguous arrays, or a ValueError naming the problem.
 
-    query (b, lq, query_dim); key and value (b, lk, kv_dim); mask (b, lq, lk) or (lq, lk), optional.
+    query (b, lq, query_dim); key and value (b, lk, kv_dim); mask (b, lq, lk), (lq, lk) or
+    (b, 1|heads, lq, lk), optional.
     The widths are the model's to check (the server answers INVALID_ARGUMENT naming them).
     """
     inputs = {"query": _as_float32("query", query), "key": _as_float32("key", key),

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from attnserve.export import fused
+from attnserve.export import fused, head_mask
 from attnserve.export.attention import MultiHeadAttention
 from attnserve.export.config import AttentionConfig
 from attnserve import contract
@@ -65,7 +65,8 @@ class ExportResult:
 
 
 class _Graph(nn.Module):
-    """The served signature: (query, key, value, mask (b, lq, lk) bool) -> output[, attn_probs].
+    """The served signature: (query, key, value, mask (b, lq, lk) bool) -> output[, attn_probs];
+    the head-mask graphs' mask is (b, h, lq, lk) bool, named contract.HEAD_MASK.
 
     Tensors cross the graph's edge in fp32 whatever its precision: an fp16 graph casts inside
     (on a GPU the casts are noise), so clients and the server see one contract."""
@@ -124,15 +125,25 @@ def _random_mask(b: int, lq: int, lk: int, generator: torch.Generator) -> Tensor
     return mask
 
 
-def trace(module: MultiHeadAttention, path: Path, with_probs: bool, opset: int, precision: str = "fp32") -> None:
+def trace(module: MultiHeadAttention, path: Path, with_probs: bool, opset: int, precision: str = "fp32",
+          heads_in_mask: bool = False) -> None:
+    """Trace the unfused graph (contract.ALL_OUTPUTS or OUTPUT_ONLY, as `with_probs` says) or,
+    `heads_in_mask`, its head-mask twin, whose mask is (b, h, lq, lk) (contract.HEAD_MASK_KINDS)."""
     config = module.config
     b, lq, lk = _example_sizes(config)
     generator = torch.Generator().manual_seed(0)
     query, key, value = _random_inputs(config, b, lq, lk, generator)
-    mask = torch.ones(b, lq, lk, dtype=torch.bool)
+    mask = torch.ones(b, config.num_heads, lq, lk, dtype=torch.bool) if heads_in_mask else torch.ones(b, lq, lk, dtype=torch.bool)
     dims = {n: torch.export.Dim(n) for n in (contract.BATCH, contract.Q_LEN, contract.K_LEN)}
-    dynamic_shapes = {name: {axis: dims[d] for axis, d in axes.items()} for name, axes in _DYNAMIC_AXES.items()}
+    axes = dict(_DYNAMIC_AXES)
+    if heads_in_mask:  # the graph's `head_mask`, (batch, heads, q_len, k_len): heads fixed
+        axes["mask"] = {i: d for i, d in enumerate(contract.HEAD_MASK_SHAPE) if d in dims}
+    dynamic_shapes = {name: {axis: dims[d] for axis, d in ax.items()} for name, ax in axes.items()}
     output_names = list(contract.OUTPUT_NAMES) if with_probs else ["output"]
+    if heads_in_mask:
+        kind = contract.HEAD_MASK_ALL_OUTPUTS if with_probs else contract.HEAD_MASK_OUTPUT_ONLY
+    else:
+        kind = contract.ALL_OUTPUTS if with_probs else contract.OUTPUT_ONLY
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's own deprecation chatter
         torch.onnx.export(
@@ -141,13 +152,13 @@ def trace(module: MultiHeadAttention, path: Path, with_probs: bool, opset: int, 
             str(path),
             dynamo=True,
             external_data=False,  # one self-contained file per graph, no model.onnx.data
-            input_names=list(contract.INPUT_NAMES),
+            input_names=list(contract.GRAPH_INPUTS[kind]),
             output_names=output_names,
             dynamic_shapes=dynamic_shapes,
             opset_version=opset,
             verbose=False,
         )
-    _check_graph_signature(path, config, with_probs)
+    _check_graph_signature(path, config, kind=kind)
 
 
 def _check_graph_signature(path: Path, config: AttentionConfig, with_probs: bool = False,
@@ -160,7 +171,8 @@ def _check_graph_signature(path: Path, config: AttentionConfig, with_probs: bool
     widths = {"query_dim": config.query_dim, "kv_dim": config.kv_dim, "out_dim": config.out_dim,
               "num_heads": config.num_heads}
     # The contract's symbolic shapes with this model's widths: a str is a dynamic dim, an int fixed.
-    shapes = contract.SYMBOLIC_SHAPES | {contract.KEY_PADDING_MASK: contract.KEY_PADDING_SHAPE}
+    shapes = contract.SYMBOLIC_SHAPES | {contract.KEY_PADDING_MASK: contract.KEY_PADDING_SHAPE,
+                                         contract.HEAD_MASK: contract.HEAD_MASK_SHAPE}
     expected = {name: tuple(widths.get(d, d) for d in dims) for name, dims in shapes.items()}
     values = list(graph.input) + list(graph.output)
     names = [v.name for v in values]
@@ -186,12 +198,15 @@ def check_parity(module: MultiHeadAttention, graphs: dict[str, Path], tolerance:
     """Run ONNX Runtime on each written graph against eager PyTorch (fp32, the seeds' -1e10
     fill); return the figures. Raises ParityError if any max abs error exceeds `tolerance`.
     The unfused graphs run every case with and without a (b, lq, lk) mask; the fused ones
-    (export.fused) the same shapes plus a long sequence, with the inputs they take."""
+    (export.fused) the same shapes plus a long sequence, with the inputs they take; the other mask
+    forms (export.head_mask) run on the unfused graphs and the head-mask ones, plus a long sequence."""
     import onnxruntime as ort
 
     config = module.config
     fused_graphs = {kind: p for kind, p in graphs.items() if kind in contract.FUSED_KINDS}
-    graphs = {kind: p for kind, p in graphs.items() if kind not in contract.FUSED_KINDS}
+    head_graphs = {kind: p for kind, p in graphs.items() if kind in contract.HEAD_MASK_KINDS}
+    form_graphs = {kind: p for kind, p in graphs.items() if kind in (contract.ALL_OUTPUTS, contract.OUTPUT_ONLY)} | head_graphs
+    graphs = {kind: p for kind, p in graphs.items() if kind not in (*contract.FUSED_KINDS, *contract.HEAD_MASK_KINDS)}
     sessions = {kind: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for kind, p in graphs.items()}
     worst = {kind: {"output": 0.0, "attn_probs": 0.0} for kind in graphs}
     cases = []
@@ -226,6 +241,11 @@ def check_parity(module: MultiHeadAttention, graphs: dict[str, Path], tolerance:
         worst |= fused_worst
         cases += fused_cases
         long_shapes = {kind: [list(s) for s in fused.LONG_PARITY_SHAPES[kind]] for kind in fused_graphs}
+    if head_graphs:
+        form_worst, form_cases = head_mask.parity(module, form_graphs, PARITY_SHAPES, _random_inputs, generator)
+        worst |= form_worst
+        cases += form_cases
+        long_shapes[contract.HEAD_MASK_OUTPUT_ONLY] = [list(s) for s in head_mask.LONG_PARITY_SHAPES]
     report = {
         "tolerance": tolerance,
         "max_abs_error": worst,
@@ -288,7 +308,8 @@ def export_model(
     parity, measure the fused graphs' crossover, then move it into place.
     precision "fp16": the graphs compute in half precision (for GPUs), parity within
     PARITY_TOLERANCE_FP16 of the fp32 module; their inputs and outputs stay fp32. fp16 versions
-    have no fused graphs: ONNX Runtime's CPU MultiHeadAttention, where parity runs, is fp32 only.
+    have no fused graphs (ONNX Runtime's CPU MultiHeadAttention, where parity runs, is fp32 only)
+    and no head-mask graphs (a mask whose heads differ is refused on them).
 
     A version directory appears whole (one rename) or not at all; config.json is replaced
     atomically after it. Raises ExportError/ParityError without touching existing versions."""
@@ -319,10 +340,14 @@ def export_model(
     model_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".export-{version}-", dir=model_dir))
     try:
-        kinds = (contract.ALL_OUTPUTS, contract.OUTPUT_ONLY) + (contract.FUSED_KINDS if precision == "fp32" else ())
+        kinds = (contract.ALL_OUTPUTS, contract.OUTPUT_ONLY) + (
+            (*contract.FUSED_KINDS, *contract.HEAD_MASK_KINDS) if precision == "fp32" else ())
         graphs = {kind: staging / contract.GRAPH_FILES[kind] for kind in kinds}
         trace(module, graphs[contract.ALL_OUTPUTS], with_probs=True, opset=opset, precision=precision)
         trace(module, graphs[contract.OUTPUT_ONLY], with_probs=False, opset=opset, precision=precision)
+        for kind in (k for k in kinds if k in contract.HEAD_MASK_KINDS):
+            trace(module, graphs[kind], with_probs=kind == contract.HEAD_MASK_ALL_OUTPUTS, opset=opset,
+                  precision=precision, heads_in_mask=True)
         for kind in kinds:
             if kind in contract.FUSED_KINDS:
                 fused.build(module, graphs[kind], kind, opset)

@@ -21,11 +21,15 @@ takes a request if its padded share of the attention matrix stays under `max_pad
 keep it so: one that would pad its keys, bring a mask or ask for attn_probs waits for the next
 batch instead of moving the whole batch onto a graph that holds every score.
 
-Masks. `merge` feeds the least a run needs (server.graphs' maskings): no mask when no request
-has one and no key is padded (padded query rows need none: they are dropped), a key padding mask
-(B, Lk) when every request's mask is the same for all its query rows (or absent) and attends at
-least one key in each, the full (B, Lq, Lk) mask otherwise. The first two let the engine take
-ONNX Runtime's fused attention.
+Masks. A request's mask comes as any of contract.MASK_SHAPES; Work keeps it as (b, lq, lk) (a
+view: (lq, lk) broadcast over the batch, (b, 1, lq, lk) and a (b, h, lq, lk) whose heads are
+alike reshaped or sliced) unless its heads differ, then as (b, h, lq, lk). `merge` feeds the
+least a run needs (server.graphs' maskings): no mask when no request has one and no key is padded
+(padded query rows need none: they are dropped), a key padding mask (B, Lk) when every request's
+mask is the same for all its query rows (or absent) and attends at least one key in each, a
+head mask (B, H, Lq, Lk) when some request's heads differ (the others' masks repeated over the
+heads), the full (B, Lq, Lk) mask otherwise. The first two let the engine take ONNX Runtime's
+fused attention.
 
 Exactness. A masked key scores -1e10 (the seeds' fill), so a row that masks all its real keys is
 a uniform distribution over the keys it sees; padding keys onto it would widen that uniform
@@ -51,15 +55,16 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from attnserve.contract import KEY_PADDING_MASK
-from attnserve.server.graphs import GENERAL, KEY_PADDING, NO_MASK
+from attnserve.contract import HEAD_MASK, KEY_PADDING_MASK
+from attnserve.server.graphs import GENERAL, HEADS, KEY_PADDING, NO_MASK
 from attnserve.server.lifecycle import MemoryBudget, Reservation
 from attnserve.server.memory import Cost
 
 logger = logging.getLogger(__name__)
 
 # feeds {"query", "key", "value"} and at most one of "mask" (B, Lq, Lk) bool, "key_padding_mask"
-# (B, Lk) int32 (1 = attend), neither = every key attended -> (output, attn_probs or None); blocking.
+# (B, Lk) int32 (1 = attend), "head_mask" (B, H, Lq, Lk) bool, none = every key attended
+# -> (output, attn_probs or None); blocking.
 RunBatch = Callable[[dict[str, np.ndarray], bool], tuple[np.ndarray, "np.ndarray | None"]]
 # (rows, q_len, k_len, masking, want_probs) of a merged batch -> the attention scores per head its
 # run holds at once (server.graphs.GraphSet.scores_held); the default: all rows x Lq x Lk of them.
@@ -101,23 +106,35 @@ class Work:
     query: np.ndarray  # (b, lq, query_dim) float32
     key: np.ndarray  # (b, lk, kv_dim) float32
     value: np.ndarray  # (b, lk, kv_dim) float32
-    mask: np.ndarray | None  # (b, lq, lk) bool, False = masked; None = attend to every key
+    # bool, False = masked; None = attend to every key. Given as any of contract.MASK_SHAPES: (lq, lk),
+    # (b, lq, lk), (b, 1, lq, lk) or (b, h, lq, lk); kept as (b, lq, lk), or (b, h, lq, lk) when
+    # its heads differ (module docstring, "Masks").
+    mask: np.ndarray | None
     want_probs: bool
     # True if some query row masks all of its keys: see "Exactness" above.
     exact_k_len: bool = field(init=False)
     # server.graphs' NO_MASK (no mask, or one that masks nothing), KEY_PADDING (every query row
     # masks the same keys and attends at least one: then key_mask is that (b, lk) row) or
-    # GENERAL (anything else, fully masked rows included: see server.graphs).
+    # GENERAL (anything else, fully masked rows included: see server.graphs), HEADS (a
+    # (b, h, lq, lk) mask whose heads differ).
     masking: str = field(init=False)
     key_mask: np.ndarray | None = field(init=False)
+    # The mask's bytes: as it came (a view of it holds them all) or as a run copies it
+    # ((lq, lk) broadcast over the batch), whichever is more.
+    mask_nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.masking, self.key_mask = NO_MASK, None
-        mask = self.mask
+        sent = self.mask
+        self.mask = mask = canonical_mask(sent, self.query.shape[0])
+        self.mask_nbytes = 0 if sent is None else max(sent.nbytes, mask.nbytes)
         if mask is None or mask.size == 0:
             self.exact_k_len = False
             return
         self.exact_k_len = not mask.any(axis=-1).all()
+        if mask.ndim == 4:
+            self.masking = HEADS
+            return
         first = mask[:, :1, :]  # (b, 1, lk)
         if self.exact_k_len or not np.array_equal(mask, np.broadcast_to(first, mask.shape)):
             self.masking = GENERAL
@@ -139,7 +156,22 @@ class Work:
     @property
     def nbytes(self) -> int:
         """Bytes of its input arrays: what it holds while it waits in the queue."""
-        return self.query.nbytes + self.key.nbytes + self.value.nbytes + (0 if self.mask is None else self.mask.nbytes)
+        return self.query.nbytes + self.key.nbytes + self.value.nbytes + self.mask_nbytes
+
+
+def canonical_mask(mask: np.ndarray | None, rows: int) -> np.ndarray | None:
+    """A mask of any of contract.MASK_SHAPES (shapes checked by the codec) as Work keeps it: a
+    (rows, lq, lk) view, or (rows, h, lq, lk) when its heads differ. Nothing is copied."""
+    if mask is None or mask.ndim == 3:
+        return mask
+    if mask.ndim == 2:  # (lq, lk): the same for every item, as the seeds broadcast it
+        return np.broadcast_to(mask, (rows, *mask.shape))
+    if mask.ndim != 4:
+        raise ValueError(f"mask: rank {mask.ndim}; expected 2, 3 or 4")
+    first = mask[:, 0]  # (rows, lq, lk)
+    if all(np.array_equal(mask[:, h], first) for h in range(1, mask.shape[1])):
+        return first  # (rows, 1, lq, lk), or heads that are all alike
+    return mask
 
 
 @dataclass(slots=True)
@@ -506,6 +538,8 @@ def _compute(run_batch: RunBatch, works: list[Work]
 
 def batch_masking(maskings: set[str] | frozenset[str], same_k_len: bool) -> str:
     """The masking a batch's run needs: that of its requests, KEY_PADDING once keys are padded."""
+    if HEADS in maskings:
+        return HEADS
     if GENERAL in maskings:
         return GENERAL
     if KEY_PADDING in maskings or not same_k_len:
@@ -546,9 +580,12 @@ def merge(works: list[Work]) -> tuple[dict[str, np.ndarray], float]:
             key_padding[start:end, : w.k_len] = 1 if w.key_mask is None else w.key_mask
             start = end
         feeds[KEY_PADDING_MASK] = key_padding
+    elif masking == HEADS:
+        feeds[HEAD_MASK] = _head_mask(works, rows, q_len, k_len, same_lengths)
     elif masking == GENERAL:
         if len(works) == 1 or (same_lengths and all(w.mask is not None for w in works)):
-            mask = works[0].mask if len(works) == 1 else np.concatenate([w.mask for w in works])
+            # A view ((lq, lk) broadcast, a head sliced) becomes the contiguous array a run takes.
+            mask = np.ascontiguousarray(works[0].mask) if len(works) == 1 else np.concatenate([w.mask for w in works])
         else:
             mask = np.zeros((rows, q_len, k_len), dtype=np.bool_)  # (B, Lq, Lk): padding is masked
             start = 0
@@ -559,6 +596,26 @@ def merge(works: list[Work]) -> tuple[dict[str, np.ndarray], float]:
         feeds["mask"] = mask
     useful = sum(w.rows * w.q_len * w.k_len for w in works)
     return feeds, 1.0 - useful / (rows * q_len * k_len)
+
+
+def _head_mask(works: list[Work], rows: int, q_len: int, k_len: int, same_lengths: bool) -> np.ndarray:
+    """(B, H, Lq, Lk) bool of a batch with a mask whose heads differ: each request's own mask,
+    repeated over the heads where it has none; padded keys and query rows masked."""
+    heads = next(w.mask.shape[1] for w in works if w.masking == HEADS)
+    if len(works) == 1:
+        return works[0].mask
+    if same_lengths and all(w.masking == HEADS for w in works):
+        return np.concatenate([w.mask for w in works])
+    mask = np.zeros((rows, heads, q_len, k_len), dtype=np.bool_)  # padding is masked
+    start = 0
+    for w in works:
+        end = start + w.rows
+        if w.mask is None:
+            mask[start:end, :, : w.q_len, : w.k_len] = True
+        else:  # (b, h, lq, lk), or (b, lq, lk) broadcast over the heads
+            mask[start:end, :, : w.q_len, : w.k_len] = w.mask if w.mask.ndim == 4 else w.mask[:, None]
+        start = end
+    return mask
 
 
 def dense_mask(feeds: dict[str, np.ndarray]) -> np.ndarray:

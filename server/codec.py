@@ -29,6 +29,9 @@ from attnserve.contract import (
     DATATYPES,
     FUSED,
     FUSED_KEY_PADDING,
+    GRAPH_HEAD_MASK,
+    HEAD_MASK_ALL_OUTPUTS,
+    HEAD_MASK_OUTPUT_ONLY,
     INPUT_NAMES,
     OUTPUT_NAMES,
     OUTPUT_ONLY,
@@ -36,7 +39,7 @@ from attnserve.contract import (
 )
 from attnserve.server import heap
 from attnserve.server.echo import echo
-from attnserve.server.graphs import UNFUSED, GraphSet, attention_bytes
+from attnserve.server.graphs import HEADS, UNFUSED, GraphSet, attention_bytes
 from attnserve.server.lifecycle import Reservation
 from attnserve.server.repository import ModelSpec
 
@@ -45,6 +48,7 @@ _DTYPES = {"FP32": np.dtype("<f4"), "BOOL": np.dtype("?")}
 _EXPECTED_DATATYPE = {name: DATATYPES[name] for name in INPUT_NAMES}
 _TYPED_FIELD = {"FP32": "fp32_contents", "BOOL": "bool_contents"}
 _REQUIRED = REQUIRED_INPUTS
+_RANKS = {"mask": (2, 3, 4)}  # contract.MASK_SHAPES; every other input is rank 3
 
 
 @dataclass(frozen=True)
@@ -90,8 +94,10 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> De
         if tensor.datatype != want:
             raise ValueError(f"input {tensor.name!r}: expected datatype {want}, got {echo(tensor.datatype)}")
         shape = tuple(tensor.shape)
-        if len(shape) != 3:
-            raise ValueError(f"input {tensor.name!r}: expected rank 3, got shape {echo(list(shape))}")
+        if len(shape) not in _RANKS.get(tensor.name, (3,)):
+            ranks = " or ".join(map(str, _RANKS.get(tensor.name, (3,))))
+            hint = f" ({_mask_shapes(spec)})" if tensor.name == "mask" else ""
+            raise ValueError(f"input {tensor.name!r}: expected rank {ranks}{hint}, got shape {echo(list(shape))}")
         if any(d < 0 for d in shape):
             raise ValueError(f"input {tensor.name!r}: negative dimension in shape {list(shape)}")
         shapes[tensor.name] = shape
@@ -124,12 +130,19 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> De
 
     work = Work(arrays["query"], arrays["key"], arrays["value"], arrays.get("mask"),
                 want_probs="attn_probs" in outputs)
+    if work.masking == HEADS and not limits.graphs.takes_head_masks:
+        raise ValueError(f"input 'mask': its heads differ, and version {spec.version} of model {spec.name} has no "
+                         f"head-mask graphs ({GRAPH_HEAD_MASK}: exported before them, or fp16); it takes "
+                         f"masks alike for every head: [q_len, k_len], [batch, q_len, k_len], "
+                         f"[batch, 1, q_len, k_len], or [batch, {spec.num_heads}, q_len, k_len] with equal heads")
     _check_attention_bytes(work, spec, limits)
     return Decoded(work=work, outputs=outputs, raw=raw)
 
 
 # Why a graph holds the attention matrix, for the message that refuses a request over the bound.
 _WHY_HELD = {
+    HEAD_MASK_ALL_OUTPUTS: "its mask differs by head, and it asks for attn_probs",
+    HEAD_MASK_OUTPUT_ONLY: "its mask differs by head: the unfused head-mask graph runs it",
     ALL_OUTPUTS: "it asks for attn_probs",
     OUTPUT_ONLY: "the unfused graph runs it",
     FUSED_KEY_PADDING: "its key mask runs on the fused key padding graph, which holds every score",
@@ -172,14 +185,24 @@ def _check_shapes(shapes: dict[str, tuple[int, ...]], spec: ModelSpec, limits: L
     lk = shapes["key"][1]
     if shapes["value"][1] != lk:
         raise ValueError(f"input 'value': length {shapes['value'][1]} disagrees with key's {lk}")
-    if "mask" in shapes and shapes["mask"] != (b, lq, lk):
-        raise ValueError(f"input 'mask': expected shape [batch, q_len, k_len] = {[b, lq, lk]}, got {list(shapes['mask'])}")
+    if "mask" in shapes and shapes["mask"] not in ((lq, lk), (b, lq, lk), (b, 1, lq, lk), (b, spec.num_heads, lq, lk)):
+        raise ValueError(f"input 'mask': expected shape {_mask_shapes(spec, b, lq, lk)}, got {list(shapes['mask'])}")
     if b < 1 or lq < 1 or lk < 1:
         raise ValueError(f"batch, q_len and k_len must be >= 1, got {b}, {lq}, {lk}")
     if lq > limits.max_q_len:
         raise ValueError(f"input 'query': length {lq} exceeds this model's max_q_len {limits.max_q_len}")
     if lk > limits.max_kv_len:
         raise ValueError(f"input 'key': length {lk} exceeds this model's max_kv_len {limits.max_kv_len}")
+
+
+def _mask_shapes(spec: ModelSpec, b: int | None = None, lq: int | None = None, lk: int | None = None) -> str:
+    """The mask shapes this model takes (contract.MASK_SHAPES), with this request's sizes if known."""
+    h = spec.num_heads
+    forms = ["[batch, q_len, k_len]", "[q_len, k_len]", "[batch, 1, q_len, k_len]", f"[batch, {h}, q_len, k_len]"]
+    if b is not None:
+        sizes = ([b, lq, lk], [lq, lk], [b, 1, lq, lk], [b, h, lq, lk])
+        forms = [f"{form} = {size}" for form, size in zip(forms, sizes)]
+    return ", ".join(forms[:-1]) + " or " + forms[-1]
 
 
 # Room for what a response holds besides tensor bytes: names, shapes, datatypes, field tags.

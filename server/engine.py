@@ -14,7 +14,16 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, GRAPH_INPUTS, KEY_PADDING_MASK, OUTPUT_ONLY, REQUIRED_INPUTS
+from attnserve.contract import (
+    ALL_OUTPUTS,
+    FUSED_KINDS,
+    GRAPH_INPUTS,
+    HEAD_MASK,
+    HEAD_MASK_KINDS,
+    KEY_PADDING_MASK,
+    OUTPUT_ONLY,
+    REQUIRED_INPUTS,
+)
 from attnserve.server import heap
 from attnserve.server.batcher import dense_mask
 from attnserve.server.cuda_probe import why_cuda_cannot_run
@@ -108,6 +117,23 @@ class Engine:
                 self._sessions[kind] = self._open(str(path), options, device)
             except Exception as err:  # onnxruntime's own exception types; the unfused graphs still serve
                 self.why_not_fused[kind] = f"{path.name} did not load: {type(err).__name__}: {err}"
+        # The head-mask graphs run masks whose heads differ; without them such masks are refused.
+        self.why_no_head_masks: str | None = None
+        for kind in HEAD_MASK_KINDS:
+            path = spec.graph_path(kind)
+            if not path.exists():
+                self.why_no_head_masks = f"{path.name} not in version {spec.version} (exported before them, or fp16)"
+                break
+            try:
+                self._sessions[kind] = self._open(str(path), options, device)
+            except Exception as err:  # onnxruntime's own exception types; the other graphs still serve
+                self.why_no_head_masks = f"{path.name} did not load: {type(err).__name__}: {err}"
+                break
+        if self.why_no_head_masks is not None:
+            for kind in HEAD_MASK_KINDS:
+                self._sessions.pop(kind, None)
+            logger.warning("%s: masks whose heads differ, (B, H, Lq, Lk), are refused: %s", spec.name,
+                           self.why_no_head_masks)
         self.graphs = GraphSet(frozenset(self._sessions), dict(spec.crossover))
         if self.why_not_fused:
             logger.warning("%s: runs without a mask or with a key padding mask take the unfused graph, whose "
@@ -133,7 +159,8 @@ class Engine:
 
     def run(self, feeds: dict[str, np.ndarray], want_probs: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """feeds: query (B, Lq, q_dim), key/value (B, Lk, kv_dim), and at most one of mask
-        (B, Lq, Lk) bool or key_padding_mask (B, Lk) int32 (server.batcher.merge).
+        (B, Lq, Lk) bool, key_padding_mask (B, Lk) int32 or head_mask (B, H, Lq, Lk) bool
+        (server.batcher.merge).
         Returns output (B, Lq, out_dim) and attn_probs (B, H, Lq, Lk) or None."""
         kind = self.graph_for(feeds, want_probs)
         try:
@@ -144,7 +171,7 @@ class Engine:
             b, lq, _ = feeds["query"].shape
             heap.release_after(b * self.spec.num_heads * lq * feeds["key"].shape[1] * BYTES_PER_SCORE)
         self.runs[kind] += 1
-        if kind == ALL_OUTPUTS:
+        if len(outputs) == 2:  # all_outputs, head_mask_all_outputs
             output, attn_probs = outputs
             return output, (attn_probs if want_probs else None)
         return outputs[0], None
@@ -163,9 +190,12 @@ class Engine:
 
 def _graph_feeds(kind: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The inputs graph `kind` takes, from the batcher's feeds: the unfused graphs want the
-    (B, Lq, Lk) mask (made from a key padding mask, or all True), the key padding graph its mask."""
+    (B, Lq, Lk) mask (made from a key padding mask, or all True), the key padding graph its mask,
+    the head-mask graphs theirs (only a batch with a head mask takes them: server.graphs)."""
     wanted = GRAPH_INPUTS[kind]
     graph_feeds = {name: feeds[name] for name in REQUIRED_INPUTS}
+    if HEAD_MASK in wanted:
+        graph_feeds[HEAD_MASK] = feeds[HEAD_MASK]
     if "mask" in wanted:
         graph_feeds["mask"] = dense_mask(feeds)
     if KEY_PADDING_MASK in wanted:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS
+from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, HEAD_MASK_ALL_OUTPUTS, HEAD_MASK_KINDS
 
 FLOAT = 4  # bytes of a float32
 # What the estimate is allowed to be, as a multiple of a measured peak (tests/test_memory.py).
@@ -43,16 +43,20 @@ class AttentionDims:
 
 def run_working_set(kind: str, dims: AttentionDims, rows: int, q_len: int, k_len: int) -> int:
     """Peak bytes one run of graph `kind` holds for feeds query (rows, q_len, query_dim),
-    key/value (rows, k_len, kv_dim), mask (rows, q_len, k_len): its inputs, projections, scores,
-    probabilities and outputs (attn_probs included when the graph writes it)."""
+    key/value (rows, k_len, kv_dim), mask (rows, q_len, k_len) (the head-mask graphs: (rows, H,
+    q_len, k_len)): its inputs, projections, scores, probabilities and outputs (attn_probs
+    included when the graph writes it)."""
     if kind in FUSED_KINDS:
         return fused_working_set(dims, rows, q_len, k_len)
-    return _unfused_working_set(dims, rows, q_len, k_len, with_probs=kind == ALL_OUTPUTS)
+    return _unfused_working_set(dims, rows, q_len, k_len, with_probs=kind in (ALL_OUTPUTS, HEAD_MASK_ALL_OUTPUTS),
+                                mask_heads=dims.num_heads if kind in HEAD_MASK_KINDS else 1)
 
 
-def _unfused_working_set(dims: AttentionDims, rows: int, q_len: int, k_len: int, with_probs: bool) -> int:
+def _unfused_working_set(dims: AttentionDims, rows: int, q_len: int, k_len: int, with_probs: bool,
+                         mask_heads: int = 1) -> int:
     scores = FLOAT * rows * dims.num_heads * q_len * k_len  # (B, H, Lq, Lk)
-    mask = rows * q_len * k_len  # (B, Lq, Lk) bool, and its negation inside the graph
+    # (B, Lq, Lk) bool, or (B, H, Lq, Lk) on the head-mask graphs, and its negation inside the graph
+    mask = rows * mask_heads * q_len * k_len
     inputs = FLOAT * rows * (q_len * dims.query_dim + 2 * k_len * dims.kv_dim)
     projections = FLOAT * rows * (q_len + 2 * k_len) * dims.d_model  # Q, K, V
     outputs = FLOAT * rows * q_len * (dims.d_model + dims.out_dim)  # context and output

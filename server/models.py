@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, OUTPUT_ONLY
+from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, HEAD_MASK_KINDS, OUTPUT_ONLY
 from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch, Work
 from attnserve.server.codec import Limits
 from attnserve.server.config import ServerConfig
@@ -496,7 +496,7 @@ def _reason(err: Exception) -> str:
 def _describe(graphs: GraphSet) -> str:
     """The graphs a model runs, and from which length the fused ones do, for the startup line."""
     parts = []
-    for kind in (ALL_OUTPUTS, OUTPUT_ONLY, *FUSED_KINDS):
+    for kind in (ALL_OUTPUTS, OUTPUT_ONLY, *FUSED_KINDS, *HEAD_MASK_KINDS):
         if kind in graphs.kinds:
             length = graphs.crossover.get(kind) if kind in FUSED_KINDS else None
             parts.append(kind if length is None else f"{kind} from sqrt(Lq*Lk) >= {length}")

@@ -126,14 +126,15 @@ def copy_model(repository: Path, name: str, destination: Path) -> Path:
 
 
 def old_layout(model_repository, name, destination):
-    """A copy of one model as an export before the fused graphs wrote it: no fused files, no
-    crossover, config.json's graphs the two unfused ones. Returns the copy's repository."""
+    """A copy of one model as an export before the fused graphs wrote it: no fused or head-mask
+    files, no crossover, config.json's graphs the two unfused ones. Returns the copy's repository."""
     shutil.copytree(model_repository / name, destination / name)
-    for kind in contract.FUSED_KINDS:
+    for kind in (*contract.FUSED_KINDS, *contract.HEAD_MASK_KINDS):
         (destination / name / "1" / contract.GRAPH_FILES[kind]).unlink()
     path = destination / name / "config.json"
     config = json.loads(path.read_text())
     del config["crossover"]
-    config["graphs"] = {k: v for k, v in config["graphs"].items() if k not in contract.FUSED_KINDS}
+    config["graphs"] = {k: v for k, v in config["graphs"].items()
+                        if k not in (*contract.FUSED_KINDS, *contract.HEAD_MASK_KINDS)}
     path.write_text(json.dumps(config))
     return destination

@@ -42,6 +42,17 @@ def test_validate_converts_to_float32_c_contiguous_and_bool():
     np.testing.assert_array_equal(inputs["mask"], mask != 0)
 
 
+def test_validate_takes_4d_masks_per_head_or_not():
+    q, k, v = _inputs()
+    per_head = RNG.random((2, 8, 3, 4)) > 0.5
+    np.testing.assert_array_equal(codec.validate_inputs(q, k, v, per_head)["mask"], per_head)
+    one = codec.validate_inputs(q, k, v, per_head[:, :1])["mask"]  # (b, 1, lq, lk) goes as (b, lq, lk)
+    assert one.shape == (2, 3, 4) and one.flags.c_contiguous
+    np.testing.assert_array_equal(one, per_head[:, 0])
+    with pytest.raises(ValueError, match=r"\(batch, 1\|heads, lq, lk\)=\(2, 1\|heads, 3, 4\)"):
+        codec.validate_inputs(q, k, v, per_head[:1])
+
+
 def test_validate_broadcasts_a_2d_mask_over_the_batch():
     q, k, v = _inputs(b=3)
     mask = np.tril(np.ones((3, 4), dtype=bool))

@@ -53,13 +53,21 @@ def test_repository_layout(model_repository, name):
     model_dir = model_repository / name
     assert set(snapshot(model_dir)) == {
         "config.json", "1", "1/model.onnx", "1/model_output_only.onnx", "1/model_fused.onnx",
-        "1/model_fused_key_padding.onnx", "1/export.json",
+        "1/model_fused_key_padding.onnx", "1/model_head_mask.onnx", "1/model_head_mask_output_only.onnx",
+        "1/export.json",
     }  # so no *.onnx.data, no leftover temporary directory or file
     assert repository.versions(model_dir) == [1]
-    for graph in ("model.onnx", "model_output_only.onnx", "model_fused.onnx", "model_fused_key_padding.onnx"):
+    for graph in ("model.onnx", "model_output_only.onnx", "model_fused.onnx", "model_fused_key_padding.onnx",
+                  "model_head_mask.onnx", "model_head_mask_output_only.onnx"):
         model = onnx.load(str(model_dir / "1" / graph), load_external_data=False)
         assert model.graph.initializer, "the weights should be in the graph"
         assert all(t.data_location != onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+    for graph in ("model_head_mask.onnx", "model_head_mask_output_only.onnx"):
+        inputs = onnx.load(str(model_dir / "1" / graph), load_external_data=False).graph.input
+        (head_mask,) = [i for i in inputs if i.name == "head_mask"]
+        dims = head_mask.type.tensor_type.shape.dim  # (batch, heads, q_len, k_len): heads fixed
+        assert [bool(d.dim_param) for d in dims] == [True, False, True, True]
+        assert dims[1].dim_value == PRESETS[name].num_heads
 
 
 @pytest.mark.parametrize("name", PRESET_NAMES)
@@ -81,7 +89,9 @@ def test_config_json(model_repository, name):
         {"name": "attn_probs", "datatype": "FP32", "shape": [-1, h, -1, -1]},
     ]
     assert config["graphs"] == {"all_outputs": "model.onnx", "output_only": "model_output_only.onnx",
-                                "fused": "model_fused.onnx", "fused_key_padding": "model_fused_key_padding.onnx"}
+                                "fused": "model_fused.onnx", "fused_key_padding": "model_fused_key_padding.onnx",
+                                "head_mask_all_outputs": "model_head_mask.onnx",
+                                "head_mask_output_only": "model_head_mask_output_only.onnx"}
     crossover = config["crossover"]
     lengths = crossover["measured_ms"]["lengths"]
     for kind in ("fused", "fused_key_padding"):
@@ -102,13 +112,18 @@ def test_config_json(model_repository, name):
     assert {kind: set(errs) for kind, errs in errors.items()} == {
         "all_outputs": {"output", "attn_probs"}, "output_only": {"output"},
         "fused": {"output"}, "fused_key_padding": {"output"},
+        # The other mask forms (export.head_mask), on the graphs the server feeds them to.
+        "all_outputs.forms": {"output", "attn_probs"}, "output_only.forms": {"output"},
+        "head_mask_all_outputs.forms": {"output", "attn_probs"}, "head_mask_output_only.forms": {"output"},
     }
     assert all(0.0 <= e <= TOLERANCE for errs in errors.values() for e in errs.values()), errors
     # Unfused: each shape with and without a mask. Fused: each shape plus a long one; the key
     # padding graph with every key kept and with a key mask (the long shape: the key mask only).
+    # Mask forms: each shape in three forms, plus a long per-head mask.
     n = len(parity["shapes"])
-    assert parity["long_shapes"] == {"fused": [[1, 2048, 2048]], "fused_key_padding": [[2, 2048, 2048]]}
-    assert parity["cases"] == 2 * n + (n + 1) + (2 * n + 1) and n >= 8
+    assert parity["long_shapes"] == {"fused": [[1, 2048, 2048]], "fused_key_padding": [[2, 2048, 2048]],
+                                     "head_mask_output_only": [[1, 2048, 2048]]}
+    assert parity["cases"] == 2 * n + (n + 1) + (2 * n + 1) + (3 * n + 1) and n >= 8
     assert record["crossover"] == config["crossover"]
 
 
@@ -169,7 +184,8 @@ def test_second_export_is_version_2_and_versions_are_never_overwritten(model_rep
     assert {k: v for k, v in after.items() if k.startswith("1")} == version_1
     assert set(after) - set(version_1) == {
         "config.json", "2", "2/model.onnx", "2/model_output_only.onnx", "2/model_fused.onnx",
-        "2/model_fused_key_padding.onnx", "2/export.json",
+        "2/model_fused_key_padding.onnx", "2/model_head_mask.onnx", "2/model_head_mask_output_only.onnx",
+        "2/export.json",
     }
     config = json.loads((model_dir / "config.json").read_text())
     assert config["last_export"]["version"] == 2

@@ -21,7 +21,8 @@ import pytest
 
 from attnserve.server.lifecycle import MemoryBudget, MemoryExhausted, MemoryTooLarge
 from attnserve.server.repository import read_model_spec
-from attnserve.contract import ALL_OUTPUTS, FUSED, FUSED_KEY_PADDING, OUTPUT_ONLY
+from attnserve.contract import (ALL_OUTPUTS, FUSED, FUSED_KEY_PADDING, HEAD_MASK, HEAD_MASK_KINDS,
+                                OUTPUT_ONLY)
 from attnserve.server.memory import (MEASURED_FACTOR_RANGE, AttentionDims, default_memory_limit,
                                      process_memory_bytes, run_working_set)
 
@@ -35,7 +36,8 @@ FACTOR_FROM_SCORES = 32 << 20
 
 def _peaks(repository: str, preset: str, kind: str, shapes: list) -> list[int]:
     """In a fresh process: the peak RSS over the RSS before, of one run of graph `kind` per shape
-    (every key attended: the unfused graphs get an all-True mask, the key padding one all ones)."""
+    (every key attended: the unfused graphs get an all-True mask, the key padding one all ones,
+    the head-mask ones an all-True (b, h, lq, lk) head mask)."""
     import onnxruntime as ort
     from pathlib import Path
 
@@ -57,6 +59,8 @@ def _peaks(repository: str, preset: str, kind: str, shapes: list) -> list[int]:
         feeds = {"query": rng.standard_normal((b, lq, spec.query_dim), dtype=np.float32),
                  "key": rng.standard_normal((b, lk, spec.kv_dim), dtype=np.float32)}
         feeds["value"] = feeds["key"].copy()
+        if kind in HEAD_MASK_KINDS:
+            feeds[HEAD_MASK] = np.ones((b, spec.num_heads, lq, lk), np.bool_)
         feeds = _graph_feeds(kind, feeds)
         open("/proc/self/clear_refs", "w").write("5")
         before = rss("VmRSS") - sum(a.nbytes for a in feeds.values())  # the inputs count in the estimate
@@ -90,6 +94,16 @@ def test_the_estimate_is_above_every_measured_peak_and_within_its_factor(model_r
     assert len(factors) >= 8
     low, high = MEASURED_FACTOR_RANGE
     assert low <= min(factors) and max(factors) <= high, (min(factors), max(factors))
+
+
+def test_the_head_mask_graphs_estimate_is_above_every_peak_and_within_its_factor(model_repository):
+    """The head-mask graphs: the unfused figure with a (B, H, Lq, Lk) mask, on the same grid."""
+    rows = _measured(model_repository, HEAD_MASK_KINDS)
+    for r in rows:
+        assert r["peak"] <= r["estimate"], r
+    factors = [r["factor"] for r in rows if r["scores"] >= FACTOR_FROM_SCORES]
+    low, high = MEASURED_FACTOR_RANGE
+    assert len(factors) >= 8 and low <= min(factors) and max(factors) <= high, (min(factors), max(factors))
 
 
 def test_the_fused_graphs_stay_under_their_upper_bound(model_repository):
