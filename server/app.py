@@ -177,7 +177,7 @@ class Server:
 
         if cfg.http_port >= 0:
             self._rest = RestPort(answers, self._admission, self._draining, token, cfg.max_message_bytes,
-                                  cfg.access_log)
+                                  cfg.access_log, cfg.max_json_bytes)
             try:
                 self.http_port = await self._rest.start(cfg.host, cfg.http_port, ssl_context)
             except OSError as err:
