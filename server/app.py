@@ -45,6 +45,9 @@ from attnserve.server.service import InferenceServicer
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+# --max-receiving-bytes when not given: this share of the memory budget (the headroom the budget
+# leaves, memory.DEFAULT_SHARE, holds it).
+DEFAULT_RECEIVING_SHARE = 0.25
 _INFER_METHODS = frozenset(f"/{SERVICE_NAME}/{m}" for m in ("ModelInfer", "ModelStreamInfer"))
 # grpc_health's aio servicer does not implement Health/List: what it registers for it is the
 # generated, synchronous placeholder, which answers UNIMPLEMENTED with a traceback in the log
@@ -142,6 +145,7 @@ class Server:
         # system (off the event loop: malloc_trim walks every heap).
         self.budget = MemoryBudget(limit, on_idle=lambda: loop.call_later(
             _TRIM_DELAY_S, lambda: loop.run_in_executor(None, heap.reclaim)))
+        self.metrics.watch_budget(self.budget)
         self.registry = ModelRegistry.from_repository(cfg, device, self.metrics, arrivals=self._arrivals,
                                                       run_batch=self._run_batch, budget=self.budget)
         if not self.registry.known_names() and cfg.model_control_mode == "none":
@@ -160,11 +164,19 @@ class Server:
             # A client that opens calls and never reads their answers is held here and by the
             # memory budget (its unsent answers stay counted until its calls end).
             ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
+            # BDP probing opens a stream's window to its whole message before the handler reads it:
+            # without it a call whose reading waits (server.gate's receive slots, a stream that
+            # stops reading) holds no more than HTTP/2's initial window in gRPC's core.
+            ("grpc.http2.bdp_probe", 0),
         ]
+        receiving = cfg.max_receiving_bytes if cfg.max_receiving_bytes is not None else int(
+            limit * DEFAULT_RECEIVING_SHARE)
+        slots = max(receiving // cfg.max_message_bytes, 1)
         # Every method is served through the gate (token, draining, parsing; see server.gate).
         gate = CallGate(method_handlers(servicer, self._health), self._admission, self._draining, _INFER_METHODS,
-                        token, cfg.access_log)
+                        token, cfg.access_log, receive_slots=slots)
         self._gate = gate
+        self.metrics.watch_receiving(gate.receive)
         servers_before = CoreCalls.server_ids()
         self._grpc = grpc.aio.server(options=options)
         self._core_calls = CoreCalls.of_new_server(servers_before)
@@ -192,11 +204,11 @@ class Server:
                     await self._rest.close(0)
                 raise OSError(f"metrics port {cfg.host}:{cfg.metrics_port}: {err.strerror or err}") from None
         logger.info("serving %d model(s) %s on %s:%d (REST %s, metrics %s, max message %d bytes, model control %s, "
-                    "memory budget %d bytes)%s",
+                    "memory budget %d bytes, %d message(s) received at once)%s",
                     len(self.registry.loaded), sorted(self.registry.loaded), cfg.host, self.port,
                     f"http{'s' if ssl_context else ''}://{cfg.host}:{self.http_port}/v2" if self.http_port else "off",
                     f"http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
-                    cfg.max_message_bytes, cfg.model_control_mode, limit,
+                    cfg.max_message_bytes, cfg.model_control_mode, limit, slots,
                     f"; not ready: {sorted(self.registry.failed)}" if self.registry.failed else "")
         if cfg.ready_file is not None:
             self._write_ready_file(cfg.ready_file)
