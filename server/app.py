@@ -143,8 +143,10 @@ class Server:
         loop = asyncio.get_running_loop()
         # Once a large use of the budget is over, what gRPC and numpy freed goes back to the
         # system (off the event loop: malloc_trim walks every heap).
-        self.budget = MemoryBudget(limit, on_idle=lambda: loop.call_later(
-            _TRIM_DELAY_S, lambda: loop.run_in_executor(None, heap.reclaim)))
+        def reclaim_soon() -> None:
+            loop.call_later(_TRIM_DELAY_S, lambda: loop.run_in_executor(None, heap.reclaim))
+
+        self.budget = MemoryBudget(limit, on_idle=reclaim_soon)
         self.metrics.watch_budget(self.budget)
         self.registry = ModelRegistry.from_repository(cfg, device, self.metrics, arrivals=self._arrivals,
                                                       run_batch=self._run_batch, budget=self.budget)
@@ -174,7 +176,8 @@ class Server:
         slots = max(receiving // cfg.max_message_bytes, 1)
         # Every method is served through the gate (token, draining, parsing; see server.gate).
         gate = CallGate(method_handlers(servicer, self._health), self._admission, self._draining, _INFER_METHODS,
-                        token, cfg.access_log, receive_slots=slots)
+                        token, cfg.access_log, receive_slots=slots,
+                        on_receive_idle=reclaim_soon)
         self._gate = gate
         self.metrics.watch_receiving(gate.receive)
         servers_before = CoreCalls.server_ids()

@@ -91,10 +91,15 @@ class ReceiveSlots:
 
     STALE_S = 10.0
 
-    def __init__(self, slots: int | None) -> None:
+    def __init__(self, slots: int | None, on_idle: Callable[[], None] | None = None) -> None:
+        """on_idle: called when no message is being received or waits to be, after some waited
+        (the server gives memory back then: server.heap.reclaim)."""
         if slots is not None and slots < 1:
             raise ValueError(f"receive slots must be >= 1, got {slots}")
         self.slots = slots
+        self._on_idle = on_idle
+        self._waiting = 0  # calls waiting for a slot now
+        self._waited = False  # some call waited since on_idle was last called
         self.deferred = 0  # calls whose reading waited for a slot, since start
         self._taken: dict[int, float] = {}  # ticket -> time.monotonic() it was taken (oldest first)
         self._tickets = itertools.count()
@@ -119,29 +124,42 @@ class ReceiveSlots:
     async def take(self) -> int:
         """A slot's ticket, once one is free (given back, or gone stale)."""
         self.deferred += 1
-        while (ticket := self.take_now()) is None:
-            self._freed.clear()
-            oldest = next(iter(self._taken.values()))
-            try:
-                await asyncio.wait_for(self._freed.wait(), max(oldest + self.STALE_S - time.monotonic(), 0.01))
-            except TimeoutError:
-                pass
+        self._waiting += 1
+        self._waited = True
+        try:
+            while (ticket := self.take_now()) is None:
+                self._freed.clear()
+                oldest = next(iter(self._taken.values()))
+                try:
+                    await asyncio.wait_for(self._freed.wait(), max(oldest + self.STALE_S - time.monotonic(), 0.01))
+                except TimeoutError:
+                    pass
+        finally:
+            self._waiting -= 1
         return ticket
 
     def give_back(self, ticket: int) -> None:
         if self._taken.pop(ticket, None) is not None:
             self._freed.set()
 
+    def call_done(self) -> None:
+        """A call whose message waited for a slot is over."""
+        if self._waited and not self._waiting and not self._taken and self._on_idle is not None:
+            self._waited = False
+            self._on_idle()
+
 
 class CallGate(grpc.GenericRpcHandler):
     def __init__(self, method_handlers: Mapping[str, grpc.RpcMethodHandler], admission: Admission,
                  draining: Draining, counted_methods: frozenset[str], token: BearerToken | None = None,
-                 access_log: bool = False, receive_slots: int | None = None) -> None:
+                 access_log: bool = False, receive_slots: int | None = None,
+                 on_receive_idle: Callable[[], None] | None = None) -> None:
         """method_handlers: "/package.Service/Method" -> handler, for every method served (a kind
         server.parsing does not wrap is a TypeError here, at startup).
         counted_methods: the inference methods Admission counts (and draining refuses).
-        receive_slots: unary inference messages received at once (ReceiveSlots); None: any."""
-        self.receive = ReceiveSlots(receive_slots)
+        receive_slots: unary inference messages received at once (ReceiveSlots); None: any.
+        on_receive_idle: ReceiveSlots' on_idle."""
+        self.receive = ReceiveSlots(receive_slots, on_receive_idle)
         self._handlers = {method: tolerant_handler(method, h) for method, h in method_handlers.items()}
         self.calls_seen = 0  # every call gRPC has handed to the event loop (server.handover)
         self.last_call_at = float("-inf")  # time.monotonic() of the latest call's headers
@@ -261,7 +279,9 @@ class CallGate(grpc.GenericRpcHandler):
                 try:
                     return await inner_unary(request, context)
                 finally:
+                    del request  # before the reclaim below: a refused call's frames outlive it
                     admission.finished()
+                    receive.call_done()
 
             return grpc.stream_unary_rpc_method_handler(deferred, request_deserializer=handler.request_deserializer,
                                                         response_serializer=handler.response_serializer)

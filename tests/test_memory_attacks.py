@@ -266,6 +266,66 @@ def test_overload_without_deadlines_is_shed_at_once_within_the_budget(model_repo
         assert proc.stop() == 0, proc.log()[-3000:]
 
 
+def test_messages_being_received_are_bounded_by_the_receive_slots(model_repository, eager_modules):
+    """32 ModelInfer calls on one connection each send all of a 12.6 MB message but its last 16
+    bytes, and wait: none is complete, so none is parsed or in the budget. Only the receive slots'
+    messages (a quarter of the budget / --max-message-bytes: 2) are let in; the others are held
+    back by flow control at HTTP/2's initial window. (Without the slots, or with BDP probing,
+    gRPC's core takes in all 32: 403 MB.) Then every message is completed: each is answered."""
+    from tests.h2_client import grpc_frame
+
+    limit = 512 * MIB
+    calls = 32
+    proc, _ = _start(model_repository, limit)
+    try:
+        idle = _warm(proc, eager_modules)
+        _reset_peak(proc)
+        rng = np.random.default_rng(10)
+        x = random_inputs(rng, 4, 512, 512, 512, 512)
+        want = {"output": eager(eager_modules["self_attention"], **x)["output"]}
+        frame = grpc_frame(infer_request("self_attention", outputs=("output",), **x).SerializeToString())
+        client = RawGrpcClient(proc.port)
+        try:
+            sids = []
+            for _ in range(calls):
+                sids.append(client.start_call(INFER, None))
+                client.send_bytes(sids[-1], frame[:-16])
+            # Until every call has sent all it may: all of it (but the last 16 bytes), or as much
+            # as the server's flow control lets through (a state on the client's side).
+            give_up = time.monotonic() + 300
+            while not all(client.unsent_bytes(s) == 0 or client.window_blocked(s) for s in sids):
+                assert time.monotonic() < give_up, "the calls neither went through nor were held back"
+                assert not client.closed, "the server closed the connection"
+                client.pump(0.05)
+            let_in = sum(client.unsent_bytes(s) == 0 for s in sids)
+            receive = _receive_metrics(proc)
+            peak_held = _peak(proc)
+            for s in sids:
+                client.send_bytes(s, frame[-16:], end=True)
+            client.open_window()
+            _answers(client, sids, timeout_s=600)
+        finally:
+            client.close()
+        outcomes = []
+        for s in sids:
+            call = client.calls[s]
+            if call.status == 0:
+                outcomes.append((pb.ModelInferResponse.FromString(call.messages[0]), None, ""))
+            else:
+                outcomes.append((None, grpc.StatusCode(_code(call.status)), call.message))
+        counts = _count(outcomes, [want] * calls)
+        peak, after = _after_attack(proc, eager_modules, "memory_receiving", limit, idle, counts,
+                                    peak_while_held=peak_held, let_in=let_in, receive=receive)
+        assert counts["lost"] == 0 and counts["served"] + counts["shed"] == calls, counts
+        assert let_in <= 2 and receive["slots"] == 2, (let_in, receive)
+        # What is held while the messages are incomplete: the slots' two messages (gRPC's core
+        # holds each once) and the others' initial windows, beside the usual slack.
+        assert peak_held <= idle + 2 * len(frame) + SLACK, (peak_held - idle) / MIB
+        _assert_bounded(peak, after, idle, limit, SLACK + 2 * 2 * len(frame))
+    finally:
+        assert proc.stop() == 0, proc.log()[-3000:]
+
+
 # -- answers nobody reads --------------------------------------------------------------------
 
 
