@@ -506,7 +506,7 @@ def test_a_stream_that_stops_reading_leaves_the_rest_of_the_budget_to_other_clie
                     outcomes = []
                     for _ in range(others):
                         try:
-                            outcomes.append((stub.ModelInfer(other, timeout=60), None, ""))
+                            outcomes.append((stub.ModelInfer(other, timeout=30), None, ""))
                         except grpc.RpcError as err:
                             outcomes.append((None, err.code(), err.details() or ""))
                     return outcomes
