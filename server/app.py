@@ -12,6 +12,7 @@ Answers (server.answers): gRPC's servicer and the REST port are adapters over it
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -56,10 +57,11 @@ _INFER_METHODS = frozenset(f"/{SERVICE_NAME}/{m}" for m in ("ModelInfer", "Model
 _NOT_SERVED = frozenset({"/grpc.health.v1.Health/List"})
 
 
-def method_handlers(servicer: InferenceServicer, health_servicer: health.aio.HealthServicer
-                    ) -> dict[str, grpc.RpcMethodHandler]:
+def method_handlers(servicer: InferenceServicer, health_servicer: health.aio.HealthServicer,
+                    max_typed_bytes: int | None = None) -> dict[str, grpc.RpcMethodHandler]:
     """"/package.Service/Method" -> handler for every method served: the inference service,
-    grpc.health.v1 and server reflection, as their generated functions register them."""
+    grpc.health.v1 and server reflection, as their generated functions register them.
+    max_typed_bytes: --max-typed-bytes, which the inference messages' parsing enforces."""
     table = HandlerTable()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, table)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, table)
@@ -76,11 +78,12 @@ def method_handlers(servicer: InferenceServicer, health_servicer: health.aio.Hea
     # Inference messages carry their tensors' raw bytes: server.codec reads and writes those
     # itself, without protobuf's copies (see "the wire" there).
     infer, stream = f"/{SERVICE_NAME}/ModelInfer", f"/{SERVICE_NAME}/ModelStreamInfer"
+    parse = functools.partial(codec.parse_infer_request, max_typed_bytes=max_typed_bytes)
     handlers[infer] = grpc.unary_unary_rpc_method_handler(
-        handlers[infer].unary_unary, request_deserializer=codec.parse_infer_request,
+        handlers[infer].unary_unary, request_deserializer=parse,
         response_serializer=codec.serialize_infer_response)
     handlers[stream] = grpc.stream_stream_rpc_method_handler(
-        handlers[stream].stream_stream, request_deserializer=codec.parse_infer_request,
+        handlers[stream].stream_stream, request_deserializer=parse,
         response_serializer=handlers[stream].response_serializer)
     return handlers
 
@@ -175,8 +178,8 @@ class Server:
             limit * DEFAULT_RECEIVING_SHARE)
         slots = max(receiving // cfg.max_message_bytes, 1)
         # Every method is served through the gate (token, draining, parsing; see server.gate).
-        gate = CallGate(method_handlers(servicer, self._health), self._admission, self._draining, _INFER_METHODS,
-                        token, cfg.access_log, receive_slots=slots,
+        gate = CallGate(method_handlers(servicer, self._health, cfg.max_typed_bytes), self._admission,
+                        self._draining, _INFER_METHODS, token, cfg.access_log, receive_slots=slots,
                         on_receive_idle=reclaim_soon)
         self._gate = gate
         self.metrics.watch_receiving(gate.receive)

@@ -267,8 +267,11 @@ def _bad_requests():
         "raw and typed": (mixed, "use one"),
         "unknown output": (infer_request("self_attention", outputs=("logits",), query=q, key=k, value=v), "'logits'"),
         "over limits": (huge, "max_q_len"),
+        # Refused before protobuf parses it: the message's bytes besides raw_input_contents.
         "typed inputs over --max-typed-bytes": (
-            typed_inputs, f"its inputs would hold {(2 * 1100 + 4) * 512 * 4:,} bytes of tensors as typed contents"),
+            typed_inputs, f"typed contents: the request holds {typed_inputs.ByteSize():,} bytes besides "
+                          "raw_input_contents, over the 4,194,304-byte limit for typed contents (--max-typed-bytes); "
+                          "send the inputs as raw_input_contents"),
         "typed answer over --max-typed-bytes": (
             typed_answer, f"its answer would hold {8 * 400 * 400 * 4:,} bytes of tensors as typed contents, over the "
                           "4,194,304-byte limit for typed contents (--max-typed-bytes); send the inputs as "
