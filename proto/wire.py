@@ -16,7 +16,7 @@ ModelStreamInfer messages) and the benchmark's client.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 _LENGTH_DELIMITED = 2
 
@@ -59,10 +59,11 @@ def _skip(data: memoryview, at: int, wire_type: int) -> int:
     raise WireError(f"wire type {wire_type} (groups or invalid)")
 
 
-def parse_with_raw(message_type, data: bytes, field_name: str):
+def parse_with_raw(message_type, data: bytes, field_name: str, check_rest: Callable[[int], None] | None = None):
     """(message, views): `data` parsed as `message_type` except the repeated bytes field
     `field_name`, whose entries are read-only memoryviews into `data`, in order. Raises
-    WireError (or protobuf's DecodeError) for malformed bytes."""
+    WireError (or protobuf's DecodeError) for malformed bytes. check_rest: given the bytes
+    protobuf would parse (all but those entries) before it does; it may raise."""
     number = message_type.DESCRIPTOR.fields_by_name[field_name].number
     view = memoryview(data)
     raw: list[memoryview] = []
@@ -83,6 +84,8 @@ def parse_with_raw(message_type, data: bytes, field_name: str):
         if at > len(view):
             raise WireError(f"field {field} runs past the end of the message")
         rest.append(view[start:at])
+    if check_rest is not None:
+        check_rest(sum(part.nbytes for part in rest))
     message = message_type.FromString(data if not raw else b"".join(rest))
     return message, raw
 

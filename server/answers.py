@@ -25,6 +25,7 @@ from attnserve.server.errors import CANCELLED, OK, Status, status_for
 from attnserve.server.lifecycle import Draining
 from attnserve.server.metrics import Metrics
 from attnserve.server.models import ModelNotFound, ModelRegistry
+from attnserve.server.repository import ModelSpec
 
 SERVER_NAME = "attnserve"
 # "model_repository" also means load/unload; binary_tensor_data is the REST port's.
@@ -65,6 +66,10 @@ class Answers:
         return pb.ModelMetadataResponse(
             name=spec.name, versions=versions, platform=spec.platform,
             inputs=[_tensor_metadata(t) for t in spec.inputs], outputs=[_tensor_metadata(t) for t in spec.outputs])
+
+    def spec(self, name: str, version: str = "") -> ModelSpec:
+        """The model's spec (ModelNotFound if unknown)."""
+        return self._registry.get(name, version).spec
 
     def model_config(self, name: str, version: str = "") -> pb.ModelConfigResponse:
         spec = self._registry.get(name, version).spec

@@ -12,6 +12,7 @@ Answers (server.answers): gRPC's servicer and the REST port are adapters over it
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -46,6 +47,9 @@ from attnserve.server.workers import WorkerContext
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+# --max-receiving-bytes when not given: this share of the memory budget (the headroom the budget
+# leaves, memory.DEFAULT_SHARE, holds it).
+DEFAULT_RECEIVING_SHARE = 0.25
 _INFER_METHODS = frozenset(f"/{SERVICE_NAME}/{m}" for m in ("ModelInfer", "ModelStreamInfer"))
 # grpc_health's aio servicer does not implement Health/List: what it registers for it is the
 # generated, synchronous placeholder, which answers UNIMPLEMENTED with a traceback in the log
@@ -54,10 +58,11 @@ _INFER_METHODS = frozenset(f"/{SERVICE_NAME}/{m}" for m in ("ModelInfer", "Model
 _NOT_SERVED = frozenset({"/grpc.health.v1.Health/List"})
 
 
-def method_handlers(servicer: InferenceServicer, health_servicer: health.aio.HealthServicer
-                    ) -> dict[str, grpc.RpcMethodHandler]:
+def method_handlers(servicer: InferenceServicer, health_servicer: health.aio.HealthServicer,
+                    max_typed_bytes: int | None = None) -> dict[str, grpc.RpcMethodHandler]:
     """"/package.Service/Method" -> handler for every method served: the inference service,
-    grpc.health.v1 and server reflection, as their generated functions register them."""
+    grpc.health.v1 and server reflection, as their generated functions register them.
+    max_typed_bytes: --max-typed-bytes, which the inference messages' parsing enforces."""
     table = HandlerTable()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, table)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, table)
@@ -74,11 +79,12 @@ def method_handlers(servicer: InferenceServicer, health_servicer: health.aio.Hea
     # Inference messages carry their tensors' raw bytes: server.codec reads and writes those
     # itself, without protobuf's copies (see "the wire" there).
     infer, stream = f"/{SERVICE_NAME}/ModelInfer", f"/{SERVICE_NAME}/ModelStreamInfer"
+    parse = functools.partial(codec.parse_infer_request, max_typed_bytes=max_typed_bytes)
     handlers[infer] = grpc.unary_unary_rpc_method_handler(
-        handlers[infer].unary_unary, request_deserializer=codec.parse_infer_request,
+        handlers[infer].unary_unary, request_deserializer=parse,
         response_serializer=codec.serialize_infer_response)
     handlers[stream] = grpc.stream_stream_rpc_method_handler(
-        handlers[stream].stream_stream, request_deserializer=codec.parse_infer_request,
+        handlers[stream].stream_stream, request_deserializer=parse,
         response_serializer=handlers[stream].response_serializer)
     return handlers
 
@@ -146,8 +152,11 @@ class Server:
         loop = asyncio.get_running_loop()
         # Once a large use of the budget is over, what gRPC and numpy freed goes back to the
         # system (off the event loop: malloc_trim walks every heap).
-        self.budget = MemoryBudget(limit, on_idle=lambda: loop.call_later(
-            _TRIM_DELAY_S, lambda: loop.run_in_executor(None, heap.reclaim)))
+        def reclaim_soon() -> None:
+            loop.call_later(_TRIM_DELAY_S, lambda: loop.run_in_executor(None, heap.reclaim))
+
+        self.budget = MemoryBudget(limit, on_idle=reclaim_soon)
+        self.metrics.watch_budget(self.budget)
         self.registry = ModelRegistry.from_repository(cfg, device, self.metrics, arrivals=self._arrivals,
                                                       run_batch=self._run_batch, budget=self.budget)
         if not self.registry.known_names() and cfg.model_control_mode == "none":
@@ -167,11 +176,20 @@ class Server:
             # A client that opens calls and never reads their answers is held here and by the
             # memory budget (its unsent answers stay counted until its calls end).
             ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
+            # BDP probing opens a stream's window to its whole message before the handler reads it:
+            # without it a call whose reading waits (server.gate's receive slots, a stream that
+            # stops reading) holds no more than HTTP/2's initial window in gRPC's core.
+            ("grpc.http2.bdp_probe", 0),
         ]
+        receiving = cfg.max_receiving_bytes if cfg.max_receiving_bytes is not None else int(
+            limit * DEFAULT_RECEIVING_SHARE)
+        slots = max(receiving // cfg.max_message_bytes, 1)
         # Every method is served through the gate (token, draining, parsing; see server.gate).
-        gate = CallGate(method_handlers(servicer, self._health), self._admission, self._draining, _INFER_METHODS,
-                        token, cfg.access_log)
+        gate = CallGate(method_handlers(servicer, self._health, cfg.max_typed_bytes), self._admission,
+                        self._draining, _INFER_METHODS, token, cfg.access_log, receive_slots=slots,
+                        on_receive_idle=reclaim_soon)
         self._gate = gate
+        self.metrics.watch_receiving(gate.receive)
         servers_before = CoreCalls.server_ids()
         self._grpc = grpc.aio.server(options=options)
         self._core_calls = CoreCalls.of_new_server(servers_before)
@@ -184,7 +202,7 @@ class Server:
 
         if cfg.http_port >= 0:
             self._rest = RestPort(answers, self._admission, self._draining, token, cfg.max_message_bytes,
-                                  cfg.access_log)
+                                  cfg.access_log, cfg.max_json_bytes)
             try:
                 self.http_port = await self._rest.start(cfg.host, cfg.http_port, ssl_context,
                                                         reuse_port=self.worker is not None)
@@ -200,11 +218,11 @@ class Server:
                     await self._rest.close(0)
                 raise OSError(f"metrics port {cfg.host}:{cfg.metrics_port}: {err.strerror or err}") from None
         logger.info("serving %d model(s) %s on %s:%d (REST %s, metrics %s, max message %d bytes, model control %s, "
-                    "memory budget %d bytes)%s",
+                    "memory budget %d bytes, %d message(s) received at once)%s",
                     len(self.registry.loaded), sorted(self.registry.loaded), cfg.host, self.port,
                     f"http{'s' if ssl_context else ''}://{cfg.host}:{self.http_port}/v2" if self.http_port else "off",
                     f"http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
-                    cfg.max_message_bytes, cfg.model_control_mode, limit,
+                    cfg.max_message_bytes, cfg.model_control_mode, limit, slots,
                     f"; not ready: {sorted(self.registry.failed)}" if self.registry.failed else "")
         if cfg.ready_file is not None:
             self._write_ready_file(cfg.ready_file)

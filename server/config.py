@@ -46,6 +46,18 @@ class ServerConfig:
     memory_limit_bytes: int | None = None
     # HTTP/2 streams (calls) per connection at once; a client's further calls wait client-side.
     max_concurrent_streams: int = 100
+    # Bytes of unary inference messages gRPC may be receiving at once, each counted at
+    # max_message_bytes (server.gate: beyond them a call's message waits to be read); None: a
+    # quarter of the memory budget. At least one message is always received.
+    max_receiving_bytes: int | None = None
+    # Tensor bytes a gRPC request's typed contents (fp32_contents, bool_contents) may hold, and
+    # its answer's: they are built and parsed on the event loop (about 3 ms per MiB), so larger
+    # tensors must travel as raw_input_contents / raw_output_contents. Over it: INVALID_ARGUMENT.
+    max_typed_bytes: int = 4 * 1024**2
+    # JSON text of a REST request, and of an answer's `data` (24 bytes a value, the most json
+    # writes for a float32): parsed and written on the event loop (12-28 ms per MiB), so larger
+    # tensors must travel as binary data (binary_data_size, binary_data). Over it: 400.
+    max_json_bytes: int = 8 * 1024**2
     # On SIGTERM/SIGINT/SIGHUP: readiness goes NOT_SERVING at once, calls are still admitted for
     # drain_delay_s (load balancers and Kubernetes endpoints take that long to stop sending),
     # then new streams are refused (GOAWAY) and what was admitted finishes within grace_period_s.
@@ -85,9 +97,11 @@ class ServerConfig:
             if not -1 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in -1..65535, got {getattr(self, name)}")
         for name in ("max_queue_size", "batches_in_flight", "max_message_bytes", "max_attention_bytes",
-                     "max_queued_bytes", "max_concurrent_streams"):
+                     "max_queued_bytes", "max_concurrent_streams", "max_typed_bytes", "max_json_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_receiving_bytes is not None and self.max_receiving_bytes < 1:
+            raise ValueError(f"max_receiving_bytes must be >= 1, got {self.max_receiving_bytes}")
         if self.memory_limit_bytes is not None and self.memory_limit_bytes < 1:
             raise ValueError(f"memory_limit_bytes must be >= 1, got {self.memory_limit_bytes}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
@@ -139,6 +153,10 @@ _HELP: dict[str, str] = {
     "memory_limit_bytes": "memory budget above idle RSS: queued inputs, runs in flight, unsent answers "
                           "(default: 60%% of the cgroup's or machine's memory, less idle)",
     "max_concurrent_streams": "HTTP/2 streams (calls) at once per client connection",
+    "max_receiving_bytes": "bytes of ModelInfer messages received at once, each counted at --max-message-bytes "
+                           "(default: a quarter of the memory budget)",
+    "max_typed_bytes": "largest tensor bytes in a gRPC request's or answer's typed contents (larger: raw contents)",
+    "max_json_bytes": "largest JSON text of a REST request or answer's data (larger: binary data)",
     "drain_delay_s": "seconds after SIGTERM that calls are still admitted (readiness already NOT_SERVING)",
     "grace_period_s": "seconds to finish admitted requests once the drain delay is over",
     "model_versions": "pin versions: NAME=VERSION[,NAME=VERSION...] (default: highest)",

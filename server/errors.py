@@ -38,7 +38,9 @@ class MalformedMessage(Exception):
     """A request message that does not parse as its RPC's request type (server.parsing)."""
 
     def __init__(self, error: Exception) -> None:
-        super().__init__(f"the request message does not parse: {type(error).__name__}: {error}")
+        # A refusal the deserializer makes on purpose (codec.TypedContentsTooLarge) says why itself.
+        refused = getattr(error, "refused_before_parsing", False)
+        super().__init__(str(error) if refused else f"the request message does not parse: {type(error).__name__}: {error}")
 
 
 class BodyTooLarge(Exception):

@@ -12,6 +12,12 @@ headers arrive and before its message is read. It answers with
   this moment until their handler returns, so draining waits for a call whose headers came
   before SIGTERM even while its message is still arriving, and the batchers know (through
   lifecycle.Arrivals) that requests are on their way.
+- A ModelInfer call's message is received only while fewer than `receive_slots` are being
+  received (ReceiveSlots: each may be up to --max-message-bytes, and none is in the memory
+  budget until its handler runs). Beyond them the call is handed a request-streaming handler
+  that reads its one message once a slot is free: until then gRPC's core holds only what HTTP/2
+  flow control lets in (the server runs without BDP probing, which would open the window to the
+  whole message; server.app).
 Every refusal is answered through server.errors, like any other error.
 
 Why not grpc.aio interceptors: they run as a chain of coroutines on every call, on the event
@@ -23,6 +29,7 @@ machine's noise).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from typing import Callable, Mapping
@@ -30,7 +37,7 @@ from typing import Callable, Mapping
 import grpc
 from grpc_health.v1 import health_pb2
 
-from attnserve.server.errors import ShuttingDown, Unauthenticated, abort
+from attnserve.server.errors import MalformedMessage, ShuttingDown, Unauthenticated, abort
 from attnserve.server.handover import CoreCalls
 from attnserve.server.lifecycle import Admission, Draining
 from attnserve.server.parsing import tolerant_handler
@@ -74,13 +81,85 @@ class _WatchContext:
         return getattr(self._context, name)
 
 
+class ReceiveSlots:
+    """Unary inference messages being received at once: at most `slots` (None: unbounded).
+
+    A slot is taken when a call's headers arrive (take_now) or once one is free (take), and
+    given back when its handler starts. gRPC never runs the handler of a call whose message does
+    not arrive (client gone, deadline hit, message over the limit), so a slot is forgotten
+    STALE_S after it was taken (as lifecycle.Arrivals forgets such calls)."""
+
+    STALE_S = 10.0
+
+    def __init__(self, slots: int | None, on_idle: Callable[[], None] | None = None) -> None:
+        """on_idle: called when no message is being received or waits to be, after some waited
+        (the server gives memory back then: server.heap.reclaim)."""
+        if slots is not None and slots < 1:
+            raise ValueError(f"receive slots must be >= 1, got {slots}")
+        self.slots = slots
+        self._on_idle = on_idle
+        self._waiting = 0  # calls waiting for a slot now
+        self._waited = False  # some call waited since on_idle was last called
+        self.deferred = 0  # calls whose reading waited for a slot, since start
+        self._taken: dict[int, float] = {}  # ticket -> time.monotonic() it was taken (oldest first)
+        self._tickets = itertools.count()
+        self._freed = asyncio.Event()
+
+    @property
+    def receiving(self) -> int:
+        """Messages being received now."""
+        stale = time.monotonic() - self.STALE_S
+        while self._taken and next(iter(self._taken.values())) < stale:
+            self._taken.pop(next(iter(self._taken)))
+        return len(self._taken)
+
+    def take_now(self) -> int | None:
+        """A slot's ticket, or None when every slot is taken."""
+        if self.slots is not None and self.receiving >= self.slots:
+            return None
+        ticket = next(self._tickets)
+        self._taken[ticket] = time.monotonic()
+        return ticket
+
+    async def take(self) -> int:
+        """A slot's ticket, once one is free (given back, or gone stale)."""
+        self.deferred += 1
+        self._waiting += 1
+        self._waited = True
+        try:
+            while (ticket := self.take_now()) is None:
+                self._freed.clear()
+                oldest = next(iter(self._taken.values()))
+                try:
+                    await asyncio.wait_for(self._freed.wait(), max(oldest + self.STALE_S - time.monotonic(), 0.01))
+                except TimeoutError:
+                    pass
+        finally:
+            self._waiting -= 1
+        return ticket
+
+    def give_back(self, ticket: int) -> None:
+        if self._taken.pop(ticket, None) is not None:
+            self._freed.set()
+
+    def call_done(self) -> None:
+        """A call whose message waited for a slot is over."""
+        if self._waited and not self._waiting and not self._taken and self._on_idle is not None:
+            self._waited = False
+            self._on_idle()
+
+
 class CallGate(grpc.GenericRpcHandler):
     def __init__(self, method_handlers: Mapping[str, grpc.RpcMethodHandler], admission: Admission,
                  draining: Draining, counted_methods: frozenset[str], token: BearerToken | None = None,
-                 access_log: bool = False) -> None:
+                 access_log: bool = False, receive_slots: int | None = None,
+                 on_receive_idle: Callable[[], None] | None = None) -> None:
         """method_handlers: "/package.Service/Method" -> handler, for every method served (a kind
         server.parsing does not wrap is a TypeError here, at startup).
-        counted_methods: the inference methods Admission counts (and draining refuses)."""
+        counted_methods: the inference methods Admission counts (and draining refuses).
+        receive_slots: unary inference messages received at once (ReceiveSlots); None: any.
+        on_receive_idle: ReceiveSlots' on_idle."""
+        self.receive = ReceiveSlots(receive_slots, on_receive_idle)
         self._handlers = {method: tolerant_handler(method, h) for method, h in method_handlers.items()}
         self.calls_seen = 0  # every call gRPC has handed to the event loop (server.handover)
         self.last_call_at = float("-inf")  # time.monotonic() of the latest call's headers
@@ -172,16 +251,40 @@ class CallGate(grpc.GenericRpcHandler):
         if handler.unary_unary is not None:
             ticket = admission.arrived(unary=True)
             inner_unary = handler.unary_unary
+            receive = self.receive
+            slot = receive.take_now()
+            if slot is not None:  # gRPC reads the message at once; the slot is its until then
 
-            async def unary(request, context):
+                async def unary(request, context):
+                    receive.give_back(slot)
+                    admission.started(ticket)
+                    try:
+                        return await inner_unary(request, context)
+                    finally:
+                        admission.finished()
+
+                return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
+                                                           response_serializer=handler.response_serializer)
+
+            async def deferred(request_iterator, context):
+                """The same call, its one message read once a receive slot is free."""
+                ticket = await receive.take()
+                try:
+                    request = await anext(aiter(request_iterator), None)
+                finally:
+                    receive.give_back(ticket)
+                if request is None:
+                    await abort(context, MalformedMessage(ValueError("the call sent no request message")))
                 admission.started(ticket)
                 try:
                     return await inner_unary(request, context)
                 finally:
+                    del request  # before the reclaim below: a refused call's frames outlive it
                     admission.finished()
+                    receive.call_done()
 
-            return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
-                                                       response_serializer=handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(deferred, request_deserializer=handler.request_deserializer,
+                                                        response_serializer=handler.response_serializer)
         ticket = admission.arrived(unary=False)
         inner_stream = handler.stream_stream
 

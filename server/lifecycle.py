@@ -234,6 +234,18 @@ class MemoryBudget:
         self.waiting_bytes = 0  # inputs of the requests that wait
         self._room = int(limit_bytes * self.WAITING_ROOM)
         self._waiters: collections.deque[_Waiter] = collections.deque()
+        # Counted since start (server.metrics exposes them): requests that waited for memory,
+        # shed at once (MemoryExhausted), whose deadline passed while they waited, and refused
+        # as never fitting (MemoryTooLarge).
+        self.waits = 0
+        self.shed = 0
+        self.wait_timeouts = 0
+        self.too_large = 0
+
+    @property
+    def waiters(self) -> int:
+        """Requests waiting for memory now."""
+        return len(self._waiters)
 
     @property
     def used_bytes(self) -> int:
@@ -247,6 +259,7 @@ class MemoryBudget:
     def check_fits(self, nbytes: int, what: str) -> None:
         """MemoryTooLarge if `nbytes` could never fit, whatever else ran."""
         if nbytes > self.limit_bytes:
+            self.too_large += 1
             raise MemoryTooLarge(f"{what} needs an estimated {nbytes:,} bytes of memory, over this server's "
                                  f"budget of {self.limit_bytes:,} bytes (--memory-limit-bytes); send fewer rows or "
                                  "shorter sequences, or ask for `output` alone")
@@ -277,11 +290,13 @@ class MemoryBudget:
             return reservation
         first = min(first, nbytes)
         if deadline is None or not self._can_wait(nbytes, first):
+            self.shed += 1
             raise MemoryExhausted(f"memory budget: {self.used_bytes:,} of {self.limit_bytes:,} bytes in use "
                                   f"(--memory-limit-bytes), {len(self._waiters)} request(s) waiting; {what} needs "
                                   f"{nbytes:,}; retry later" + ("" if deadline is not None else
                                                                " (a request with a deadline waits within it)"))
         waiter = _Waiter(nbytes, first, asyncio.get_running_loop().create_future())
+        self.waits += 1
         self._waiters.append(waiter)
         self.waiting_bytes += first
         try:
@@ -290,6 +305,8 @@ class MemoryBudget:
             if waiter.future.done() and not waiter.future.cancelled():
                 self._give_back(nbytes)  # admitted just as it gave up
             else:
+                if isinstance(err, TimeoutError):
+                    self.wait_timeouts += 1
                 waiter.future.cancel()
                 self._waiters.remove(waiter)
                 self.waiting_bytes -= first

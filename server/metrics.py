@@ -3,7 +3,12 @@
 The metric names are a contract (dashboards are built on them): attnserve_requests_total,
 attnserve_request_duration_seconds, attnserve_queue_duration_seconds,
 attnserve_compute_duration_seconds, attnserve_batch_requests, attnserve_padding_ratio,
-attnserve_queue_depth; every one is labelled by model.
+attnserve_queue_depth; every one is labelled by model. The memory budget's (one per server,
+unlabelled; watch_budget): attnserve_memory_limit_bytes, attnserve_memory_reserved_bytes,
+attnserve_memory_waiting_bytes, attnserve_memory_waiters, and the counters
+attnserve_memory_waits_total, attnserve_memory_shed_total, attnserve_memory_wait_timeouts_total,
+attnserve_memory_too_large_total. The gRPC messages being received (watch_receiving; server.gate):
+attnserve_receive_slots, attnserve_receiving_messages, attnserve_receive_deferred_total.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # `_created` series double the output and no dashboard reads them.
 disable_created_metrics()
 
 from attnserve.server.batcher import BatchStats
+from attnserve.server.lifecycle import MemoryBudget
 
 if TYPE_CHECKING:
     from attnserve.server.shared_stats import StatisticsFile
@@ -112,6 +119,16 @@ class Metrics:
 
         return gather(self._shared_dir).get(model) or ModelStatistics()
 
+    def watch_budget(self, budget: MemoryBudget) -> None:
+        """Expose the memory budget (read when /metrics is scraped, on the metrics port's thread:
+        plain integer reads)."""
+        self.registry.register(_BudgetCollector(budget))
+
+    def watch_receiving(self, receive) -> None:
+        """Expose server.gate.ReceiveSlots: its slots, the messages being received, the calls
+        whose reading waited for a slot."""
+        self.registry.register(_ReceiveCollector(receive))
+
     def observer(self, model: str) -> "ModelObserver":
         self.statistics.setdefault(model, ModelStatistics())
         return ModelObserver(self, model)
@@ -163,3 +180,48 @@ class ModelObserver:
 
     def on_queue_depth(self, depth: int) -> None:
         self._queue_depth.set(depth)
+
+
+class _BudgetCollector:
+    """lifecycle.MemoryBudget's figures as Prometheus metrics, read at each scrape."""
+
+    _GAUGES = (("limit_bytes", "limit_bytes", "The memory budget above idle RSS (--memory-limit-bytes)."),
+               ("reserved_bytes", "reserved_bytes", "Bytes reserved now: queued inputs, runs in flight, unsent answers."),
+               ("waiting_bytes", "waiting_bytes", "Inputs of the requests waiting for memory now."),
+               ("waiters", "waiters", "Requests waiting for memory now."))
+    _COUNTERS = (("waits", "waits", "Requests that waited for memory."),
+                 ("shed", "shed", "Requests shed at once for memory (RESOURCE_EXHAUSTED: no deadline, or no room to wait)."),
+                 ("wait_timeouts", "wait_timeouts", "Requests whose deadline passed while they waited for memory."),
+                 ("too_large", "too_large", "Requests refused as never fitting the budget (INVALID_ARGUMENT)."))
+
+    def __init__(self, budget: MemoryBudget) -> None:
+        self._budget = budget
+
+    def describe(self):
+        return [GaugeMetricFamily(f"attnserve_memory_{name}", doc) for name, _, doc in self._GAUGES] + \
+            [CounterMetricFamily(f"attnserve_memory_{name}", doc) for name, _, doc in self._COUNTERS]
+
+    def collect(self):
+        for name, attribute, doc in self._GAUGES:
+            yield GaugeMetricFamily(f"attnserve_memory_{name}", doc, value=getattr(self._budget, attribute))
+        for name, attribute, doc in self._COUNTERS:
+            yield CounterMetricFamily(f"attnserve_memory_{name}", doc, value=getattr(self._budget, attribute))
+
+
+class _ReceiveCollector:
+    """server.gate.ReceiveSlots' figures, read at each scrape."""
+
+    def __init__(self, receive) -> None:
+        self._receive = receive
+
+    def describe(self):
+        return list(self.collect())
+
+    def collect(self):
+        r = self._receive
+        yield GaugeMetricFamily("attnserve_receive_slots", "ModelInfer messages received at once at most "
+                                "(--max-receiving-bytes / --max-message-bytes); 0: unbounded.", value=r.slots or 0)
+        yield GaugeMetricFamily("attnserve_receiving_messages", "ModelInfer messages being received now.",
+                                value=len(r._taken))
+        yield CounterMetricFamily("attnserve_receive_deferred", "ModelInfer calls whose message waited for a "
+                                  "receive slot before it was read.", value=r.deferred)

@@ -424,7 +424,8 @@ class ModelRegistry:
                               scores_of=graphs.scores_held, budget=self._budget,
                               costing=None if self._budget is None else GraphCosting(spec, graphs))
             limits = Limits(spec.max_q_len, spec.max_kv_len, cfg.max_attention_bytes,
-                            max_response_bytes=cfg.max_message_bytes, graphs=graphs)
+                            max_response_bytes=cfg.max_message_bytes, max_typed_bytes=cfg.max_typed_bytes,
+                            graphs=graphs)
             if self._started:
                 batcher.start()
             versions[spec.version] = LoadedVersion(spec, batcher, limits, fingerprint)

@@ -43,7 +43,7 @@ from attnserve.server.errors import (BodyTooLarge, NoSuchEndpoint, ShuttingDown,
                                      status_for)
 from attnserve.server.lifecycle import Admission, Draining
 from attnserve.server.listen import listen_addresses
-from attnserve.server.rest_codec import HEADER_LENGTH, as_json, encode_infer, parse_infer
+from attnserve.server.rest_codec import HEADER_LENGTH, as_json, check_json_answer, encode_infer, parse_infer
 from attnserve.server.security import OPEN_PATH_PREFIXES, REFUSAL, BearerToken
 
 logger = logging.getLogger(__name__)
@@ -99,8 +99,11 @@ def error_response(status: Status) -> web.Response:
 
 class RestPort:
     def __init__(self, answers: Answers, admission: Admission, draining: Draining, token: BearerToken | None,
-                 max_body_bytes: int, access_log: bool = False) -> None:
+                 max_body_bytes: int, access_log: bool = False, max_json_bytes: int | None = None) -> None:
+        """max_json_bytes: the most JSON text a request, or an answer's `data`, may take
+        (--max-json-bytes): it is parsed and written on the event loop."""
         self._answers = answers
+        self._max_json_bytes = max_json_bytes
         self._admission = admission
         self._draining = draining
         self._token = token
@@ -282,7 +285,10 @@ class RestPort:
             except ValueError:
                 raise ValueError(f"{HEADER_LENGTH} must be an integer, got {header_length[:40]!r}") from None
             body = await self._body(request)
-            message, binary_outputs = parse_infer(body, length, model, version or "")
+            message, binary_outputs = parse_infer(body, length, model, version or "", self._max_json_bytes)
+            if self._max_json_bytes is not None:
+                check_json_answer(message, self._answers.spec(model, version or ""), binary_outputs,
+                                  self._max_json_bytes)
         except Exception as err:  # counted as an inference request's outcome, as gRPC's decode errors are
             status = status_for(err)
             self._answers.request_done(model, status, began)

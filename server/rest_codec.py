@@ -26,7 +26,9 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from attnserve.proto import inference_pb2 as pb
-from attnserve.server.codec import InferResponse
+from attnserve.contract import OUTPUT_NAMES
+from attnserve.server.codec import InferResponse, output_bytes
+from attnserve.server.repository import ModelSpec
 from attnserve.server.echo import echo
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -82,16 +84,22 @@ def _shape(value: Any, name: str) -> list[int]:
     return shape
 
 
-def parse_infer(body: bytes, header_length: int | None, model_name: str, model_version: str
-                ) -> tuple[pb.ModelInferRequest, dict[str, bool]]:
+def parse_infer(body: bytes, header_length: int | None, model_name: str, model_version: str,
+                max_json_bytes: int | None = None) -> tuple[pb.ModelInferRequest, dict[str, bool]]:
     """A REST inference body -> (the request, output name -> answer it binary). header_length:
     the Inference-Header-Content-Length header (None: the whole body is JSON). An output not in
-    the map follows the request's `binary_data_output` (the map's key "")."""
+    the map follows the request's `binary_data_output` (the map's key ""). max_json_bytes: the
+    most JSON text it may have (--max-json-bytes; json parses it on the event loop, about 12 ms
+    per MiB), refused before it is parsed."""
     view = memoryview(body)
     if header_length is None:
         header_length = len(body)
     if not 0 <= header_length <= len(body):
         raise ValueError(f"{HEADER_LENGTH} is {header_length}, but the body has {len(body)} bytes")
+    if max_json_bytes is not None and header_length > max_json_bytes:
+        raise ValueError(f"the request has {header_length:,} bytes of JSON, over the {max_json_bytes:,}-byte limit "
+                         "(--max-json-bytes); send large tensors as binary data (parameters.binary_data_size, "
+                         "the bytes after the JSON)")
     document = _object(_json(view[:header_length]), "the request")
     binary = view[header_length:]
 
@@ -146,6 +154,30 @@ def parse_infer(body: bytes, header_length: int | None, model_name: str, model_v
         output_parameters = _object(entry.get("parameters", {}), f"output {name!r}: parameters")
         binary_outputs[name] = _flag(output_parameters, "binary_data", f"output {name!r}") or binary_all
     return request, binary_outputs
+
+
+# The most text json writes for one float32 value (as a double: "-1.0000000149011612e-05,").
+JSON_VALUE_BYTES = 24
+
+
+def check_json_answer(request: pb.ModelInferRequest, spec: ModelSpec, binary_outputs: dict[str, bool],
+                      max_json_bytes: int) -> None:
+    """Refuse, before it is computed, a request whose answer's JSON `data` could be over
+    max_json_bytes (--max-json-bytes; json writes it on the event loop, about 28 ms per MiB),
+    counted at JSON_VALUE_BYTES a value. Shapes that are not the contract's are left to
+    codec.decode, which names what is wrong."""
+    shapes = {t.name: tuple(t.shape) for t in request.inputs}
+    if any(len(shapes.get(name, ())) != 3 for name in ("query", "key")):
+        return
+    sizes = output_bytes(shapes, spec)
+    names = [o.name for o in request.outputs] or list(OUTPUT_NAMES)
+    text = [name for name in names if name in sizes and not binary_outputs.get(name, binary_outputs[""])]
+    values = sum(sizes[name] // 4 for name in text)
+    if values * JSON_VALUE_BYTES > max_json_bytes:
+        raise ValueError(f"the answer would write {values:,} values ({', '.join(text)}) as JSON data, up to "
+                         f"{values * JSON_VALUE_BYTES:,} bytes of text, over the {max_json_bytes:,}-byte limit "
+                         "(--max-json-bytes); ask for binary outputs (parameters.binary_data or "
+                         "binary_data_output), or for `output` alone")
 
 
 def encode_infer(answer: InferResponse, binary_outputs: dict[str, bool]) -> tuple[bytes, int | None]:

@@ -133,6 +133,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _read_stream(self, request_iterator, context, answers: asyncio.Queue, held: "_StreamHold") -> None:
         try:
             async for request in request_iterator:
+                held.read()
                 await answers.put(asyncio.ensure_future(self._stream_answer(request, context, held)))
                 await held.room()  # this stream's share of the memory budget is full: stop reading
         finally:
@@ -140,29 +141,46 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _stream_answer(self, request: codec.InferRequest | pb.ModelInferRequest, context, held: "_StreamHold"
                              ) -> tuple[pb.ModelStreamInferResponse, codec.InferResponse | None]:
-        response, status = await self._answered(request, context)
+        try:
+            response, status = await self._answered(request, context)
+        except BaseException:
+            held.answered(None)
+            raise
+        held.answered(response)  # no longer in flight: held, until written
         if response is None:  # the stream goes on
             return pb.ModelStreamInferResponse(
                 error_message=status.stream_message(),
                 infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id)), None
-        held.hold(response)
         return pb.ModelStreamInferResponse(infer_response=response.as_message()), response
 
 
 class _StreamHold:
-    """The memory one stream's answers hold (computed, not yet written), against its share of
-    the budget: its reading pauses while it holds more (one answer always goes)."""
+    """The memory one stream holds, against its share of the budget: its answers computed and
+    not yet written, and its requests in flight, each counted at the largest reservation this
+    stream has had (until one is known, a request is read only when none is in flight). Its
+    reading pauses while they would hold more than the share (one request always goes): a stream
+    that stops reading holds at most its share and one request, and other clients are served."""
 
     def __init__(self, share_bytes: int | None) -> None:
         self._share = share_bytes
         self._held: dict[int, int] = {}  # id(answer) -> its reserved bytes
         self._bytes = 0
+        self._in_flight = 0  # requests read and not answered yet
+        self._cost = 0  # the largest reservation of this stream's answers so far
         self._changed = asyncio.Event()
 
-    def hold(self, answer: codec.InferResponse) -> None:
-        if answer.reservation is not None:
+    def read(self) -> None:
+        """A request was read: in flight until answered (answered())."""
+        self._in_flight += 1
+
+    def answered(self, answer: codec.InferResponse | None) -> None:
+        """A request in flight is answered (`answer`, or None for an error): its answer held."""
+        self._in_flight -= 1
+        if answer is not None and answer.reservation is not None:
             self._held[id(answer)] = answer.reservation.nbytes
             self._bytes += answer.reservation.nbytes
+            self._cost = max(self._cost, answer.reservation.nbytes)
+        self._changed.set()
 
     def release(self, answer: codec.InferResponse | None) -> None:
         if answer is None:
@@ -171,7 +189,16 @@ class _StreamHold:
         self._bytes -= self._held.pop(id(answer), 0)
         self._changed.set()
 
+    def _full(self) -> bool:
+        if self._share is None:
+            return False
+        if self._bytes > self._share:
+            return True
+        if not self._in_flight:
+            return False
+        return self._cost == 0 or self._bytes + self._in_flight * self._cost > self._share
+
     async def room(self) -> None:
-        while self._share is not None and self._bytes > self._share:
+        while self._full():
             self._changed.clear()
             await self._changed.wait()

@@ -100,6 +100,20 @@ class RawGrpcClient:
         self._send_pending()
         self._flush()
 
+    def send_bytes(self, sid: int, data: bytes, end: bool = False) -> None:
+        """Queue raw bytes on a call (part of a gRPC frame, say), half-closing after them if `end`."""
+        call = self.calls[sid]
+        call.outgoing += data
+        call.end_after_outgoing = end
+        self._send_pending()
+        self._flush()
+
+    def window_blocked(self, sid: int) -> bool:
+        """Bytes are queued on the call and the server's flow control for the call itself (not the
+        connection's, which the other calls share) lets none of them go."""
+        stream = self.conn.streams.get(sid)
+        return bool(self.calls[sid].outgoing) and stream is not None and stream.outbound_flow_control_window <= 0
+
     def unsent_bytes(self, sid: int) -> int:
         return len(self.calls[sid].outgoing)
 

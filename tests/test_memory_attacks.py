@@ -30,8 +30,8 @@ MIB = 1 << 20
 TOLERANCE = 1e-5
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
-# What the budget does not count: the interpreter's and allocator's slack, and messages gRPC is
-# still receiving (at most max_concurrent_streams per connection, each held twice at most).
+# What the budget does not count: the interpreter's and allocator's slack. (Messages gRPC is still
+# receiving, at most the gate's receive slots at once, each held twice at most, are added per case.)
 SLACK = 96 * MIB
 # RSS within this of idle once the work is over: memory went back.
 BACK_NEAR_IDLE = 64 * MIB
@@ -106,6 +106,37 @@ def _known_good(proc: ServerProcess, eager_modules) -> None:
                 assert float(np.max(np.abs(got[name] - want[name]))) <= TOLERANCE
 
 
+def _budget_metrics(proc: ServerProcess) -> dict[str, float]:
+    """The memory budget's series on /metrics (server.metrics): name without the prefix -> value."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {line.split()[0].removeprefix("attnserve_memory_"): float(line.split()[1])
+            for line in text.splitlines() if line.startswith("attnserve_memory_")}
+
+
+def _receive_metrics(proc: ServerProcess) -> dict[str, float]:
+    """server.gate's receive slots on /metrics: slots, messages, deferred_total."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    names = {"attnserve_receive_slots": "slots", "attnserve_receiving_messages": "messages",
+             "attnserve_receive_deferred_total": "deferred_total"}
+    return {names[line.split()[0]]: float(line.split()[1]) for line in text.splitlines()
+            if line.split() and line.split()[0] in names}
+
+
+def _settled_budget_metrics(proc: ServerProcess, timeout_s: float = 30.0) -> dict[str, float]:
+    """The budget's series once nothing is reserved (a call's reservation goes back when the
+    server has finished the call, which may be just after its client has the answer)."""
+    deadline = time.monotonic() + timeout_s
+    while (gauge := _budget_metrics(proc))["reserved_bytes"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return gauge
+
+
 def _count(outcomes: list, wants: list | None = None) -> dict:
     """outcomes: (response or None, grpc code or None, details) per request."""
     counts = {"served": 0, "shed": 0, "refused": 0, "lost": 0, "lost_details": []}
@@ -162,6 +193,7 @@ def test_a_request_that_can_never_fit_is_refused_naming_its_figure_and_one_that_
         want = eager(eager_modules["self_attention"], **x)
         assert outcomes[0][1] == grpc.StatusCode.INVALID_ARGUMENT, outcomes[0][1:]
         assert f"{limit:,}" in outcomes[0][2] and "needs an estimated" in outcomes[0][2], outcomes[0][2]
+        assert _budget_metrics(proc)["too_large_total"] == 1
         counts = _count(outcomes[1:], [{"output": want["output"]}])
         peak, after = _after_attack(proc, eager_modules, "memory_compute", limit, idle, counts)
         assert counts["served"] == 1 and counts["lost"] == 0, counts
@@ -189,6 +221,9 @@ def test_merged_batches_stay_within_the_budget_and_waiting_requests_are_all_serv
         peak, after = _after_attack(proc, eager_modules, "memory_merging", limit, idle, counts)
         assert counts["served"] == 32 and counts["lost"] == 0, counts
         _assert_bounded(peak, after, idle, limit)
+        gauge = _settled_budget_metrics(proc)  # they waited for memory, none shed; all given back
+        assert gauge["limit_bytes"] == limit and gauge["waits_total"] >= 1 and gauge["shed_total"] == 0, gauge
+        assert gauge["reserved_bytes"] == 0 and gauge["waiters"] == 0 and gauge["wait_timeouts_total"] == 0, gauge
     finally:
         assert proc.stop() == 0, proc.log()[-3000:]
 
@@ -213,13 +248,80 @@ def test_overload_without_deadlines_is_shed_at_once_within_the_budget(model_repo
         requests = [infer_request("self_attention", outputs=("output",), **xs[i % 4]) for i in range(CLIENTS)]
         outcomes = _concurrent(proc, requests, None)
         counts = _count(outcomes, [wants[i % 4] for i in range(CLIENTS)])
-        # Messages gRPC is receiving are not in the budget: 64 calls x 12.6 MB, twice at most.
-        margin = SLACK + 2 * CLIENTS * requests[0].ByteSize()
+        # Messages gRPC is receiving are not in the budget: at most the gate's receive slots at
+        # once (a quarter of the budget / --max-message-bytes: 2), each held twice at most;
+        # without the slots all 64 (806 MB) were received at once.
+        margin = SLACK + 2 * 2 * requests[0].ByteSize()
         peak, after = _after_attack(proc, eager_modules, "memory_overload", limit, idle, counts, margin=margin,
                                     lost_examples=counts["lost_details"][:2])
         assert counts["lost"] == 0 and counts["served"] >= 1 and counts["shed"] >= 1, counts
         assert counts["served"] + counts["shed"] == CLIENTS
         _assert_bounded(peak, after, idle, limit, margin)
+        gauge = _settled_budget_metrics(proc)  # every shed call counted; nothing held once all is answered
+        assert gauge["shed_total"] == counts["shed"] and gauge["waits_total"] == 0, (gauge, counts)
+        assert gauge["reserved_bytes"] == 0 and gauge["limit_bytes"] == limit, gauge
+        receive = _receive_metrics(proc)
+        assert receive["slots"] == 2 and receive["deferred_total"] >= 1, receive
+    finally:
+        assert proc.stop() == 0, proc.log()[-3000:]
+
+
+def test_messages_being_received_are_bounded_by_the_receive_slots(model_repository, eager_modules):
+    """32 ModelInfer calls on one connection each send all of a 12.6 MB message but its last 16
+    bytes, and wait: none is complete, so none is parsed or in the budget. Only the receive slots'
+    messages (a quarter of the budget / --max-message-bytes: 2) are let in; the others are held
+    back by flow control at HTTP/2's initial window. (Without the slots, or with BDP probing,
+    gRPC's core takes in all 32: 403 MB.) Then every message is completed: each is answered."""
+    from tests.h2_client import grpc_frame
+
+    limit = 512 * MIB
+    calls = 32
+    proc, _ = _start(model_repository, limit)
+    try:
+        idle = _warm(proc, eager_modules)
+        _reset_peak(proc)
+        rng = np.random.default_rng(10)
+        x = random_inputs(rng, 4, 512, 512, 512, 512)
+        want = {"output": eager(eager_modules["self_attention"], **x)["output"]}
+        frame = grpc_frame(infer_request("self_attention", outputs=("output",), **x).SerializeToString())
+        client = RawGrpcClient(proc.port)
+        try:
+            sids = []
+            for _ in range(calls):
+                sids.append(client.start_call(INFER, None))
+                client.send_bytes(sids[-1], frame[:-16])
+            # Until every call has sent all it may: all of it (but the last 16 bytes), or as much
+            # as the server's flow control lets through (a state on the client's side).
+            give_up = time.monotonic() + 300
+            while not all(client.unsent_bytes(s) == 0 or client.window_blocked(s) for s in sids):
+                assert time.monotonic() < give_up, "the calls neither went through nor were held back"
+                assert not client.closed, "the server closed the connection"
+                client.pump(0.05)
+            let_in = sum(client.unsent_bytes(s) == 0 for s in sids)
+            receive = _receive_metrics(proc)
+            peak_held = _peak(proc)
+            for s in sids:
+                client.send_bytes(s, frame[-16:], end=True)
+            client.open_window()
+            _answers(client, sids, timeout_s=600)
+        finally:
+            client.close()
+        outcomes = []
+        for s in sids:
+            call = client.calls[s]
+            if call.status == 0:
+                outcomes.append((pb.ModelInferResponse.FromString(call.messages[0]), None, ""))
+            else:
+                outcomes.append((None, grpc.StatusCode(_code(call.status)), call.message))
+        counts = _count(outcomes, [want] * calls)
+        peak, after = _after_attack(proc, eager_modules, "memory_receiving", limit, idle, counts,
+                                    peak_while_held=peak_held, let_in=let_in, receive=receive)
+        assert counts["lost"] == 0 and counts["served"] + counts["shed"] == calls, counts
+        assert let_in <= 2 and receive["slots"] == 2, (let_in, receive)
+        # What is held while the messages are incomplete: the slots' two messages (gRPC's core
+        # holds each once) and the others' initial windows, beside the usual slack.
+        assert peak_held <= idle + 2 * len(frame) + SLACK, (peak_held - idle) / MIB
+        _assert_bounded(peak, after, idle, limit, SLACK + 2 * 2 * len(frame))
     finally:
         assert proc.stop() == 0, proc.log()[-3000:]
 
@@ -287,7 +389,7 @@ def test_unary_answers_nobody_reads_are_held_back_by_flow_control_and_the_budget
             else:
                 outcomes.append((None, grpc.StatusCode(_code(call.status)), call.message))
         counts = _count(outcomes, [want] * len(sids))
-        margin = SLACK + 2 * STREAMS * len(message)
+        margin = SLACK + 2 * 2 * len(message)  # 2 receive slots (a quarter of the budget / 64 MiB)
         peak, after = _after_attack(proc, eager_modules, "memory_unread_unary", limit, idle, counts,
                                     peak_while_held=peak_held, held=len(held), margin=margin, refusals=refusals)
         assert counts["lost"] == 0 and counts["served"] + counts["shed"] == 40, counts
@@ -365,35 +467,130 @@ def test_a_stream_that_stops_reading_holds_no_more_than_its_share(model_reposito
         assert proc.stop() == 0, proc.log()[-3000:]
 
 
-# -- typed contents, off the event loop ------------------------------------------------------
+def test_a_stream_that_stops_reading_leaves_the_rest_of_the_budget_to_other_clients(model_repository,
+                                                                                    eager_modules):
+    """Fairness: one ModelStreamInfer stream sends requests that each reserve more than its share
+    of the budget (a quarter) and reads nothing. It holds its share and one request at most (its
+    reading waits, a request at a time until its cost is known); other clients are served
+    meanwhile. (Before, its reading ran ahead of its runs: three requests reserved, five waiting
+    for memory in front of everyone else, until the stream's deadline.)"""
+    limit = 512 * MIB
+    proc, _ = _start(model_repository, limit)
+    try:
+        idle = _warm(proc, eager_modules)
+        _reset_peak(proc)
+        rng = np.random.default_rng(9)
+        x = random_inputs(rng, 2, 512, 512, 512, 512)  # reserves about 144 MB: a 19 MB answer
+        want = eager(eager_modules["self_attention"], **x)
+        message = infer_request("self_attention", **x).SerializeToString()
+        y = random_inputs(rng, 1, 256, 256, 512, 512)
+        other_want = {"output": eager(eager_modules["self_attention"], **y)["output"]}
+        other = infer_request("self_attention", outputs=("output",), **y)
+        count, others = 12, 6
+        client = RawGrpcClient(proc.port)
+        try:
+            sid = client.start_call(STREAM, None, timeout_s=600)
+            sent, first_cost = 0, 0
+            give_up = time.monotonic() + 300
+            # Until the stream's first request is reserved (a state, read from /metrics).
+            while not (first_cost := _budget_metrics(proc)["reserved_bytes"]):
+                assert time.monotonic() < give_up, "the stream's first request never reserved"
+                if sent < count and client.unsent_bytes(sid) == 0:
+                    client.send(sid, message, end=sent == count - 1)
+                    sent += 1
+                client.pump(0.05)
+            with proc.channel() as channel, concurrent.futures.ThreadPoolExecutor(1) as pool:
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+                def serve_others() -> list:
+                    outcomes = []
+                    for _ in range(others):
+                        try:
+                            outcomes.append((stub.ModelInfer(other, timeout=30), None, ""))
+                        except grpc.RpcError as err:
+                            outcomes.append((None, err.code(), err.details() or ""))
+                    return outcomes
+
+                served_others = pool.submit(serve_others)
+                while not served_others.done():  # the stream keeps sending, reading nothing
+                    assert time.monotonic() < give_up, "the other clients were not answered"
+                    if sent < count and client.unsent_bytes(sid) == 0:
+                        client.send(sid, message, end=sent == count - 1)
+                        sent += 1
+                    client.pump(0.05)
+                other_outcomes = served_others.result()
+            held = _budget_metrics(proc)["reserved_bytes"]  # all the stream's: the others are done
+            peak_held = _peak(proc)
+            sent_while_held = sent
+            client.open_window()
+            while sent < count:
+                if client.unsent_bytes(sid) == 0:
+                    client.send(sid, message, end=sent == count - 1)
+                    sent += 1
+                client.pump(0.05)
+            _answers(client, [sid], timeout_s=600)
+            call = client.calls[sid]
+        finally:
+            client.close()
+        assert call.status == 0, (call.status, call.message)
+        outcomes = []
+        for raw in call.messages:
+            answer = pb.ModelStreamInferResponse.FromString(raw)
+            if answer.error_message:
+                code_name, _, details = answer.error_message.partition(": ")
+                outcomes.append((None, grpc.StatusCode[code_name], details))
+            else:
+                outcomes.append((answer.infer_response, None, ""))
+        counts = _count(outcomes, [want] * len(outcomes))
+        other_counts = _count(other_outcomes, [other_want] * others)
+        share = limit // 4
+        peak, after = _after_attack(proc, eager_modules, "memory_stream_fairness", limit, idle, counts,
+                                    peak_while_held=peak_held, sent_while_held=sent_while_held, held_by_stream=held,
+                                    share=share, one_request=first_cost, others=other_counts["served"])
+        assert other_counts["served"] == others, other_counts  # served while the stream held its share
+        assert held <= share + first_cost, (held, share, first_cost)
+        assert len(outcomes) == count and counts["lost"] == 0 and counts["served"] + counts["shed"] == count, counts
+        _assert_bounded(peak, after, idle, limit, SLACK + 2 * 2 * len(message))
+    finally:
+        assert proc.stop() == 0, proc.log()[-3000:]
+
+
+# -- typed contents: refused over --max-typed-bytes -------------------------------------------
+
+# (1, 2800, 32) over 2800 keys: a 63 MB typed answer (attn_probs); (1, 700, 32) over 700 keys:
+# 4.0 MB, within the default --max-typed-bytes (4 MiB).
+OVER_TYPED, AT_TYPED = 2800, 700
 
 
 def _typed_calls(address: str, calls: int) -> list[str]:
-    """In a process of its own (its answers' parsing must not hold this process's GIL): typed
-    cross_attention calls of (1, 2800, 32) over 2800 keys, a 63 MB typed answer each. Returns
-    each call's outcome: "OK" with its answer checked against the raw answer, or the status."""
+    """In a process of its own (its answers' parsing must not hold this process's GIL): per
+    round, one typed cross_attention call whose 63 MB typed answer is over --max-typed-bytes and
+    one whose 4.0 MB answer is within it. Returns each call's outcome: "OK" with its answer
+    checked against the raw answer (asked first), "SERVED" for one over the limit that was
+    answered, or the status and its details."""
     import grpc as grpc_
 
     from attnserve.proto import inference_pb2_grpc as pb_grpc_
 
     rng = np.random.default_rng(6)
-    x = random_inputs(rng, 1, 2800, 2800, 32, 32)
+    over, within = (random_inputs(rng, 1, n, n, 32, 32) for n in (OVER_TYPED, AT_TYPED))
     options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
     outcomes = []
     with grpc_.insecure_channel(address, options=options) as channel:
         stub = pb_grpc_.GRPCInferenceServiceStub(channel)
-        want = outputs_of(stub.ModelInfer(infer_request("cross_attention", **x), timeout=300))
-        typed = infer_request("cross_attention", raw=False, **x)
+        want = outputs_of(stub.ModelInfer(infer_request("cross_attention", **within), timeout=300))
+        typed = [infer_request("cross_attention", raw=False, **x) for x in (over, within)]
         for _ in range(calls):
-            try:
-                response = stub.ModelInfer(typed, timeout=300)
-                # Read at C speed (its packed bytes), so that this process does not take the
-                # two cores from the server being measured.
-                same = all(_packed_floats(t.contents.SerializeToString(), want[t.name].size).tobytes()
-                           == want[t.name].tobytes() for t in response.outputs)
-                outcomes.append("OK" if same else "WRONG")
-            except grpc_.RpcError as err:
-                outcomes.append(f"{err.code().name}: {err.details()}")
+            for request, checked in zip(typed, (False, True)):
+                try:
+                    response = stub.ModelInfer(request, timeout=300)
+                    # Read at C speed (its packed bytes), so that this process does not take the
+                    # two cores from the server being measured.
+                    same = all(_packed_floats(t.contents.SerializeToString(), want[t.name].size).tobytes()
+                               == want[t.name].tobytes() for t in response.outputs)
+                    outcomes.append(("OK" if same else "WRONG") if checked else "SERVED")
+                except grpc_.RpcError as err:
+                    outcomes.append(f"{err.code().name}: {err.details()}")
     return outcomes
 
 
@@ -411,11 +608,15 @@ def _small_latencies(stub, request, count: int) -> list[float]:
     return sorted(times)
 
 
-def test_large_typed_contents_do_not_stall_other_clients(model_repository, eager_modules):
+def test_large_typed_answers_are_refused_pointing_to_raw_contents_and_small_calls_go_on(model_repository,
+                                                                                        eager_modules):
+    """Typed contents are built on the event loop (protobuf and gRPC's serialization: a 63 MB
+    typed answer held it about 190 ms, a small request's p99 went to 1 s): over --max-typed-bytes
+    a call is refused before it is computed, naming the size and raw contents; within it served."""
     import multiprocessing
 
     limit = 1024 * MIB
-    proc, _ = _start(model_repository, limit)
+    proc, _ = _start(model_repository, limit, *os.environ.get("T_TYPED_ARGS", "").split())
     try:
         idle = _warm(proc, eager_modules)
         rng = np.random.default_rng(8)
@@ -425,8 +626,7 @@ def test_large_typed_contents_do_not_stall_other_clients(model_repository, eager
             _small_latencies(stub, small, 20)  # warm
             alone = _small_latencies(stub, small, 100)
             _reset_peak(proc)
-            # Three clients of large typed calls (the issue: a tiny request's p50 went from 1.3
-            # to 643 ms, p99 1.3 s), while this one measures its small requests.
+            # Three clients of large typed calls, while this one measures its small requests.
             with concurrent.futures.ProcessPoolExecutor(3, mp_context=multiprocessing.get_context("spawn")) as pool:
                 heavy = [pool.submit(_typed_calls, proc.address, 3) for _ in range(3)]
                 during: list[float] = []
@@ -436,16 +636,19 @@ def test_large_typed_contents_do_not_stall_other_clients(model_repository, eager
             during.sort()
         p = lambda xs, q: xs[min(int(q * len(xs)), len(xs) - 1)] * 1000  # noqa: E731
         peak, after = _after_attack(
-            proc, eager_modules, "memory_typed", limit, idle, outcomes=outcomes, small_requests=len(during),
+            proc, eager_modules, "memory_typed", limit, idle, outcomes=sorted(set(o[:120] for o in outcomes)),
+            small_requests=len(during), load=os.getloadavg()[0],
             alone_p50_ms=p(alone, 0.5), alone_p99_ms=p(alone, 0.99), during_p50_ms=p(during, 0.5),
             during_p99_ms=p(during, 0.99), during_p999_ms=p(during, 0.999), during_max_ms=during[-1] * 1000)
-        assert outcomes == ["OK"] * 9, outcomes
-        assert len(during) >= 100
-        # Generous (before: p50 643 ms). The tail is printed, not asserted: on two shared cores the
-        # heavy clients' and the runs' CPU, not only the event loop, decides it (measured p99
-        # 0.05-1.0 s, both with and without typed answers built from Python floats; those fail
-        # the RSS bound below instead: 1.45 GB above idle).
-        assert p(during, 0.5) <= max(10 * p(alone, 0.5), 50.0), (p(alone, 0.5), p(during, 0.5))
+        over, within = outcomes[0::2], outcomes[1::2]
+        assert within == ["OK"] * 9, within
+        for outcome in over:
+            assert outcome.startswith("INVALID_ARGUMENT: ") and "--max-typed-bytes" in outcome, outcome
+            assert f"{1 * 2 * OVER_TYPED * OVER_TYPED * 4 + OVER_TYPED * 32 * 4:,} bytes" in outcome, outcome
+            assert "raw_input_contents" in outcome and "raw_output_contents" in outcome, outcome
+        assert len(during) >= 10
+        # The small requests' latency is printed, not asserted (CPU contention on two shared cores
+        # sets the tail as much as the event loop does): the refusal above is the protection.
         _assert_bounded(peak, after, idle, limit, SLACK + 3 * 2 * 2 * MIB)
     finally:
         assert proc.stop() == 0, proc.log()[-3000:]

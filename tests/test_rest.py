@@ -102,15 +102,51 @@ def test_tritonclient_http_gets_eager_numbers_and_the_grpc_paths(rest, server, e
             np.testing.assert_array_equal(got[name], via_grpc[name], err_msg=f"{case} {name}: REST != gRPC")
 
 
+@pytest.fixture(scope="module")
+def wide_json(model_repository):
+    """A REST client of a server whose JSON limit is raised (--max-json-bytes 64 MiB)."""
+    proc = ServerProcess(model_repository, "--max-json-bytes", str(64 << 20))
+    client = httpclient.InferenceServerClient(url=proc.http_address)
+    yield client
+    client.close()
+    proc.stop()
+
+
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
-def test_a_large_answer_has_the_eager_numbers(rest, eager_modules, binary):
+def test_a_large_answer_has_the_eager_numbers(request, eager_modules, binary):
     """An answer of 1 MiB or more: server.codec.encode leaves its raw outputs out of the message
-    (the gRPC wire path writes them itself); the REST answer is built from those arrays."""
+    (the gRPC wire path writes them itself); the REST answer is built from those arrays. (As
+    JSON it is over the default --max-json-bytes: a server that allows it.)"""
+    client = request.getfixturevalue("rest" if binary else "wide_json")
     x = random_inputs(np.random.default_rng(11), 2, 300, 40, 512, 512, masked=True)  # output 1.2 MB
-    got = _rest_infer(rest, "self_attention", x, binary=binary)
+    got = _rest_infer(client, "self_attention", x, binary=binary)
     want = eager(eager_modules["self_attention"], **x)
     for name in OUTPUT_NAMES:
         assert float(np.max(np.abs(got[name] - want[name]))) <= TOLERANCE, name
+
+
+def test_json_over_the_limit_is_refused_pointing_to_binary_data(rest, server, eager_modules):
+    """JSON is parsed and written on the event loop (json holds it about 12 ms per MiB read, 28
+    written, every other call waits): a request with more than --max-json-bytes (8 MiB) of JSON
+    is 400 before it is parsed; one whose answer's JSON data could be over it is 400 before it
+    is computed; both name the limit and binary data. The same answer as binary is served."""
+    x = random_inputs(np.random.default_rng(12), 4, 300, 40, 512, 512)
+    body = json.dumps({"inputs": [{"name": n, "shape": list(x[n].shape), "datatype": "FP32", "data": x[n].ravel().tolist()}
+                                  for n in ("query", "key", "value")]}).encode()
+    assert len(body) > 8 << 20
+    status, _, answer = _post(server.http_address, "/v2/models/self_attention/infer", body)
+    error = json.loads(answer)["error"]
+    assert status == 400 and f"{len(body):,} bytes of JSON" in error and "--max-json-bytes" in error, error
+    assert "binary_data_size" in error, error
+
+    json_output = [httpclient.InferRequestedOutput("output", binary_data=False)]
+    with pytest.raises(InferenceServerException) as exc:
+        rest.infer("self_attention", _inputs(httpclient, x, True), outputs=json_output)
+    assert exc.value.status() == "400" and "--max-json-bytes" in exc.value.message(), exc.value.message()
+    assert f"{4 * 300 * 512:,} values (output)" in exc.value.message(), exc.value.message()
+    assert "binary_data" in exc.value.message(), exc.value.message()
+    got = _rest_infer(rest, "self_attention", x, binary=True, outputs=("output",))
+    assert float(np.max(np.abs(got["output"] - eager(eager_modules["self_attention"], **x)["output"]))) <= TOLERANCE
 
 
 def test_binary_inputs_with_json_outputs_and_one_output(rest, eager_modules):

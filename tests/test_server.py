@@ -238,6 +238,11 @@ def _bad_requests():
     mixed.inputs[0].contents.fp32_contents.extend(q.ravel().tolist())
     huge = infer_request("self_attention", query=q, key=k, value=v)
     huge.inputs[0].shape[:] = [2, 1 << 20, 512]
+    # Typed contents over --max-typed-bytes (4 MiB): a 4.5 MB typed query; a 5.1 MB typed answer.
+    wide = np.zeros((2, 1100, 512), np.float32)
+    typed_inputs = infer_request("self_attention", raw=False, query=wide, key=wide[:, :1], value=wide[:, :1])
+    x400 = np.zeros((1, 400, 512), np.float32)
+    typed_answer = infer_request("self_attention", raw=False, outputs=("attn_probs",), query=x400, key=x400, value=x400)
     # The protocol's BOOL is one byte, 0 or 1: 0x02 and 0xFF are not BOOLs (numpy reads both as true).
     bool_bytes = {}
     for byte in (0x02, 0xFF):
@@ -262,6 +267,15 @@ def _bad_requests():
         "raw and typed": (mixed, "use one"),
         "unknown output": (infer_request("self_attention", outputs=("logits",), query=q, key=k, value=v), "'logits'"),
         "over limits": (huge, "max_q_len"),
+        # Refused before protobuf parses it: the message's bytes besides raw_input_contents.
+        "typed inputs over --max-typed-bytes": (
+            typed_inputs, f"typed contents: the request holds {typed_inputs.ByteSize():,} bytes besides "
+                          "raw_input_contents, over the 4,194,304-byte limit for typed contents (--max-typed-bytes); "
+                          "send the inputs as raw_input_contents"),
+        "typed answer over --max-typed-bytes": (
+            typed_answer, f"its answer would hold {8 * 400 * 400 * 4:,} bytes of tensors as typed contents, over the "
+                          "4,194,304-byte limit for typed contents (--max-typed-bytes); send the inputs as "
+                          "raw_input_contents and the answer comes as raw_output_contents"),
     }
 
 
