@@ -1,6 +1,8 @@
 """`python -m bench`: the server under load vs in-process ONNX Runtime, measured in one run.
 
     make bench                                    # both presets, concurrency 1, 8, 32, 64; then the sweep
+    .venv/bin/python -m bench --models self_attention --concurrency 1,32 --seconds 2 --no-streaming --no-http
+                                                  # quick: issue #17's two derived goals alone
     .venv/bin/python -m bench --models self_attention --soak-s 300 -- --batches-in-flight 2
     .venv/bin/python -m bench --sweep [bench.sweep's flags]   # time and memory against sequence length
 
@@ -14,7 +16,12 @@
 3. The floor: `python -m bench.floor`, the same server stack answering without a model (decode,
    batch, zeros for the model's run, encode), driven the same way: what gRPC, Python and
    batching cost per call on this machine.
-4. A table with the ratios the goals are stated in, and JSON + PNG under --output.
+4. A table with the ratios the goals are stated in, and JSON + PNG under --output. Issue #17's
+   goals are derived from the same round's figures: concurrency 32 against
+   1 / (1/floor + 1/in-process b32) (a request costing exactly its transport plus its compute),
+   concurrency 1's p50 against the floor's p50 + the batch-1 call + 0.1 ms. In-process, server
+   and floor alternate, round after round (--rounds, A/B/A/B), so the ratios survive a noisy
+   machine; the table gives each figure's median over the rounds, the CPU model and the load.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -97,6 +105,8 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--models", default="self_attention,cross_attention")
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--seconds", type=float, default=4.0, help="measurement window per level")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of in-process, server and floor, alternating "
+                   "(A/B/A/B); the table gives each figure's median over them")
     p.add_argument("--load-generator", choices=("auto", "perf_analyzer", "python"), default="auto")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="ONNX Runtime's device, in process and in the server (--device is passed on)")
@@ -107,6 +117,50 @@ def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                    "this long, sampling the server's memory")
     p.add_argument("--output", type=Path, default=REPO_ROOT / "bench" / "results")
     return p.parse_args(argv), server_args
+
+
+def machine() -> dict:
+    """What the figures were measured on: ratios differ by machine (the same commit gave 0.25x
+    and 0.19x of in-process batch 32 on two machines), so the CPU model goes with them."""
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"host": platform.node(), "cpu_model": model, "cores": os.cpu_count()}
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def _median_levels(rounds: list[dict]) -> dict:
+    """{key: {field: median over the rounds}} of per-round {key: {field: value}}."""
+    keys = [k for k in rounds[0] if all(k in r for r in rounds)] if rounds else []
+    return {k: {f: _median([r[k][f] for r in rounds]) for f in rounds[0][k]
+                if isinstance(rounds[0][k][f], (int, float))} for k in keys}
+
+
+def derived(in_process: dict, server: dict, floor: dict) -> dict:
+    """Issue #17's two goals, from one round's measurements (in-process, server and floor of
+    the same round, so that they saw the same load):
+
+    - throughput at concurrency 32 >= 0.9 x 1 / (1/floor + 1/in-process b32): what the server
+      would reach if a request cost exactly its transport (the floor) plus its compute;
+    - p50 at concurrency 1 <= floor p50 + the in-process batch-1 call + 0.1 ms.
+    Either is left out when its levels were not run."""
+    got = {}
+    if 32 in server and 32 in floor and 32 in in_process:
+        ideal = 1.0 / (1.0 / floor[32]["requests_per_s"] + 1.0 / in_process[32]["requests_per_s"])
+        got["c32"] = {"ideal_requests_per_s": ideal, "goal_requests_per_s": 0.9 * ideal,
+                      "requests_per_s": server[32]["requests_per_s"],
+                      "of_ideal": server[32]["requests_per_s"] / ideal}
+    if 1 in server and 1 in floor and 1 in in_process:
+        budget = floor[1]["p50_ms"] + in_process[1]["ms_per_call"] + 0.1
+        got["c1"] = {"goal_p50_ms": budget, "p50_ms": server[1]["p50_ms"],
+                     "added_ms": server[1]["p50_ms"] - floor[1]["p50_ms"] - in_process[1]["ms_per_call"]}
+    return got
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,16 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench: perf_analyzer is not installed or cannot run here: `make bench-tools`")
     generator = "perf_analyzer" if found else "python (multi-process grpc.aio)"
     load_before = os.getloadavg()
-    print(f"bench: {platform.node()}, {os.cpu_count()} cores, load {load_before[0]:.2f}; generator: {generator}; "
-          f"server flags: {' '.join(server_args) or '(defaults)'}", flush=True)
+    host = machine()
+    print(f"bench: {host['host']}, {host['cpu_model']}, {host['cores']} cores, load {load_before[0]:.2f}; "
+          f"generator: {generator}; {args.rounds} rounds; server flags: {' '.join(server_args) or '(defaults)'}",
+          flush=True)
 
     results: dict = {"generator": generator, "server_args": server_args, "cores": os.cpu_count(),
-                     "providers": list(providers),
-                     "load_before": load_before, "models": {}}
-    for model in models:
-        print(f"in-process ONNX Runtime, {model} ...", flush=True)
-        results["models"][model] = {"shape": vars(SHAPES[model]), "in_process": inprocess.measure(
-            specs[model], SHAPES[model], IN_PROCESS_BATCHES, seconds=min(args.seconds, 3.0), providers=providers)}
+                     "machine": host, "providers": list(providers), "rounds": args.rounds,
+                     "load_before": load_before, "models": {m: {"shape": vars(SHAPES[m]), "rounds": []} for m in models}}
 
     def drive(server: _Server, model: str, c: int, workdir: Path, streaming: bool = False, http: bool = False) -> dict:
         spec, shape = specs[model], SHAPES[model]
@@ -154,19 +206,49 @@ def main(argv: list[str] | None = None) -> int:
         # warm-up too): the cost of a transport, whatever the load generator beside it takes.
         requests = (_rows(server, model) - rows) / shape.batch
         got["server_cpu_ms_per_request"] = (_cpu_s(server.proc.pid) - cpu_s) * 1000 / requests if requests else float("nan")
+        got["load"] = os.getloadavg()[0]
         return got
 
     streaming = bool(found) and not args.no_streaming
     http = bool(found) and not args.no_http  # the python load generator speaks gRPC only
     with tempfile.TemporaryDirectory(prefix="attnserve-bench-") as tmp:
-        server = _Server(args.repository, server_args, Path(tmp))
+        # Both processes stay up for the whole run (the one not measured is idle), so that the
+        # rounds can alternate between them: A/B/A/B, each side seeing the machine's load.
+        (Path(tmp) / "server").mkdir()
+        server = _Server(args.repository, server_args, Path(tmp) / "server")
+        floor = None
         try:
-            for model in models:
+            if not args.no_floor:
+                (Path(tmp) / "floor").mkdir()
+                floor = _Server(args.repository, server_args, Path(tmp) / "floor", module="bench.floor")
+            for r in range(args.rounds):
+                for model in models:
+                    got: dict = {"server": {}, "floor": {}}
+
+                    def in_process() -> None:
+                        print(f"round {r + 1}: in-process ONNX Runtime, {model} ...", flush=True)
+                        got["in_process"] = inprocess.measure(specs[model], SHAPES[model], IN_PROCESS_BATCHES,
+                                                              seconds=min(args.seconds, 3.0), providers=providers)
+
+                    def served() -> None:
+                        for c in levels:
+                            print(f"round {r + 1}: server, {model}, concurrency {c} ...", flush=True)
+                            got["server"][c] = drive(server, model, c, Path(tmp))
+
+                    def floored() -> None:
+                        for c in levels if floor is not None else ():
+                            print(f"round {r + 1}: floor (no model), {model}, concurrency {c} ...", flush=True)
+                            got["floor"][c] = drive(floor, model, c, Path(tmp))
+
+                    # A/B/A/B: the order turns round each round.
+                    for step in (in_process, served, floored) if r % 2 == 0 else (floored, served, in_process):
+                        step()
+                    got["derived"] = derived(got["in_process"], got["server"], got["floor"])
+                    results["models"][model]["rounds"].append(got)
+            for model in models:  # the extra transports, once each
                 data = results["models"][model]
-                data["server"], data["server_streaming"], data["server_http"] = {}, {}, {}
+                data["server_streaming"], data["server_http"] = {}, {}
                 for c in levels:
-                    print(f"server, {model}, concurrency {c} ...", flush=True)
-                    data["server"][c] = drive(server, model, c, Path(tmp))
                     if streaming:
                         print(f"server, {model}, concurrency {c}, ModelStreamInfer ...", flush=True)
                         data["server_streaming"][c] = drive(server, model, c, Path(tmp), streaming=True)
@@ -177,16 +259,14 @@ def main(argv: list[str] | None = None) -> int:
                 results["soak"] = _soak(server, specs[models[0]], models[0], found, args.soak_s, Path(tmp))
         finally:
             server.stop()
-        if not args.no_floor:
-            floor = _Server(args.repository, server_args, Path(tmp), module="bench.floor")
-            try:
-                for model in models:
-                    results["models"][model]["floor"] = {}
-                    for c in levels:
-                        print(f"floor (no model), {model}, concurrency {c} ...", flush=True)
-                        results["models"][model]["floor"][c] = drive(floor, model, c, Path(tmp))
-            finally:
+            if floor is not None:
                 floor.stop()
+    for model in models:
+        data = results["models"][model]
+        rounds = data["rounds"]
+        for side in ("in_process", "server", "floor"):
+            data[side] = _median_levels([got[side] for got in rounds])
+        data["derived"] = _derived_summary([got["derived"] for got in rounds])
     results["load_after"] = os.getloadavg()
 
     _print_table(results)
@@ -195,6 +275,27 @@ def main(argv: list[str] | None = None) -> int:
     _plot(results, args.output / "bench.png")
     print(f"wrote {args.output / 'bench.json'} and {args.output / 'bench.png'}")
     return 0
+
+
+def _derived_summary(rounds: list[dict]) -> dict:
+    """The derived goals over the rounds: the median of each round's own ratio (each against
+    its own round's floor and in-process figures), and the verdict on it."""
+    summary = {}
+    c32 = [d["c32"] for d in rounds if "c32" in d]
+    if c32:
+        of_ideal = _median([d["of_ideal"] for d in c32])
+        summary["c32"] = {"of_ideal_per_round": [d["of_ideal"] for d in c32], "of_ideal": of_ideal,
+                          "goal_of_ideal": 0.9, "met": of_ideal >= 0.9,
+                          "goal_requests_per_s": _median([d["goal_requests_per_s"] for d in c32]),
+                          "requests_per_s": _median([d["requests_per_s"] for d in c32])}
+    c1 = [d["c1"] for d in rounds if "c1" in d]
+    if c1:
+        added = _median([d["added_ms"] for d in c1])
+        summary["c1"] = {"added_ms_per_round": [d["added_ms"] for d in c1], "added_ms": added,
+                         "goal_added_ms": 0.1, "met": added <= 0.1,
+                         "goal_p50_ms": _median([d["goal_p50_ms"] for d in c1]),
+                         "p50_ms": _median([d["p50_ms"] for d in c1])}
+    return summary
 
 
 def _soak(server: _Server, spec, model: str, found, seconds: float, workdir: Path) -> dict:
@@ -256,6 +357,7 @@ def _print_table(results: dict) -> None:
                   f"{servers[c]['requests_per_s']:,.0f} requests/s ({rest[c]['requests_per_s'] / servers[c]['requests_per_s']:.2f} x), "
                   f"p50 {rest[c]['p50_ms']:.2f} vs {servers[c]['p50_ms']:.2f} ms, server CPU "
                   f"{rest[c]['server_cpu_ms_per_request']:.2f} vs {servers[c]['server_cpu_ms_per_request']:.2f} ms/request")
+        _print_derived(data)
         if 1 in servers:
             ratio = servers[1]["p50_ms"] / b1_ms
             print(f"  goal c1 p50 <= 3 x in-process b1 call: {ratio:.2f} {'met' if ratio <= 3 else 'NOT met'}")
@@ -266,7 +368,24 @@ def _print_table(results: dict) -> None:
         soak = results["soak"]
         print(f"\nsoak {soak['seconds']:.0f}s at concurrency 32: RSS first {soak['rss_first_mb']:.1f} MB, "
               f"last {soak['rss_last_mb']:.1f} MB, max {soak['rss_max_mb']:.1f} MB")
-    print(f"\nload average before {results['load_before'][0]:.2f}, after {results['load_after'][0]:.2f}")
+    host = results["machine"]
+    print(f"\n{host['cpu_model']}, {host['cores']} cores; load average before {results['load_before'][0]:.2f}, "
+          f"after {results['load_after'][0]:.2f}; medians of {results['rounds']} alternating rounds")
+
+
+def _print_derived(data: dict) -> None:
+    """Issue #17's goals: the server against its transport (the floor) plus its compute."""
+    got = data.get("derived", {})
+    if "c32" in got:
+        d = got["c32"]
+        print(f"  goal c32 >= 0.9 x 1/(1/floor + 1/in-process b32): {d['requests_per_s']:,.0f} vs goal "
+              f"{d['goal_requests_per_s']:,.0f} req/s; {d['of_ideal']:.2f} x the ideal "
+              f"(rounds: {', '.join(f'{x:.2f}' for x in d['of_ideal_per_round'])}) {'met' if d['met'] else 'NOT met'}")
+    if "c1" in got:
+        d = got["c1"]
+        print(f"  goal c1 p50 <= floor p50 + b1 call + 0.1 ms: {d['p50_ms']:.2f} vs goal {d['goal_p50_ms']:.2f} ms; "
+              f"adds {d['added_ms']:+.2f} ms to floor + b1 call (rounds: "
+              f"{', '.join(f'{x:+.2f}' for x in d['added_ms_per_round'])}) {'met' if d['met'] else 'NOT met'}")
 
 
 def _plot(results: dict, path: Path) -> None:

@@ -169,9 +169,16 @@ def _check_attention_bytes(work: Work, spec: ModelSpec, limits: Limits) -> None:
                          f"{limits.max_attention_bytes:,} bytes{hint}")
 
 
+_BOOL_TRANSLATE_MAX_BYTES = 4096  # where bytes.translate and numpy's max cost the same
+
+
 def _check_bool_bytes(name: str, data: bytes) -> None:
     """The protocol's BOOL is one byte, 1 = true, 0 = false: any other byte is not a BOOL (and
-    numpy would read it as some truth value of its own, silently)."""
+    numpy would read it as some truth value of its own, silently). A small mask is checked by
+    bytes.translate (0.1 us for a (1, 10, 10) mask, numpy's max 2.5 us: a reduction's fixed cost,
+    on the event loop for every request); a large one by numpy (its max is the faster there)."""
+    if len(data) < _BOOL_TRANSLATE_MAX_BYTES and not data.translate(None, b"\x00\x01"):
+        return
     octets = np.frombuffer(data, dtype=np.uint8)
     if octets.size and octets.max() > 1:
         first = int(np.argmax(octets > 1))

@@ -14,8 +14,9 @@ from tests.server_process import REPO_ROOT
 def test_bench_runs_and_writes_its_report(model_repository, tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "bench", "--repository", str(model_repository), "--models", "cross_attention",
-         "--concurrency", "1,2", "--seconds", "0.5", "--load-generator", "python", "--output", str(tmp_path)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+         "--concurrency", "1,2", "--seconds", "0.5", "--load-generator", "python", "--rounds", "2",
+         "--output", str(tmp_path)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "bench.json").read_text())
     data = report["models"]["cross_attention"]
@@ -29,6 +30,16 @@ def test_bench_runs_and_writes_its_report(model_repository, tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "goal c32 throughput" not in done.stdout  # no level 32 was run: no verdict printed for it
     assert "÷ in-proc b32" in done.stdout and "floor: same stack, no model" in done.stdout
+    # Two alternating rounds, each with its own in-process, server and floor figures; the table
+    # is their medians. Issue #17's c1 goal is derived (level 1 ran), its c32 goal is not.
+    assert report["rounds"] == 2 and len(data["rounds"]) == 2
+    assert report["machine"]["cpu_model"] and report["machine"]["cores"] >= 1
+    for got in data["rounds"]:
+        assert set(got["in_process"]) == {"1", "8", "32", "64"} and set(got["server"]) == set(got["floor"]) == {"1", "2"}
+        assert set(got["derived"]) == {"c1"}
+    assert data["derived"]["c1"]["goal_added_ms"] == 0.1 and len(data["derived"]["c1"]["added_ms_per_round"]) == 2
+    assert "goal c1 p50 <= floor p50 + b1 call + 0.1 ms" in done.stdout
+    assert report["machine"]["cpu_model"] in done.stdout
 
 
 def test_the_floor_computes_zeros_of_the_graphs_shapes(model_repository):
