@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,25 +84,6 @@ def session_options(intra_op_threads: int) -> ort.SessionOptions:
     return options
 
 
-# A run of at most this many multiply-adds (server.engine.run_macs: the projections and the
-# attention matrix) takes a twin session with one intra-op thread. Spinning is off (above), so
-# each operator ONNX Runtime splits across its pool wakes a sleeping thread and waits for it:
-# for a batch-1 (1, 10, 512) self-attention run (10.5 M) that costs more CPU than the split
-# saves (measured, server CPU per request at concurrency 1: 1.15-1.22 ms with one thread,
-# 1.44-1.58 ms with two), and the second core is the event loop's. Larger runs keep the pool.
-SMALL_RUN_MACS = 16_000_000
-# The graphs that get a one-thread twin: the unfused ones, which runs below the crossover take.
-_TWINNED = (ALL_OUTPUTS, OUTPUT_ONLY)
-
-
-def run_macs(spec: ModelSpec, rows: int, q_len: int, k_len: int) -> int:
-    """Multiply-adds of one run: query, key, value and output projections, scores and their
-    weighted sum (the work ONNX Runtime may split across its threads)."""
-    d_model = spec.d_model or max(spec.query_dim, spec.kv_dim, spec.out_dim)
-    projections = q_len * spec.query_dim * d_model + 2 * k_len * spec.kv_dim * d_model + q_len * d_model * spec.out_dim
-    return rows * (projections + 2 * q_len * k_len * d_model)
-
-
 class Engine:
     """Every graph of one model version, on the chosen device.
 
@@ -115,9 +95,7 @@ class Engine:
     rule on CUDA as on CPU (server.graphs), with the crossover measured on CPU at export."""
 
     def __init__(self, spec: ModelSpec, device: DeviceChoice, intra_op_threads: int = 0,
-                 io_binding: bool | None = None, small_run_macs: int = SMALL_RUN_MACS) -> None:
-        """small_run_macs: runs up to this size take a one-thread twin of their (unfused)
-        graph (SMALL_RUN_MACS); 0, one intra-op thread already, or CUDA: no twins."""
+                 io_binding: bool | None = None) -> None:
         self.spec = spec
         options = session_options(intra_op_threads)
         self._sessions = {ALL_OUTPUTS: self._open(str(spec.graph_all_outputs), options, device)}
@@ -164,14 +142,6 @@ class Engine:
         self.runs: collections.Counter[str] = collections.Counter()  # graph kind -> runs
         self.providers = tuple(self._sessions[ALL_OUTPUTS].get_providers())
         on_cuda = self.providers[0] == CUDA
-        self._small_run_macs = small_run_macs
-        self._small: dict[str, ort.InferenceSession] = {}  # graph kind -> its one-thread twin
-        if small_run_macs > 0 and intra_op_threads != 1 and not on_cuda and (os.cpu_count() or 1) > 1:
-            single = session_options(1)
-            for kind in _TWINNED:
-                if kind in self._sessions:
-                    self._small[kind] = self._open(str(spec.graph_path(kind)), single, device)
-        self.small_runs = 0  # runs that took a twin
         self._io_binding = on_cuda if io_binding is None else io_binding
         self._output_device = "cuda" if on_cuda else "cpu"
 
@@ -193,17 +163,12 @@ class Engine:
         (server.batcher.merge).
         Returns output (B, Lq, out_dim) and attn_probs (B, H, Lq, Lk) or None."""
         kind = self.graph_for(feeds, want_probs)
-        b, lq, _ = feeds["query"].shape
-        session = self._small.get(kind)
-        if session is None or run_macs(self.spec, b, lq, feeds["key"].shape[1]) > self._small_run_macs:
-            session = self._sessions[kind]
-        else:
-            self.small_runs += 1
         try:
-            outputs = self._run(session, _graph_feeds(kind, feeds))
+            outputs = self._run(self._sessions[kind], _graph_feeds(kind, feeds))
         finally:
             # A large run's freed buffers go back to the system now (server.heap): sized by the
             # batch's (B, H, Lq, Lk) matrix whichever graph ran, the run's scale.
+            b, lq, _ = feeds["query"].shape
             heap.release_after(b * self.spec.num_heads * lq * feeds["key"].shape[1] * BYTES_PER_SCORE)
         self.runs[kind] += 1
         if len(outputs) == 2:  # all_outputs, head_mask_all_outputs

@@ -9,10 +9,13 @@ attnserve_memory_waiting_bytes, attnserve_memory_waiters, and the counters
 attnserve_memory_waits_total, attnserve_memory_shed_total, attnserve_memory_wait_timeouts_total,
 attnserve_memory_too_large_total. The gRPC messages being received (watch_receiving; server.gate):
 attnserve_receive_slots, attnserve_receiving_messages, attnserve_receive_deferred_total.
+With several workers these last two groups are each worker's own, copied into its multiprocess
+files once a second (_Mirror) and summed by the supervisor's /metrics.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +106,7 @@ class Metrics:
         # `statistics` is written and read on the event loop thread only (batcher callbacks,
         # the servicer): no lock on the request path.
         self._shared_dir = shared_dir
+        self._mirror: _Mirror | None = None
         self.shared: StatisticsFile | None = None
         if shared_dir is not None:
             import os
@@ -122,12 +126,20 @@ class Metrics:
     def watch_budget(self, budget: MemoryBudget) -> None:
         """Expose the memory budget (read when /metrics is scraped, on the metrics port's thread:
         plain integer reads)."""
-        self.registry.register(_BudgetCollector(budget))
+        self._watch(_BudgetCollector(budget))
 
     def watch_receiving(self, receive) -> None:
         """Expose server.gate.ReceiveSlots: its slots, the messages being received, the calls
         whose reading waited for a slot."""
-        self.registry.register(_ReceiveCollector(receive))
+        self._watch(_ReceiveCollector(receive))
+
+    def _watch(self, collector) -> None:
+        if self._shared_dir is None:
+            self.registry.register(collector)
+            return
+        if self._mirror is None:
+            self._mirror = _Mirror(self.registry)
+        self._mirror.add(collector)
 
     def observer(self, model: str) -> "ModelObserver":
         self.statistics.setdefault(model, ModelStatistics())
@@ -225,3 +237,56 @@ class _ReceiveCollector:
                                 value=len(r._taken))
         yield CounterMetricFamily("attnserve_receive_deferred", "ModelInfer calls whose message waited for a "
                                   "receive slot before it was read.", value=r.deferred)
+
+
+class _Mirror:
+    """With several workers the supervisor serves /metrics from the workers' multiprocess files,
+    which a collector's figures read at scrape time never reach: this copies them into Gauges
+    (summed over the live workers: the whole server's limit, reservations, slots) and Counters,
+    every PERIOD_S, on a daemon thread (plain integer reads, as a scrape does)."""
+
+    PERIOD_S = 1.0
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+        self._copies: list[tuple[object, dict[str, Gauge | Counter]]] = []  # collector, family name -> copy
+        self._counted: dict[str, float] = {}  # counter family -> value copied so far
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # add (the event loop, at start) and the thread's sync
+
+    def add(self, collector) -> None:
+        with self._lock:
+            self._add(collector)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="metrics-mirror", daemon=True)
+            self._thread.start()
+
+    def _add(self, collector) -> None:
+        copies: dict[str, Gauge | Counter] = {}
+        for family in collector.collect():
+            if family.type == "counter":
+                copies[family.name] = Counter(family.name, family.documentation, registry=self._registry)
+            else:
+                copies[family.name] = Gauge(family.name, family.documentation, registry=self._registry,
+                                            multiprocess_mode="livesum")
+        self._copies.append((collector, copies))
+        self._sync()
+
+    def _sync(self) -> None:
+        for collector, copies in self._copies:
+            for family in collector.collect():
+                value = family.samples[0].value
+                copy = copies[family.name]
+                if isinstance(copy, Counter):
+                    delta = value - self._counted.get(family.name, 0.0)
+                    if delta > 0:
+                        copy.inc(delta)
+                        self._counted[family.name] = value
+                else:
+                    copy.set(value)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.PERIOD_S)
+            with self._lock:
+                self._sync()

@@ -202,7 +202,27 @@ def test_model_statistics_and_metrics_are_the_whole_servers(model_repository):
         text = _metrics(proc)
         assert f'attnserve_requests_total{{code="OK",model="self_attention"}} {float(calls)}' in text
         assert "attnserve_worker_restarts_total 0.0" in text
+        # The memory budget's figures are each worker's, copied into the shared files once a
+        # second: the whole server's limit, and nothing reserved once every call is answered.
+        limit = _metric(text, "attnserve_memory_limit_bytes")
+        assert limit > 0 and _metric(text, "attnserve_receive_slots") >= 2
+        assert _metric(text, "attnserve_memory_waits_total") == 0
+        _wait_until(lambda: _metric(_metrics(proc), "attnserve_memory_reserved_bytes") == 0)
         held.close()
+
+
+def _metric(text: str, name: str) -> float:
+    (value,) = [float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0] == name]
+    return value
+
+
+def _wait_until(condition, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
 
 
 def _serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
