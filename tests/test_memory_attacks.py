@@ -403,6 +403,32 @@ def _code(value: int) -> tuple:
     return next(c.value for c in grpc.StatusCode if c.value[0] == value)
 
 
+def _read_stream_to_its_end(client, sid: int, message: bytes, sent: int, count: int):
+    """Open the stream's window, send the rest of its `count` messages and read every answer."""
+    client.open_window()
+    while sent < count:
+        if client.unsent_bytes(sid) == 0:
+            client.send(sid, message, end=sent == count - 1)
+            sent += 1
+        client.pump(0.05)
+    _answers(client, [sid], timeout_s=600)
+    return client.calls[sid]
+
+
+def _stream_outcomes(call) -> list:
+    """A finished ModelStreamInfer call's answers as (response, None, "") or (None, code, details)."""
+    assert call.status == 0, (call.status, call.message)
+    outcomes = []
+    for raw in call.messages:
+        answer = pb.ModelStreamInferResponse.FromString(raw)
+        if answer.error_message:
+            code_name, _, details = answer.error_message.partition(": ")
+            outcomes.append((None, grpc.StatusCode[code_name], details))
+        else:
+            outcomes.append((answer.infer_response, None, ""))
+    return outcomes
+
+
 def test_a_stream_that_stops_reading_holds_no_more_than_its_share(model_repository, eager_modules):
     limit = 512 * MIB
     proc, _ = _start(model_repository, limit, "--max-batch-size", "32")
@@ -437,25 +463,10 @@ def test_a_stream_that_stops_reading_holds_no_more_than_its_share(model_reposito
                     break
             peak_held = _peak(proc)
             sent_while_held = sent
-            client.open_window()
-            while sent < count:
-                if client.unsent_bytes(sid) == 0:
-                    client.send(sid, message, end=sent == count - 1)
-                    sent += 1
-                client.pump(0.05)
-            _answers(client, [sid], timeout_s=600)
-            call = client.calls[sid]
+            call = _read_stream_to_its_end(client, sid, message, sent, count)
         finally:
             client.close()
-        assert call.status == 0, (call.status, call.message)
-        outcomes = []
-        for raw in call.messages:
-            answer = pb.ModelStreamInferResponse.FromString(raw)
-            if answer.error_message:
-                code_name, _, details = answer.error_message.partition(": ")
-                outcomes.append((None, grpc.StatusCode[code_name], details))
-            else:
-                outcomes.append((answer.infer_response, None, ""))
+        outcomes = _stream_outcomes(call)
         counts = _count(outcomes, [want] * len(outcomes))
         margin = SLACK + 2 * len(message)
         peak, after = _after_attack(proc, eager_modules, "memory_unread_stream", limit, idle, counts,
@@ -522,25 +533,10 @@ def test_a_stream_that_stops_reading_leaves_the_rest_of_the_budget_to_other_clie
             held = _budget_metrics(proc)["reserved_bytes"]  # all the stream's: the others are done
             peak_held = _peak(proc)
             sent_while_held = sent
-            client.open_window()
-            while sent < count:
-                if client.unsent_bytes(sid) == 0:
-                    client.send(sid, message, end=sent == count - 1)
-                    sent += 1
-                client.pump(0.05)
-            _answers(client, [sid], timeout_s=600)
-            call = client.calls[sid]
+            call = _read_stream_to_its_end(client, sid, message, sent, count)
         finally:
             client.close()
-        assert call.status == 0, (call.status, call.message)
-        outcomes = []
-        for raw in call.messages:
-            answer = pb.ModelStreamInferResponse.FromString(raw)
-            if answer.error_message:
-                code_name, _, details = answer.error_message.partition(": ")
-                outcomes.append((None, grpc.StatusCode[code_name], details))
-            else:
-                outcomes.append((answer.infer_response, None, ""))
+        outcomes = _stream_outcomes(call)
         counts = _count(outcomes, [want] * len(outcomes))
         other_counts = _count(other_outcomes, [other_want] * others)
         share = limit // 4
@@ -616,7 +612,7 @@ def test_large_typed_answers_are_refused_pointing_to_raw_contents_and_small_call
     import multiprocessing
 
     limit = 1024 * MIB
-    proc, _ = _start(model_repository, limit, *os.environ.get("T_TYPED_ARGS", "").split())
+    proc, _ = _start(model_repository, limit)
     try:
         idle = _warm(proc, eager_modules)
         rng = np.random.default_rng(8)
