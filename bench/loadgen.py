@@ -60,23 +60,30 @@ def _worker(address: str, model: str, dims: tuple[int, int], shape: Shape, in_fl
     queue.put(asyncio.run(main()))
 
 
+def fan_out(target, args: list[tuple], seconds: float) -> tuple[list[float], int]:
+    """Run target(*a, queue) in one spawned process per a in args; each puts (latencies, errors)
+    on the queue. Returns every latency and the errors summed."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*a, queue)) for a in args]
+    for p in procs:
+        p.start()
+    latencies: list[float] = []
+    errors = 0
+    for _ in procs:
+        got, failed = queue.get(timeout=seconds + 120)
+        latencies += got
+        errors += failed
+    for p in procs:
+        p.join()
+    return latencies, errors
+
+
 def run(address: str, model: str, dims: tuple[int, int], shape: Shape, concurrency: int,
         seconds: float) -> dict[str, float]:
     processes = max(1, min(concurrency, 4))
     share = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    workers = [ctx.Process(target=_worker, args=(address, model, dims, shape, n, seconds, queue)) for n in share]
-    for w in workers:
-        w.start()
-    latencies: list[float] = []
-    errors = 0
-    for _ in workers:
-        got, failed = queue.get(timeout=seconds + 120)
-        latencies += got
-        errors += failed
-    for w in workers:
-        w.join()
+    latencies, errors = fan_out(_worker, [(address, model, dims, shape, n, seconds) for n in share], seconds)
     ms = np.array(latencies) * 1000
     return {
         "requests_per_s": len(latencies) / seconds,

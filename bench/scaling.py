@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import loadgen
 from bench.inprocess import SHAPES, Shape
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -84,21 +85,9 @@ def drive(address: str, model: str, dims: tuple[int, int], shape: Shape, concurr
     """Requests/s, p50 and the generator's CPU seconds, `concurrency` calls over `connections`."""
     processes = min(LOADGEN_PROCESSES, connections)
     split = lambda total, i: total // processes + (i < total % processes)  # noqa: E731
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    procs = [ctx.Process(target=_load, args=(address, model, dims, shape, split(concurrency, i),
-                                             split(connections, i), seconds, queue)) for i in range(processes)]
-    for p in procs:
-        p.start()
-    latencies: list[float] = []
-    errors = 0
-    for _ in procs:
-        got, failed = queue.get(timeout=seconds + 120)
-        latencies += got
-        errors += failed
-    for p in procs:
-        p.join()
+    latencies, errors = loadgen.fan_out(_load, [(address, model, dims, shape, split(concurrency, i), split(connections, i),
+                                                 seconds) for i in range(processes)], seconds)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {"requests_per_s": len(latencies) / seconds, "p50_ms": float(np.percentile(latencies, 50)) * 1000,
