@@ -152,8 +152,13 @@ class Server:
         loop = asyncio.get_running_loop()
         # Once a large use of the budget is over, what gRPC and numpy freed goes back to the
         # system (off the event loop: malloc_trim walks every heap).
+        pending: list[asyncio.TimerHandle] = []
+
         def reclaim_soon() -> None:
-            loop.call_later(_TRIM_DELAY_S, lambda: loop.run_in_executor(None, heap.reclaim))
+            for handle in pending:
+                handle.cancel()
+            pending[:] = [loop.call_later(delay_s, lambda: loop.run_in_executor(None, heap.reclaim))
+                          for delay_s in _TRIM_DELAYS_S]
 
         self.budget = MemoryBudget(limit, on_idle=reclaim_soon)
         self.metrics.watch_budget(self.budget)
@@ -314,8 +319,10 @@ _HANDOVER_PAUSE_S = 0.1  # where channelz cannot tell
 # point (UNAVAILABLE) get this long to leave.
 _RUNNING_MARGIN_S = 10.0
 # After the memory budget empties, the call that released it is still finishing (its request
-# and response objects go when its handler's frames do): trim a moment later.
-_TRIM_DELAY_S = 0.05
+# and response objects go when its handler's frames do): trim a moment later. gRPC's core frees
+# its own buffers of those calls later still (an answer leaves as the client's window allows,
+# a connection's buffers go when it closes): trim again after a second and after a few.
+_TRIM_DELAYS_S = (0.05, 1.0, 5.0)
 
 
 async def _wait_for(event: asyncio.Event, timeout_s: float) -> bool:
