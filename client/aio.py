@@ -34,8 +34,10 @@ class AsyncInferenceClient:
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._retries = 0  # one event loop: no lock needed
+        self._closed = False  # a call close() cancelled is not sent again
 
     async def close(self) -> None:
+        self._closed = True
         await self._channel.close()
 
     async def __aenter__(self) -> "AsyncInferenceClient":
@@ -46,7 +48,7 @@ class AsyncInferenceClient:
 
     @property
     def retry_count(self) -> int:
-        """How many times a call was sent again after UNAVAILABLE, over this client's life."""
+        """How many times a call was sent again (after UNAVAILABLE or CANCELLED), over this client's life."""
         return self._retries
 
     async def _call(self, rpc: Any, request: Any, timeout_s: float | None, *, retry: bool = True) -> Any:
@@ -60,7 +62,8 @@ class AsyncInferenceClient:
                 return await rpc(request, timeout=remaining_or_expired(deadline, budget_s), metadata=self._metadata)
             except grpc.RpcError as err:  # grpc.aio.AioRpcError
                 error = InferenceError.from_rpc_error(err)
-            delay = self.options.retry.delay_before_retry(error, retries_done, deadline - time.monotonic()) if retry else None
+            delay = (self.options.retry.delay_before_retry(error, retries_done, deadline - time.monotonic())
+                     if retry and not self._closed else None)
             if delay is None:
                 raise error
             await asyncio.sleep(delay)

@@ -3,11 +3,12 @@
     with InferenceClient("127.0.0.1:8001,127.0.0.1:8002", timeout_s=10) as client:
         out = client.infer("self_attention", q, k, v, mask=m, outputs=("output", "attn_probs"))
         out["output"]       # (b, lq, out_dim) float32
-        client.retry_count  # UNAVAILABLE answers retried so far
+        client.retry_count  # UNAVAILABLE (or server-CANCELLED) answers retried so far
 
 Every RPC goes through `_call`: it applies the deadline (the client's default or the call's
-`timeout_s`, covering all attempts), the bearer token, the retry policy (UNAVAILABLE only), and
-turns `grpc.RpcError` into `InferenceError(code, details)`. Safe to share between threads.
+`timeout_s`, covering all attempts), the bearer token, the retry policy (UNAVAILABLE, and CANCELLED
+from the server: errors.RETRYABLE_CODES), and turns `grpc.RpcError` into
+`InferenceError(code, details)`. Safe to share between threads.
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ class InferenceClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._lock = threading.Lock()
         self._retries = 0
+        self._closed = False  # a call close() cancelled is not sent again
 
     # -- lifecycle ---------------------------------------------------------
 
     def close(self) -> None:
+        self._closed = True
         self._channel.close()
 
     def __enter__(self) -> "InferenceClient":
@@ -56,7 +59,7 @@ class InferenceClient:
 
     @property
     def retry_count(self) -> int:
-        """How many times a call was sent again after UNAVAILABLE, over this client's life."""
+        """How many times a call was sent again (after UNAVAILABLE or CANCELLED), over this client's life."""
         with self._lock:
             return self._retries
 
@@ -73,7 +76,8 @@ class InferenceClient:
                 return rpc(request, timeout=remaining_or_expired(deadline, budget_s), metadata=self._metadata)
             except grpc.RpcError as err:
                 error = InferenceError.from_rpc_error(err)
-            delay = self.options.retry.delay_before_retry(error, retries_done, deadline - time.monotonic()) if retry else None
+            delay = (self.options.retry.delay_before_retry(error, retries_done, deadline - time.monotonic())
+                     if retry and not self._closed else None)
             if delay is None:
                 raise error
             time.sleep(delay)

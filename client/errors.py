@@ -14,8 +14,13 @@ import grpc
 # UNAVAILABLE is the one status our server returns only before it computed anything (draining,
 # model not ready), and the one gRPC itself returns when no connection could be made. (gRPC also
 # returns it when a connection breaks mid-call; an inference has no side effects, so at worst
-# that request is computed twice.) Every other status is final.
-RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+# that request is computed twice.) CANCELLED from the server is gRPC core's answer to a call that
+# reaches it in the instant its stop begins, before the peer has read the GOAWAY (core cancels
+# every call that arrives after its shutdown began, before any handler sees it; our drain narrows
+# that instant and cannot close it), or to a call still running 10 s after the grace period:
+# computed at most once, and safe to send again. The funnels do not retry a CANCELLED they
+# caused themselves (their channel closed). Every other status is final.
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
 class InferenceError(Exception):
@@ -35,7 +40,8 @@ class InferenceError(Exception):
 
     @property
     def retryable(self) -> bool:
-        """True when the call is known not to have been computed, so sending it again is safe."""
+        """True when sending the call again is safe: it was not computed, or at most once (an inference
+        has no side effects). See RETRYABLE_CODES."""
         return self.code in RETRYABLE_CODES
 
     def __str__(self) -> str:

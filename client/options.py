@@ -41,7 +41,7 @@ _MAX_RECONNECT_BACKOFF_MS = 5000
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Exponential backoff with jitter, used only for retryable statuses (UNAVAILABLE).
+    """Exponential backoff with jitter, used only for retryable statuses (UNAVAILABLE, CANCELLED by the server).
 
     Attempt n (n = 0 for the first retry) waits between half and all of
     `min(max_backoff_s, initial_backoff_s * multiplier**n)`, and never past the call's deadline:

@@ -33,6 +33,7 @@ class ScriptedServicer(pb_grpc.GRPCInferenceServiceServicer):
         """hold: ModelInfer waits for this event (set by the test) before it answers."""
         self.fail_times, self.code, self.hold = fail_times, code, hold
         self.calls = 0
+        self.arrived = threading.Event()  # set once a ModelInfer call has come
         self.metadata: list[dict[str, str]] = []
         self._lock = threading.Lock()
 
@@ -41,7 +42,11 @@ class ScriptedServicer(pb_grpc.GRPCInferenceServiceServicer):
             self.calls += 1
             call = self.calls
             self.metadata.append(dict(context.invocation_metadata()))
+        self.arrived.set()
         if call <= self.fail_times:
+            if self.code == grpc.StatusCode.CANCELLED:
+                context.cancel()  # what gRPC's core does to a call that arrives as its stop begins
+                return pb.ModelInferResponse()
             context.abort(self.code, f"scripted failure {call}")
         if self.hold is not None:
             self.hold.wait(60)
@@ -112,6 +117,44 @@ def test_other_errors_are_not_retried(scripted, code):
             client.infer("m", Q, KV, KV)
         assert client.retry_count == 0
     assert exc.value.code == code and servicer.calls == 1
+
+
+def test_a_call_the_server_cancelled_is_sent_again(scripted):
+    """CANCELLED from the server (gRPC core's answer to a call that arrives as its stop begins)
+    is retried like UNAVAILABLE."""
+    servicer = ScriptedServicer(fail_times=1, code=grpc.StatusCode.CANCELLED)
+    port = scripted(servicer)
+    with InferenceClient(f"127.0.0.1:{port}", retry=FAST_RETRY) as client:
+        np.testing.assert_array_equal(client.infer("m", Q, KV, KV)["output"], Q)
+        assert client.retry_count == 1 and servicer.calls == 2
+
+
+def test_a_call_the_client_cancelled_by_closing_is_not_sent_again(scripted):
+    """close() while a call is in flight cancels it (CANCELLED): that one is raised, not retried."""
+    hold = threading.Event()
+    servicer = ScriptedServicer(hold=hold)
+    port = scripted(servicer)
+    client = InferenceClient(f"127.0.0.1:{port}", retry=FAST_RETRY)
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.infer("m", Q, KV, KV)
+        except BaseException as err:  # noqa: BLE001 - the outcome is what the test checks
+            outcome.append(err)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    try:
+        assert servicer.arrived.wait(30), "the call never reached the server"
+        client.close()
+        caller.join(30)
+        assert not caller.is_alive(), "the cancelled call hangs"
+    finally:
+        hold.set()
+    assert len(outcome) == 1 and isinstance(outcome[0], InferenceError), outcome
+    assert outcome[0].code == grpc.StatusCode.CANCELLED
+    assert client.retry_count == 0 and servicer.calls == 1
 
 
 def test_async_client_retries_the_same_way(scripted):
