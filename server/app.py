@@ -151,14 +151,20 @@ class Server:
         limit = cfg.memory_limit_bytes if cfg.memory_limit_bytes is not None else default_memory_limit(share)
         loop = asyncio.get_running_loop()
         # Once a large use of the budget is over, what gRPC and numpy freed goes back to the
-        # system (off the event loop: malloc_trim walks every heap).
+        # system (off the event loop: malloc_trim walks every heap); later trims only while the
+        # budget stays empty (a new use ends in a new idle, and its own trims).
         pending: list[asyncio.TimerHandle] = []
+
+        def trim_if_idle() -> None:
+            if self.budget is not None and self.budget.reserved_bytes == 0:
+                loop.run_in_executor(None, heap.trim)
 
         def reclaim_soon() -> None:
             for handle in pending:
                 handle.cancel()
-            pending[:] = [loop.call_later(delay_s, lambda: loop.run_in_executor(None, heap.reclaim))
-                          for delay_s in _TRIM_DELAYS_S]
+            first, *later = _TRIM_DELAYS_S
+            pending[:] = [loop.call_later(first, lambda: loop.run_in_executor(None, heap.reclaim)),
+                          *(loop.call_later(delay_s, trim_if_idle) for delay_s in later)]
 
         self.budget = MemoryBudget(limit, on_idle=reclaim_soon)
         self.metrics.watch_budget(self.budget)

@@ -3,6 +3,7 @@
     configure_allocator()       # once at startup: large blocks in mappings of their own
     release_after(nbytes)       # after a large message parsed or a large run: trim
     reclaim()                   # after a large use of the memory budget: collect cycles, trim
+    trim()                      # give freed heap back now
 
 Large messages. gRPC receives a message into buffers of its own, gives Python a copy, then frees
 them. glibc keeps freed heap resident for reuse, and the buffers that come next (the model's
@@ -55,7 +56,8 @@ def configure_allocator() -> None:
         libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
 
-def _trim() -> bool:
+def trim() -> bool:
+    """Give freed heap memory back to the system now. Whether a trim ran (glibc only)."""
     libc = _glibc()
     if libc is None:
         return False
@@ -66,7 +68,7 @@ def _trim() -> bool:
 def release_after(nbytes: int) -> bool:
     """After a message of `nbytes` was received and parsed, or a run whose attention matrix has
     `nbytes`: give freed heap back to the system if that was large. Whether a trim ran."""
-    return nbytes >= TRIM_MIN_BYTES and _trim()
+    return nbytes >= TRIM_MIN_BYTES and trim()
 
 
 def reclaim() -> None:
@@ -75,4 +77,4 @@ def reclaim() -> None:
     runs), then trim. Measured: without the collection RSS stayed 120-190 MB above idle after
     40 large refused calls."""
     gc.collect()
-    _trim()
+    trim()
