@@ -132,6 +132,7 @@ class Server:
         self._arrivals = Arrivals()
         self._admission = Admission(self._arrivals)
         self.budget: MemoryBudget | None = None
+        self._settled = False  # server.heap.settle() since the start, and no model change since
 
     async def start(self) -> int:
         """Load the models, bind, serve. Returns the bound gRPC port.
@@ -235,12 +236,21 @@ class Server:
                     f"http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
                     cfg.max_message_bytes, cfg.model_control_mode, limit, slots,
                     f"; not ready: {sorted(self.registry.failed)}" if self.registry.failed else "")
+        # What exists now lives as long as the server: the cyclic collector need not walk it
+        # again (server.heap.settle; a model change gives it back: _model_changed).
+        heap.settle()
+        self._settled = True
         if cfg.ready_file is not None:
             self._write_ready_file(cfg.ready_file)
         return self.port
 
     async def _model_changed(self, name: str, ready: bool) -> None:
-        """Health follows the registry: per model, and overall (serving while any model is)."""
+        """Health follows the registry: per model, and overall (serving while any model is).
+        After the start, a change may retire a version: what settle() left out of the
+        collector's walks becomes collectable again (server.heap.unsettle)."""
+        if self._settled:
+            heap.unsettle()
+            self._settled = False
         if self._draining.active:
             return  # NOT_SERVING since the drain began, whatever changes
         serving = health_pb2.HealthCheckResponse.SERVING
@@ -271,6 +281,9 @@ class Server:
            connections close. hurry() cuts 1 and 2 short. Readiness on REST
            (/v2/health/ready) is 503 from step 1 on."""
         started = time.monotonic()
+        if self._settled:  # what settle() left out goes back to the collector (a process may start another Server)
+            heap.unsettle()
+            self._settled = False
         self._draining.begin()
         await self._health.enter_graceful_shutdown()
         if drain_delay_s > 0 and not self._draining.hurried.is_set():
