@@ -106,22 +106,24 @@ def _known_good(proc: ServerProcess, eager_modules) -> None:
                 assert float(np.max(np.abs(got[name] - want[name]))) <= TOLERANCE
 
 
-def _budget_metrics(proc: ServerProcess) -> dict[str, float]:
-    """The memory budget's series on /metrics (server.metrics): name without the prefix -> value."""
+def _metrics_text(proc: ServerProcess) -> str:
+    """The server's /metrics page."""
     import urllib.request
 
     with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=30) as response:
-        text = response.read().decode()
+        return response.read().decode()
+
+
+def _budget_metrics(proc: ServerProcess) -> dict[str, float]:
+    """The memory budget's series on /metrics (server.metrics): name without the prefix -> value."""
+    text = _metrics_text(proc)
     return {line.split()[0].removeprefix("attnserve_memory_"): float(line.split()[1])
             for line in text.splitlines() if line.startswith("attnserve_memory_")}
 
 
 def _receive_metrics(proc: ServerProcess) -> dict[str, float]:
     """server.gate's receive slots on /metrics: slots, messages, deferred_total."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=30) as response:
-        text = response.read().decode()
+    text = _metrics_text(proc)
     names = {"attnserve_receive_slots": "slots", "attnserve_receiving_messages": "messages",
              "attnserve_receive_deferred_total": "deferred_total"}
     return {names[line.split()[0]]: float(line.split()[1]) for line in text.splitlines()
