@@ -268,11 +268,11 @@ class CallGate(grpc.GenericRpcHandler):
 
             async def deferred(request_iterator, context):
                 """The same call, its one message read once a receive slot is free."""
-                ticket = await receive.take()
+                slot = await receive.take()
                 try:
                     request = await anext(aiter(request_iterator), None)
                 finally:
-                    receive.give_back(ticket)
+                    receive.give_back(slot)
                 if request is None:
                     await abort(context, MalformedMessage(ValueError("the call sent no request message")))
                 admission.started(ticket)

@@ -128,6 +128,37 @@ def test_admission_waits_for_arriving_and_running_calls():
     assert asyncio.run(main()) == (True, 0)
 
 
+def test_a_call_whose_message_waited_for_a_receive_slot_leaves_admission_when_done():
+    """With every receive slot taken a call's message is read later (a stream-unary handler);
+    once it is answered the call is no longer in flight (it was left arriving, so a drain waited
+    up to Arrivals.TIMEOUT_S for it, when the slot's ticket stood in for the call's)."""
+    infer = f"/{SERVICE_NAME}/ModelInfer"
+
+    async def answer(request, context):
+        return request.upper()
+
+    async def main():
+        arrivals = Arrivals()
+        admission = Admission(arrivals)
+        gate = CallGate({infer: grpc.unary_unary_rpc_method_handler(answer)}, admission, Draining(),
+                        frozenset({infer}), receive_slots=1)
+        admission.started(admission.arrived(unary=True))  # an earlier call (over REST, say): answered
+        admission.finished()
+        first = gate.service(_CallDetails(infer, ()))  # takes the one slot
+        second = gate.service(_CallDetails(infer, ()))  # its message waits for a slot
+        assert first.unary_unary is not None and second.stream_unary is not None
+        assert admission.in_flight == 2
+
+        async def one_message():
+            yield b"second"
+
+        assert await first.unary_unary(b"first", None) == b"FIRST"  # gives its slot back
+        assert await asyncio.wait_for(second.stream_unary(one_message(), None), 5) == b"SECOND"
+        return admission.in_flight, arrivals.calls, gate.receive.receiving
+
+    assert asyncio.run(main()) == (0, 0, 0)
+
+
 def test_one_draining_state_for_gate_and_servicer():
     """Server.stop begins draining once: the gate refuses new inference calls (without reading
     them, or counting them) and the servicer's readiness turns false, from the same object."""
