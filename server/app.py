@@ -170,7 +170,8 @@ class Server:
         self.budget = MemoryBudget(limit, on_idle=reclaim_soon)
         self.metrics.watch_budget(self.budget)
         self.registry = ModelRegistry.from_repository(cfg, device, self.metrics, arrivals=self._arrivals,
-                                                      run_batch=self._run_batch, budget=self.budget)
+                                                      run_batch=self._run_batch, budget=self.budget,
+                                                      solitude=self._admission)
         if not self.registry.known_names() and cfg.model_control_mode == "none":
             raise ModelLoadError(f"the model repository {cfg.model_repository} holds no model (no <name>/config.json): "
                                  "export one (attnserve export), or start with --model-control-mode explicit or "

@@ -12,6 +12,13 @@ batcher yet.
 Under load the gRPC layer, not the model, is often the slower stage; without that hint each
 request would run alone as it trickles in, at several times the per-request cost of a batch.
 
+Solo runs. Given `run_solo` (the same computation, whose ONNX Runtime threads spin between
+and after runs: server.engine) and the `solitude` signal the server hands in, a batch of one
+request, dispatched while nothing else queues or runs here and the server holds no other call
+after a quiet spell (lifecycle.Admission.alone), runs on `run_solo`: at low load each request
+then finds its cores awake. Under load the signal is off and every batch takes `run_batch`,
+whose threads sleep when idle and leave the cores to the event loop.
+
 Padding. Requests of different lengths are padded to the longest query and key of their batch:
 padded keys are masked, padded query rows are dropped when the batch is split. A batch only
 takes a request if its padded share of the attention matrix stays under `max_padding_ratio`
@@ -227,6 +234,7 @@ class BatchStats:
     merge_s: float = 0.0  # padding and concatenating the inputs
     run_s: float = 0.0  # the ONNX Runtime run
     split_s: float = 0.0  # slicing each request's outputs back
+    solo: bool = False  # ran on run_solo ("Solo runs")
 
 
 class BatchObserver(Protocol):
@@ -240,6 +248,14 @@ class ArrivalSignal(Protocol):
 
     @property
     def arriving(self) -> int: ...
+
+
+class Solitude(Protocol):
+    """Whether the call being dispatched is the only one the server holds, after a quiet spell
+    (the server's lifecycle.Admission): its batch then runs on `run_solo` ("Solo runs")."""
+
+    @property
+    def alone(self) -> bool: ...
 
 
 class Costing(Protocol):
@@ -269,9 +285,12 @@ class Batcher:
     def __init__(self, name: str, run_batch: RunBatch, policy: BatchPolicy,
                  observer: BatchObserver | None = None, arrivals: ArrivalSignal | None = None,
                  scores_of: ScoresOf | None = None, budget: MemoryBudget | None = None,
-                 costing: Costing | None = None) -> None:
+                 costing: Costing | None = None, run_solo: RunBatch | None = None,
+                 solitude: Solitude | None = None) -> None:
         self.name = name
         self._run_batch = run_batch
+        self._run_solo = run_solo if solitude is not None else None  # see _runs_solo
+        self._solitude = solitude
         self.policy = policy
         self._scores_of = scores_of or _all_scores  # what a merged batch's run holds, for max_batch_scores
         self._observer = observer
@@ -298,6 +317,11 @@ class Batcher:
         """Worth waiting for: another batch runs, or requests are on their way in (received,
         not yet submitted). A lone request on an idle server sees neither and goes at once."""
         return self._computing > 0 or (self._arrivals is not None and self._arrivals.arriving > 0)
+
+    def _runs_solo(self, batch: list[_Pending]) -> bool:
+        """One request, nothing else queued or running here, none elsewhere ("Solo runs")."""
+        return (self._run_solo is not None and len(batch) == 1 and not self._pending and self._computing == 1
+                and self._solitude.alone)
 
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._collect_forever(), name=f"batcher-{self.name}")
@@ -478,11 +502,12 @@ class Batcher:
         failed = True
         padding_ratio = 0.0
         timings = (0.0, 0.0, 0.0)
+        solo = self._runs_solo(batch)
         try:
             works = [p.work for p in batch]
             loop = asyncio.get_running_loop()
             results, padding_ratio, timings = await loop.run_in_executor(
-                self._executor, _compute, self._run_batch, works)
+                self._executor, _compute, self._run_solo if solo else self._run_batch, works)
             compute_s = time.monotonic() - started
             for p, (output, attn_probs), waited in zip(batch, results, queue_s):
                 if not p.future.done():
@@ -512,7 +537,7 @@ class Batcher:
                 self._observer.on_batch(BatchStats(
                     requests=len(batch), rows=sum(p.work.rows for p in batch), padding_ratio=padding_ratio,
                     compute_s=time.monotonic() - started, queue_s=queue_s, failed=failed,
-                    merge_s=timings[0], run_s=timings[1], split_s=timings[2]))
+                    merge_s=timings[0], run_s=timings[1], split_s=timings[2], solo=solo))
 
     def _report_depth(self) -> None:
         if self._observer is not None:

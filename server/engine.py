@@ -67,7 +67,9 @@ def choose_device(device: str) -> DeviceChoice:
     return DeviceChoice((CPU,), why_not_cuda)
 
 
-def session_options(intra_op_threads: int) -> ort.SessionOptions:
+def session_options(intra_op_threads: int, spinning: bool = False) -> ort.SessionOptions:
+    """spinning: the pool threads spin between and after runs (ONNX Runtime's default) instead of
+    sleeping; for the solo sessions (Engine, `solo`)."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = intra_op_threads
@@ -76,7 +78,7 @@ def session_options(intra_op_threads: int) -> ort.SessionOptions:
     # ONNX Runtime's pool threads spin after each run waiting for the next; on a server whose
     # event loop shares the cores, that spinning starves the loop (measured: the pool thread
     # burned 7.2 s of CPU against the loop's 6.0 s in an 11 s run at concurrency 32).
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     # No CPU memory arena: with it RSS stays at the largest run's peak for good (measured, self_attention
     # (8, 512, 512): +416 MB after the run with the arena, +152 MB with its shrinkage run option,
     # +16 MB without it; peak 416 / 320 / 248 MB; small runs no slower). README, "Memory".
@@ -92,10 +94,20 @@ class Engine:
     through I/O binding: inputs are bound from host memory and outputs are allocated by ONNX
     Runtime on the device, then copied back once. `io_binding=True` takes the same path on the
     CPU provider (how CI exercises it without a GPU). The fused graphs are chosen by the same
-    rule on CUDA as on CPU (server.graphs), with the crossover measured on CPU at export."""
+    rule on CUDA as on CPU (server.graphs), with the crossover measured on CPU at export.
+
+    Solo sessions (`solo=True`, CPU only): a second session of each unfused graph (those short
+    sequences take, below the fused graphs' crossover) whose pool threads spin while idle, for
+    `run(..., solo=True)`: the batcher's runs of a lone request (server.batcher, "Solo runs").
+    After each such run ONNX Runtime's threads spin about 20-40 ms before they sleep, so a lone
+    client's next request finds its cores awake: a short run after an idle gap otherwise costs
+    0.1-0.5 ms more than back to back. Up to one core's CPU while such requests keep coming;
+    the same graphs, kernels and answers; those graphs' weights held twice (self_attention:
+    +9 MiB). A run whose graph has no solo session takes the regular one. None on CUDA or with
+    one intra-op thread."""
 
     def __init__(self, spec: ModelSpec, device: DeviceChoice, intra_op_threads: int = 0,
-                 io_binding: bool | None = None) -> None:
+                 io_binding: bool | None = None, solo: bool = False) -> None:
         self.spec = spec
         options = session_options(intra_op_threads)
         self._sessions = {ALL_OUTPUTS: self._open(str(spec.graph_all_outputs), options, device)}
@@ -142,6 +154,14 @@ class Engine:
         self.runs: collections.Counter[str] = collections.Counter()  # graph kind -> runs
         self.providers = tuple(self._sessions[ALL_OUTPUTS].get_providers())
         on_cuda = self.providers[0] == CUDA
+        # Spinning CPU threads would not keep a GPU's work warm, and one intra-op thread is no pool
+        # (nothing spins): then every run takes the regular sessions.
+        self._solo_sessions: dict[str, ort.InferenceSession] = {}
+        if solo and not on_cuda and intra_op_threads != 1:
+            spinning = session_options(intra_op_threads, spinning=True)
+            self._solo_sessions = {kind: self._open(str(spec.graph_path(kind)), spinning, device)
+                                   for kind in (ALL_OUTPUTS, OUTPUT_ONLY) if kind in self._sessions}
+        self.solo_runs = 0
         self._io_binding = on_cuda if io_binding is None else io_binding
         self._output_device = "cuda" if on_cuda else "cpu"
 
@@ -157,14 +177,21 @@ class Engine:
         """The graph kind (contract.GRAPH_FILES) a run of these feeds takes."""
         return self.graphs.graph_for(masking_of(feeds), want_probs, feeds["query"].shape[1], feeds["key"].shape[1])
 
-    def run(self, feeds: dict[str, np.ndarray], want_probs: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    @property
+    def has_solo_sessions(self) -> bool:
+        return bool(self._solo_sessions)
+
+    def run(self, feeds: dict[str, np.ndarray], want_probs: bool, solo: bool = False
+            ) -> tuple[np.ndarray, np.ndarray | None]:
         """feeds: query (B, Lq, q_dim), key/value (B, Lk, kv_dim), and at most one of mask
         (B, Lq, Lk) bool, key_padding_mask (B, Lk) int32 or head_mask (B, H, Lq, Lk) bool
-        (server.batcher.merge).
+        (server.batcher.merge). solo: on the spinning session, where there is one.
         Returns output (B, Lq, out_dim) and attn_probs (B, H, Lq, Lk) or None."""
         kind = self.graph_for(feeds, want_probs)
+        session = self._solo_sessions.get(kind) if solo else None
+        self.solo_runs += session is not None
         try:
-            outputs = self._run(self._sessions[kind], _graph_feeds(kind, feeds))
+            outputs = self._run(session or self._sessions[kind], _graph_feeds(kind, feeds))
         finally:
             # A large run's freed buffers go back to the system now (server.heap): sized by the
             # batch's (B, H, Lq, Lk) matrix whichever graph ran, the run's scale.
@@ -175,6 +202,10 @@ class Engine:
             output, attn_probs = outputs
             return output, (attn_probs if want_probs else None)
         return outputs[0], None
+
+    def run_solo(self, feeds: dict[str, np.ndarray], want_probs: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """`run` on the solo sessions (the batcher's run_solo)."""
+        return self.run(feeds, want_probs, solo=True)
 
     def _run(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         if not self._io_binding:

@@ -289,12 +289,12 @@ class CallGate(grpc.GenericRpcHandler):
         inner_stream = handler.stream_stream
 
         async def stream(request_iterator, context):
-            admission.started(ticket)
+            admission.started(ticket, stream=True)
             try:
                 async for response in inner_stream(request_iterator, context):
                     yield response
             finally:
-                admission.finished()
+                admission.finished(stream=True)
 
         return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
                                                      response_serializer=handler.response_serializer)

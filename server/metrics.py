@@ -99,6 +99,9 @@ class Metrics:
         self.padding_ratio = Histogram("attnserve_padding_ratio",
                                        "Padded share of each batch's attention matrix.",
                                        ["model"], buckets=_RATIO_BUCKETS, registry=self.registry)
+        self.solo_batches = Counter("attnserve_solo_batches", "Batches of a lone request, run on the solo "
+                                    "(spinning) sessions (server.batcher, \"Solo runs\").",
+                                    ["model"], registry=self.registry)
         # With several workers: the sum over the live ones (a dead worker's queue is gone).
         self.queue_depth = Gauge("attnserve_queue_depth", "Requests waiting in the model's queue.",
                                  ["model"], registry=self.registry, multiprocess_mode="livesum")
@@ -168,6 +171,7 @@ class ModelObserver:
         self._batch_requests = metrics.batch_requests.labels(model)
         self._padding_ratio = metrics.padding_ratio.labels(model)
         self._queue_depth = metrics.queue_depth.labels(model)
+        self._solo_batches = metrics.solo_batches.labels(model)
 
     def on_batch(self, stats: BatchStats) -> None:
         self._compute_duration.observe(stats.compute_s)
@@ -175,6 +179,8 @@ class ModelObserver:
         self._padding_ratio.observe(stats.padding_ratio)
         for waited in stats.queue_s:
             self._queue_duration.observe(waited)
+        if stats.solo:
+            self._solo_batches.inc()
         if stats.failed:
             return
         s = self._stats

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, HEAD_MASK_KINDS, OUTPUT_ONLY
-from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch, Work
+from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch, Solitude, Work
 from attnserve.server.codec import Limits
 from attnserve.server.config import ServerConfig
 from attnserve.server.echo import echo
@@ -130,8 +130,10 @@ class ModelRegistry:
     def __init__(self, config: ServerConfig | None = None, device: DeviceChoice | None = None,
                  metrics: Metrics | None = None, arrivals: ArrivalSignal | None = None,
                  run_batch: RunBatchFactory | None = None, listener: StateListener | None = None,
-                 budget: MemoryBudget | None = None) -> None:
+                 budget: MemoryBudget | None = None, solitude: Solitude | None = None) -> None:
         """arrivals: requests received but not yet submitted (each batcher's hint of company).
+        solitude: whether a call is the only one the server holds (a lone request's batch then
+        runs on the engine's solo sessions: server.batcher, "Solo runs").
         run_batch: makes each model's run instead of an ONNX Runtime Engine (bench.floor).
         listener: told of each change (the server's health service).
         budget: the process's memory budget, shared by every version's batcher."""
@@ -139,6 +141,7 @@ class ModelRegistry:
         self._device = device
         self._metrics = metrics or Metrics()
         self._arrivals = arrivals
+        self._solitude = solitude
         self._run_batch = run_batch
         self._budget = budget
         self.listener = listener
@@ -157,10 +160,10 @@ class ModelRegistry:
     @classmethod
     def from_repository(cls, config: ServerConfig, device: DeviceChoice, metrics: Metrics,
                         arrivals: ArrivalSignal | None = None, run_batch: RunBatchFactory | None = None,
-                        budget: MemoryBudget | None = None) -> "ModelRegistry":
+                        budget: MemoryBudget | None = None, solitude: Solitude | None = None) -> "ModelRegistry":
         """Load every model of the repository, before serving (blocking); a model that fails is
         logged and kept with its reason."""
-        registry = cls(config, device, metrics, arrivals, run_batch, budget=budget)
+        registry = cls(config, device, metrics, arrivals, run_batch, budget=budget, solitude=solitude)
         for name in model_names(registry.root):
             seen = repository_signature(registry.root / name)
             try:
@@ -384,18 +387,20 @@ class ModelRegistry:
     def _read(self, name: str) -> tuple[ModelSpec, ...]:
         return read_model_specs(self.root / name, self.config.pinned_versions.get(name))
 
-    def _open(self, spec: ModelSpec) -> tuple[RunBatch, str, tuple, GraphSet]:
+    def _open(self, spec: ModelSpec) -> tuple[RunBatch, str, tuple, GraphSet, RunBatch | None]:
         """Blocking: the run of one version (its ONNX Runtime sessions), what it runs on, its
-        fingerprint as read before opening (a change while opening is seen next time), and the
-        graphs it runs (a run_batch without an Engine: UNFUSED, every run counts its whole matrix)."""
+        fingerprint as read before opening (a change while opening is seen next time), the
+        graphs it runs (a run_batch without an Engine: UNFUSED, every run counts its whole matrix)
+        and its run on solo sessions (None without them: a run_batch given, CUDA, or switched off)."""
         fingerprint = version_fingerprint(spec)
         if self._run_batch is not None:
-            return self._run_batch(spec), "a run_batch given to the server, no ONNX Runtime", fingerprint, UNFUSED
+            return self._run_batch(spec), "a run_batch given to the server, no ONNX Runtime", fingerprint, UNFUSED, None
         device = self._device
         if device is None:
             raise RuntimeError("ModelRegistry has no device to open models on")
-        engine = Engine(spec, device, self.config.intra_op_threads)
-        return engine.run, ",".join(engine.providers), fingerprint, engine.graphs
+        engine = Engine(spec, device, self.config.intra_op_threads, solo=self.config.spin_when_alone)
+        run_solo = engine.run_solo if engine.has_solo_sessions else None
+        return engine.run, ",".join(engine.providers), fingerprint, engine.graphs, run_solo
 
     def _install(self, name: str, specs: tuple[ModelSpec, ...], keep: dict[int, LoadedVersion],
                  built: dict[int, tuple], failures: dict[int, str]) -> _Model:
@@ -406,7 +411,7 @@ class ModelRegistry:
         for spec in specs:
             if spec.version not in built:
                 continue
-            run, runs_on, fingerprint, graphs = built[spec.version]
+            run, runs_on, fingerprint, graphs, run_solo = built[spec.version]
             policy = BatchPolicy(
                 max_batch_size=cfg.max_batch_size or spec.max_batch_size,
                 max_queue_delay_s=(cfg.max_queue_delay_ms if cfg.max_queue_delay_ms is not None
@@ -422,7 +427,8 @@ class ModelRegistry:
             # A merged batch's run, like a request's, is bounded by what the graph that runs it holds.
             batcher = Batcher(label, run, policy, self._metrics.observer(name), self._arrivals,
                               scores_of=graphs.scores_held, budget=self._budget,
-                              costing=None if self._budget is None else GraphCosting(spec, graphs))
+                              costing=None if self._budget is None else GraphCosting(spec, graphs),
+                              run_solo=run_solo, solitude=self._solitude)
             limits = Limits(spec.max_q_len, spec.max_kv_len, cfg.max_attention_bytes,
                             max_response_bytes=cfg.max_message_bytes, max_typed_bytes=cfg.max_typed_bytes,
                             graphs=graphs)

@@ -1038,3 +1038,81 @@ def test_batcher_over_real_onnx_runtime_engine(model_repository):
         else:
             assert r.attn_probs is None
     np.testing.assert_allclose(results[3].attn_probs[0, :, 0], 0.25, atol=1e-7)
+
+
+# -- solo runs ---------------------------------------------------------------------------------
+
+
+class Solitude:
+    """The server's signal (lifecycle.Admission.alone), set by the test."""
+
+    def __init__(self, alone: bool) -> None:
+        self.alone = alone
+
+
+def _two_runs() -> tuple[Model, Model]:
+    """A Batcher's run_batch and run_solo: the same attention, each recording its calls."""
+    return Model(), Model()
+
+
+def test_a_lone_request_runs_solo_and_gets_the_same_answer():
+    regular, solo = _two_runs()
+    work = make_work(1, 4, 6)
+
+    async def main():
+        batcher = Batcher("test", regular, BatchPolicy(), run_solo=solo, solitude=Solitude(True))
+        batcher.start()
+        try:
+            return await batcher.submit(work)
+        finally:
+            await batcher.close()
+
+    result = asyncio.run(main())
+    assert len(solo.calls) == 1 and not regular.calls
+    assert_matches_alone(work, result)
+
+
+@pytest.mark.parametrize("case", ["not alone", "no signal", "no solo run"])
+def test_without_solitude_or_a_solo_run_a_request_takes_the_regular_run(case):
+    regular, solo = _two_runs()
+
+    async def main():
+        batcher = Batcher("test", regular, BatchPolicy(), run_solo=None if case == "no solo run" else solo,
+                          solitude=None if case == "no signal" else Solitude(case != "not alone"))
+        batcher.start()
+        try:
+            return await batcher.submit(make_work(1, 4, 6))
+        finally:
+            await batcher.close()
+
+    asyncio.run(main())
+    assert len(regular.calls) == 1 and not solo.calls
+
+
+def test_a_batch_dispatched_while_another_runs_is_not_solo():
+    """The signal says alone, but this batcher runs another batch: the second request runs
+    regular too; once both are done a third, alone at last, runs solo."""
+    regular, solo = _two_runs()
+    solitude = Solitude(False)
+
+    async def main():
+        batcher = Batcher("test", regular, BatchPolicy(max_queue_delay_s=0.0, batches_in_flight=2),
+                          run_solo=solo, solitude=solitude)
+        batcher.start()
+        regular.hold()
+        try:
+            first = asyncio.ensure_future(batcher.submit(make_work(1, 4, 6)))
+            await regular.run_started(1)
+            solitude.alone = True  # from here the server reports one call; this batcher knows better
+            second = asyncio.ensure_future(batcher.submit(make_work(1, 4, 6)))
+            await regular.run_started(2)
+            assert not solo.calls
+            regular.open()
+            await asyncio.gather(first, second)
+            await batcher.submit(make_work(1, 4, 6))
+        finally:
+            regular.open()
+            await batcher.close()
+
+    asyncio.run(main())
+    assert len(regular.calls) == 2 and len(solo.calls) == 1

@@ -91,3 +91,43 @@ def test_cuda_probe_says_why_a_session_would_not_run_on_cuda():
         pytest.skip("CUDA runs here (tests/test_cuda.py covers it)")
     why = why_cuda_cannot_run()
     assert why is not None and "CUDAExecutionProvider" in why and "CPUExecutionProvider" in why, why
+
+
+@pytest.mark.parametrize("model", ["self_attention", "cross_attention"])
+def test_solo_sessions_spin_and_give_the_same_answers(model_repository, model):
+    """The solo sessions (server.engine: pool threads that spin) are the unfused graphs', and
+    answer bit for bit as the regular ones; a run on another graph, or on an engine without
+    them, takes the regular session."""
+    from attnserve.contract import ALL_OUTPUTS, OUTPUT_ONLY
+
+    spec = read_model_spec(model_repository / model)
+    solo = Engine(spec, choose_device("cpu"), solo=True)
+    plain = Engine(spec, choose_device("cpu"))
+    assert solo.has_solo_sessions and not plain.has_solo_sessions
+    assert set(solo._solo_sessions) == {ALL_OUTPUTS, OUTPUT_ONLY}
+    for session in solo._solo_sessions.values():
+        assert session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    for session in solo._sessions.values():
+        assert session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    rng = np.random.default_rng(8)
+    unfused_runs = 0
+    for b, lq, lk in ((1, 10, 10), (2, 300, 200)):  # unfused, then fused unless attn_probs are asked for
+        feeds = {"query": rng.standard_normal((b, lq, spec.query_dim), dtype=np.float32),
+                 "key": rng.standard_normal((b, lk, spec.kv_dim), dtype=np.float32),
+                 "value": rng.standard_normal((b, lk, spec.kv_dim), dtype=np.float32)}
+        for want_probs in (True, False):
+            unfused_runs += solo.graph_for(feeds, want_probs) in (ALL_OUTPUTS, OUTPUT_ONLY)
+            want = plain.run(feeds, want_probs)
+            for got in (solo.run_solo(feeds, want_probs), plain.run(feeds, want_probs, solo=True)):
+                np.testing.assert_array_equal(got[0], want[0])
+                if want_probs:
+                    np.testing.assert_array_equal(got[1], want[1])
+    assert unfused_runs == 3  # the fused graph ran once: (2, 300, 200) without attn_probs
+    assert solo.solo_runs == unfused_runs and plain.solo_runs == 0
+
+
+def test_one_intra_op_thread_has_no_solo_sessions(model_repository):
+    """One thread is no pool: nothing would spin, so no second copy of the graphs is opened."""
+    spec = read_model_spec(model_repository / "self_attention")
+    assert not Engine(spec, choose_device("cpu"), intra_op_threads=1, solo=True).has_solo_sessions
+    assert Engine(spec, choose_device("cpu"), intra_op_threads=2, solo=True).has_solo_sessions

@@ -128,6 +128,35 @@ def test_admission_waits_for_arriving_and_running_calls():
     assert asyncio.run(main()) == (True, 0)
 
 
+def test_admission_is_alone_with_one_unary_call_after_a_quiet_spell():
+    now = [100.0]
+    admission = Admission(Arrivals(), clock=lambda: now[0])
+    quiet = Admission.QUIET_S
+
+    def arrive_after(gap_s: float, *, stream: bool = False) -> None:
+        now[0] += gap_s
+        admission.started(admission.arrived(unary=not stream), stream=stream)
+
+    arrive_after(quiet)
+    assert admission.alone  # the server had been empty QUIET_S
+    admission.finished()
+    arrive_after(quiet / 2)
+    assert not admission.alone  # it came right after the last call: a loop catching up, maybe
+    admission.finished()
+    arrive_after(quiet * 10)
+    assert admission.alone
+    arrive_after(quiet * 10)  # a second call while the first runs
+    assert not admission.alone
+    admission.finished()
+    assert not admission.alone  # the one left arrived while another was in flight
+    admission.finished()
+    arrive_after(quiet * 10, stream=True)
+    assert admission.in_flight == 1 and not admission.alone  # a stream carries many requests
+    admission.finished(stream=True)
+    arrive_after(quiet * 10)
+    assert admission.alone
+
+
 def test_a_call_whose_message_waited_for_a_receive_slot_leaves_admission_when_done():
     """With every receive slot taken a call's message is read later (a stream-unary handler);
     once it is answered the call is no longer in flight (it was left arriving, so a drain waited
