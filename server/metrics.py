@@ -99,8 +99,8 @@ class Metrics:
         self.padding_ratio = Histogram("attnserve_padding_ratio",
                                        "Padded share of each batch's attention matrix.",
                                        ["model"], buckets=_RATIO_BUCKETS, registry=self.registry)
-        self.solo_batches = Counter("attnserve_solo_batches", "Batches of a lone request, run on the solo "
-                                    "(spinning) sessions (server.batcher, \"Solo runs\").",
+        self.solo_batches = Counter("attnserve_solo_batches", "Batches of a lone request, given to the solo "
+                                    "runs (server.batcher, \"Solo runs\"): the unfused graphs' spinning sessions.",
                                     ["model"], registry=self.registry)
         # With several workers: the sum over the live ones (a dead worker's queue is gone).
         self.queue_depth = Gauge("attnserve_queue_depth", "Requests waiting in the model's queue.",
