@@ -145,28 +145,30 @@ class Server:
         device = choose_device(cfg.device)
         if device.why_not_cuda:
             logger.warning("device auto: serving on CPU because %s", device.why_not_cuda)
+        # Creating sessions blocks for a while; nothing else is running yet.
+        heap.configure_allocator()
         # With several workers each takes its share of the default (the supervisor divides a given limit).
         share = DEFAULT_SHARE / (self.worker.workers if self.worker is not None else 1)
         limit = cfg.memory_limit_bytes if cfg.memory_limit_bytes is not None else default_memory_limit(share)
         loop = asyncio.get_running_loop()
         # Once a large use of the budget is over, what gRPC and numpy freed goes back to the
-        # system (off the event loop: malloc_trim walks every heap), each pass only while no
-        # other large use is in flight: back-to-back long requests keep the heap they reuse
-        # (server.heap, "Reclaim"), and a new use ends in a new idle, and its own passes.
+        # system (off the event loop: malloc_trim walks every heap); the later passes only while
+        # the budget stays empty (a new use ends in a new idle, and its own passes).
         pending: list[asyncio.TimerHandle] = []
 
-        def reclaim_if_quiet() -> None:
-            if self.budget is not None and self.budget.used_bytes < MemoryBudget.IDLE_AFTER_BYTES:
+        def reclaim_if_idle() -> None:
+            if self.budget is not None and self.budget.reserved_bytes == 0:
                 loop.run_in_executor(None, heap.reclaim)
 
         def reclaim_soon() -> None:
             for handle in pending:
                 handle.cancel()
-            pending[:] = [loop.call_later(delay_s, reclaim_if_quiet) for delay_s in _RECLAIM_DELAYS_S]
+            first, *later = _TRIM_DELAYS_S
+            pending[:] = [loop.call_later(first, lambda: loop.run_in_executor(None, heap.reclaim)),
+                          *(loop.call_later(delay_s, reclaim_if_idle) for delay_s in later)]
 
         self.budget = MemoryBudget(limit, on_idle=reclaim_soon)
         self.metrics.watch_budget(self.budget)
-        # Creating sessions blocks for a while; nothing else is running yet.
         self.registry = ModelRegistry.from_repository(cfg, device, self.metrics, arrivals=self._arrivals,
                                                       run_batch=self._run_batch, budget=self.budget,
                                                       solitude=self._admission)
@@ -336,14 +338,13 @@ _HANDOVER_PAUSE_S = 0.1  # where channelz cannot tell
 # when the grace ran out (they finish: the README's promise) and the answers refused at that
 # point (UNAVAILABLE) get this long to leave.
 _RUNNING_MARGIN_S = 10.0
-# After the memory budget empties: reclaim once 1 s later (a client that sends its next long
-# request sooner finds its heap still resident: server.heap, "Freed heap stays"; at 0.05 s the
-# paired issue-16 benchmark, one in-process run between calls, gave 1.40-1.46x for 1.23-1.28x).
-# gRPC's core frees its own buffers of those calls later (an answer leaves as the client's
-# window allows, a connection's buffers go when it closes), and the last refused calls'
-# exceptions, which hold their requests' tensors through their frames, become garbage as those
-# calls end: reclaim again (collect, trim: about 2 ms once heap.settle() ran) after 5 and 15 s.
-_RECLAIM_DELAYS_S = (1.0, 5.0, 15.0)
+# After the memory budget empties, the call that released it is still finishing (its request
+# and response objects go when its handler's frames do): reclaim a moment later. gRPC's core
+# frees its own buffers of those calls later still (an answer leaves as the client's window
+# allows, a connection's buffers go when it closes), and the last refused calls' exceptions,
+# which hold their requests' tensors through their frames, become garbage as those calls end:
+# reclaim again (collect, trim: about 2 ms once heap.settle() ran) after 1, 5 and 15 s.
+_TRIM_DELAYS_S = (0.05, 1.0, 5.0, 15.0)
 
 
 async def _wait_for(event: asyncio.Event, timeout_s: float) -> bool:

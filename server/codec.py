@@ -37,6 +37,7 @@ from attnserve.contract import (
     OUTPUT_ONLY,
     REQUIRED_INPUTS,
 )
+from attnserve.server import heap
 from attnserve.server.echo import echo
 from attnserve.server.graphs import HEADS, UNFUSED, GraphSet, attention_bytes
 from attnserve.server.lifecycle import Reservation
@@ -366,7 +367,9 @@ def parse_infer_request(data: bytes, max_typed_bytes: int | None = None) -> Infe
                 f"{max_typed_bytes:,}-byte limit for typed contents (--max-typed-bytes); send the inputs as "
                 "raw_input_contents and the answer comes as raw_output_contents")
 
-    return InferRequest(*wire.parse_with_raw(pb.ModelInferRequest, data, "raw_input_contents", check))
+    request = InferRequest(*wire.parse_with_raw(pb.ModelInferRequest, data, "raw_input_contents", check))
+    heap.release_after(len(data))  # gRPC's own copy of a large message is freed by now
+    return request
 
 
 def serialize_infer_response(response: InferResponse | pb.ModelInferResponse) -> bytes:

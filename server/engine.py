@@ -24,9 +24,10 @@ from attnserve.contract import (
     OUTPUT_ONLY,
     REQUIRED_INPUTS,
 )
+from attnserve.server import heap
 from attnserve.server.batcher import dense_mask
 from attnserve.server.cuda_probe import why_cuda_cannot_run
-from attnserve.server.graphs import GraphSet, masking_of
+from attnserve.server.graphs import BYTES_PER_SCORE, GraphSet, masking_of
 from attnserve.server.repository import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -189,7 +190,13 @@ class Engine:
         kind = self.graph_for(feeds, want_probs)
         session = self._solo_sessions.get(kind) if solo else None
         self.solo_runs += session is not None
-        outputs = self._run(session or self._sessions[kind], _graph_feeds(kind, feeds))
+        try:
+            outputs = self._run(session or self._sessions[kind], _graph_feeds(kind, feeds))
+        finally:
+            # A large run's freed buffers go back to the system now (server.heap): sized by the
+            # batch's (B, H, Lq, Lk) matrix whichever graph ran, the run's scale.
+            b, lq, _ = feeds["query"].shape
+            heap.release_after(b * self.spec.num_heads * lq * feeds["key"].shape[1] * BYTES_PER_SCORE)
         self.runs[kind] += 1
         if len(outputs) == 2:  # all_outputs, head_mask_all_outputs
             output, attn_probs = outputs

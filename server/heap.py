@@ -1,61 +1,48 @@
-"""The process heap: glibc's allocator on huge pages, and given back (the one place that trims).
+"""The process heap: glibc's allocator told to give memory back (the one place that trims).
 
-    huge_pages_environment(env)  # the environment a server re-executes itself with, or None
-    reclaim()                    # once no large work is in flight: collect cycles, trim
-    trim()                       # give freed heap back now
+    configure_allocator()       # once at startup: large blocks in mappings of their own
+    release_after(nbytes)       # after a large message parsed or a large run: trim
+    reclaim()                   # after a large use of the memory budget: collect cycles, trim
+    trim()                      # give freed heap back now
 
-Huge pages. A large request's buffers are new memory: gRPC's copy of the message, Python's
-bytes, ONNX Runtime's tensors, the answer. Faulted in 4 KiB at a time, at 2 us a page on this
-2-core VM (a 64 MiB buffer: 34 ms), they cost more than the copies themselves; numpy asks for
-transparent huge pages (madvise) on its own large arrays, glibc does only when told by its
-tunable glibc.malloc.hugetlb=1 (glibc 2.35 and later), which it reads once, at startup. So the
-server's main() re-executes itself with it added to GLIBC_TUNABLES (attnserve.server.__main__)
-where the kernel gives huge pages on request (transparent_hugepage "madvise"; with "always"
-every mapping has them already, with "never" none can) and the environment does not name the
-tunable (GLIBC_TUNABLES=glibc.malloc.hugetlb=0 keeps 4 KiB pages). Measured, (1, 4096, 512)
-output alone through the server, 30 rounds paired with the in-process fused run, on the earlier
-design (every block of 1 MiB or more mapped on its own, a trim after every large message and
-run): 1.48-1.51x with huge pages, 1.72-1.73x without. grpc.aio alone, 24 MiB in and 8 MiB out
-over loopback: 18 ms; 45 ms with every such block mapped on its own, without huge pages.
+Large messages. gRPC receives a message into buffers of its own, gives Python a copy, then frees
+them. glibc keeps freed heap resident for reuse, and the buffers that come next (the model's
+run, the answer) are of other sizes, mapped elsewhere: so every large request left its size
+behind, resident, through the rest of its run. Measured for a (1, 4096, 512) request (25 MB):
+the server's peak RSS increase +118-132 MB without, +97 MB with a trim once the request is
+parsed (in-process ONNX Runtime on the same graph: +88 MB).
 
-Freed heap stays for the next request. glibc keeps blocks up to its dynamic mmap threshold
-(raised to the largest block freed, at most 32 MiB) in its heaps, where the next request of the
-same size finds them resident: no new pages, no zeroing. Larger blocks (an unfused attention
-matrix) are mapped on their own and go back when freed. Trimming after every large message and
-run, with a first reclaim 0.05 s after the budget emptied, kept RSS lower between requests but
-made long requests a client sends one after another fault everything in again: 1.40-1.46x
-instead of 1.23-1.28x (the same pairing); mapping every block of 1 MiB on its own as well
-(the earlier design): 1.72-1.73x.
+Large runs. glibc raises its mmap threshold to the largest block freed (up to 32 MiB), so after
+one large run the buffers of later ones stay in its heaps for good; a fixed threshold
+(MMAP_THRESHOLD_BYTES) keeps them out, and a trim after a run whose attention matrix is large
+returns what its smaller blocks left (server.engine).
 
-Reclaim. The server (server.app) gives freed heap back once a large use of the memory budget is
-over and no other is in flight: 1, 5 and 15 s after the budget empties, each pass only while
-less than lifecycle.MemoryBudget.IDLE_AFTER_BYTES is in use, so a client's next long request
-within a second keeps its heap and small traffic after a large request does not. A pass
-collects reference cycles first (a refused request's exception holds its frames, and they its
-request's tensors, until the cyclic collector runs; without it RSS stayed 120-190 MB above idle
-after 40 large refused calls), then trims (malloc_trim walks the heap, 1-2 ms). Elsewhere than
-glibc nothing is trimmed.
+A trim walks the heap (1-2 ms here), so only messages and runs of TRIM_MIN_BYTES or more take
+one. Elsewhere than glibc, nothing is done.
 
-The cyclic collector walks every tracked object holding the GIL: 35-250 ms in a server with its
-models loaded (54,000 objects), so inside the next request when requests come back to back.
-settle(), once the server has started, moves what exists then (modules, models, the servers)
-out of the collector's walk (gc.freeze): a collection then costs about 0.2 ms. unsettle() gives
-it all back to the collector (a model version unloaded or replaced: its objects must be
-collectable).
+This costs long requests their page faults (each block is new memory: 2 us a 4 KiB page here).
+Huge pages (glibc.malloc.hugetlb) and a heap kept between requests were measured against it and
+left off: they break the memory budget's bound under concurrent large requests (README, Memory,
+"Huge pages and a kept heap").
+
+The cyclic collector. reclaim() collects reference cycles after a large use of the budget,
+holding the GIL while it walks every tracked object: 35-250 ms in a server with its models
+loaded (54,000 objects), so inside the next request when requests come back to back. settle(),
+once the server has started, moves what exists then (modules, models, the servers) out of the
+collector's walk (gc.freeze): a collection then costs about 0.2 ms. unsettle() gives it all
+back to the collector (a model version unloaded or replaced: its objects must be collectable).
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import os
 import platform
-from pathlib import Path
-from typing import Mapping
 
-HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
-_TUNABLES = "GLIBC_TUNABLES"
-_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+TRIM_MIN_BYTES = 16 << 20
+# Blocks from this size up get their own mapping, returned to the system when freed.
+MMAP_THRESHOLD_BYTES = 1 << 20
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
 _libc: ctypes.CDLL | None | bool = None  # looked up once; False where it is not glibc
 
@@ -67,32 +54,18 @@ def _glibc() -> ctypes.CDLL | None:
         if platform.libc_ver()[0] == "glibc":
             try:
                 libc = ctypes.CDLL(None)
-                libc.malloc_trim  # noqa: B018 - glibc's
+                libc.malloc_trim, libc.mallopt  # noqa: B018 - both are glibc's
                 _libc = libc
             except (OSError, AttributeError):
                 pass
     return _libc or None
 
 
-def huge_pages_environment(environ: Mapping[str, str], thp_mode: Path = _THP_MODE) -> dict[str, str] | None:
-    """`environ` with HUGE_PAGES_TUNABLE added to GLIBC_TUNABLES, for a process to start with;
-    None where it would change nothing: not glibc, the kernel's transparent huge pages not
-    "madvise" (its mode file reads e.g. "always [madvise] never"), or the tunable already named
-    (whatever its value: the operator's choice)."""
-    tunables = environ.get(_TUNABLES, "")
-    if platform.libc_ver()[0] != "glibc" or "glibc.malloc.hugetlb=" in tunables:
-        return None
-    try:
-        if "[madvise]" not in thp_mode.read_text():
-            return None
-    except OSError:
-        return None
-    return {**environ, _TUNABLES: f"{tunables}:{HUGE_PAGES_TUNABLE}" if tunables else HUGE_PAGES_TUNABLE}
-
-
-def huge_pages_in_use() -> bool:
-    """Whether this process started with glibc's huge-page tunable on."""
-    return HUGE_PAGES_TUNABLE in os.environ.get(_TUNABLES, "").split(":")
+def configure_allocator() -> None:
+    """Once at startup: blocks of MMAP_THRESHOLD_BYTES or more mapped on their own."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
 
 def trim() -> bool:
@@ -102,6 +75,12 @@ def trim() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+def release_after(nbytes: int) -> bool:
+    """After a message of `nbytes` was received and parsed, or a run whose attention matrix has
+    `nbytes`: give freed heap back to the system if that was large. Whether a trim ran."""
+    return nbytes >= TRIM_MIN_BYTES and trim()
 
 
 def settle() -> None:
@@ -117,6 +96,9 @@ def unsettle() -> None:
 
 
 def reclaim() -> None:
-    """Once large work is over: collect reference cycles, then trim (module docstring, "Reclaim")."""
+    """After a large use of the memory budget: collect reference cycles (a refused request's
+    exception holds its frames, and they its request's tensors, until the cyclic collector
+    runs), then trim. Measured: without the collection RSS stayed 120-190 MB above idle after
+    40 large refused calls."""
     gc.collect()
     trim()

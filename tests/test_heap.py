@@ -1,25 +1,19 @@
 """server.heap: the cyclic collector leaves out what exists when the server has started
-(gc.freeze) until a model change or the stop gives it back (a real in-process Server on the
-exported models); a served process runs with glibc's huge-page tunable where the kernel gives
-huge pages on request, and leaves an operator's own setting alone (real `attnserve serve`
-processes, their environment read from /proc). No mocks."""
+(gc.freeze) until a model change or the stop gives it back. A real in-process Server on the
+exported models; no mocks."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import platform
 import shutil
 import weakref
-from pathlib import Path
 
 import pytest
-from grpc_health.v1 import health_pb2
 
 from attnserve.server import heap
 from attnserve.server.app import Server
 from attnserve.server.config import ServerConfig
-from tests.server_process import ServerProcess
 
 
 class _Cycle:
@@ -71,54 +65,6 @@ def test_a_server_settles_once_started_and_gives_it_back_on_a_model_change_and_o
 
     gc.unfreeze()
     assert asyncio.run(main()) == [True, False, False, True, False]
-
-
-GLIBC = platform.libc_ver()[0] == "glibc"
-THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def _mode_file(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "enabled"
-    path.write_text(text + "\n")
-    return path
-
-
-@pytest.mark.skipif(not GLIBC, reason="glibc's tunable")
-def test_the_huge_page_tunable_is_added_only_where_the_kernel_gives_huge_pages_on_request(tmp_path):
-    madvise = _mode_file(tmp_path, "always [madvise] never")
-    assert heap.huge_pages_environment({"A": "1"}, madvise) == {"A": "1", "GLIBC_TUNABLES": heap.HUGE_PAGES_TUNABLE}
-    # Other tunables are kept, in their order.
-    assert heap.huge_pages_environment({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}, madvise) == {
-        "GLIBC_TUNABLES": f"glibc.malloc.tcache_count=0:{heap.HUGE_PAGES_TUNABLE}"}
-    # Named already (on or off): the operator's choice; the process needs no restart.
-    assert heap.huge_pages_environment({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, madvise) is None
-    assert heap.huge_pages_environment({"GLIBC_TUNABLES": heap.HUGE_PAGES_TUNABLE}, madvise) is None
-    # "always": every mapping has them already; "never": none can; no file: not Linux's THP.
-    assert heap.huge_pages_environment({}, _mode_file(tmp_path, "[always] madvise never")) is None
-    assert heap.huge_pages_environment({}, _mode_file(tmp_path, "always madvise [never]")) is None
-    assert heap.huge_pages_environment({}, tmp_path / "missing") is None
-
-
-def _environ(pid: int) -> dict[str, str]:
-    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(entry.decode().split("=", 1) for entry in entries if b"=" in entry)
-
-
-@pytest.mark.skipif(not GLIBC or "[madvise]" not in (THP_MODE.read_text() if THP_MODE.exists() else ""),
-                    reason="the kernel's transparent huge pages are not in madvise mode here")
-def test_a_served_process_runs_with_the_tunable_and_keeps_an_operators_own(model_repository):
-    server = ServerProcess(model_repository, env={"GLIBC_TUNABLES": ""})
-    try:
-        environ = _environ(server.proc.pid)  # the same PID: the server re-executed itself
-        assert environ["GLIBC_TUNABLES"] == heap.HUGE_PAGES_TUNABLE
-        assert server.health() == health_pb2.HealthCheckResponse.SERVING
-    finally:
-        assert server.stop() == 0  # drained on SIGTERM, signal handlers those of the new image
-    server = ServerProcess(model_repository, env={"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
-    try:
-        assert _environ(server.proc.pid)["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
-    finally:
-        server.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 """server.memory's estimate against real peaks, and lifecycle.MemoryBudget's admission rules.
 
 The estimate is measured here, in a process of its own per graph (ONNX Runtime with the
-server's session options, its CPU arena off, glibc on huge pages where the server is: server.heap), over a grid of shapes of both presets: the peak
+server's session options, its CPU arena off), over a grid of shapes of both presets: the peak
 RSS of one run (VmHWM, reset through /proc/self/clear_refs) must never pass the estimate, and
 the estimate must stay within MEASURED_FACTOR_RANGE of it (found: 1.08x to 1.71x). Peaks below
 32 MiB of attention are left out of the factor (the allocator reuses freed memory there, so the
@@ -14,13 +14,11 @@ import asyncio
 import concurrent.futures
 import json
 import multiprocessing
-import os
 import time
 
 import numpy as np
 import pytest
 
-from attnserve.server import heap
 from attnserve.server.lifecycle import MemoryBudget, MemoryExhausted, MemoryTooLarge
 from attnserve.server.repository import read_model_spec
 from attnserve.contract import (ALL_OUTPUTS, FUSED, FUSED_KEY_PADDING, HEAD_MASK, HEAD_MASK_KINDS,
@@ -72,13 +70,9 @@ def _peaks(repository: str, preset: str, kind: str, shapes: list) -> list[int]:
     return peaks
 
 
-def _measured(model_repository, kinds: tuple[str, ...], monkeypatch) -> list[dict]:
+def _measured(model_repository, kinds: tuple[str, ...]) -> list[dict]:
     rows = []
     context = multiprocessing.get_context("spawn")
-    # The processes start with the allocator the server runs with (server.heap, "Huge pages").
-    environ = heap.huge_pages_environment(os.environ)
-    if environ is not None:
-        monkeypatch.setenv("GLIBC_TUNABLES", environ["GLIBC_TUNABLES"])
     for preset, shapes in GRID.items():
         for kind in kinds:
             with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
@@ -92,8 +86,8 @@ def _measured(model_repository, kinds: tuple[str, ...], monkeypatch) -> list[dic
     return rows
 
 
-def test_the_estimate_is_above_every_measured_peak_and_within_its_factor(model_repository, monkeypatch):
-    rows = _measured(model_repository, (ALL_OUTPUTS, OUTPUT_ONLY), monkeypatch)
+def test_the_estimate_is_above_every_measured_peak_and_within_its_factor(model_repository):
+    rows = _measured(model_repository, (ALL_OUTPUTS, OUTPUT_ONLY))
     for r in rows:
         assert r["peak"] <= r["estimate"], r
     factors = [r["factor"] for r in rows if r["scores"] >= FACTOR_FROM_SCORES]
@@ -102,9 +96,9 @@ def test_the_estimate_is_above_every_measured_peak_and_within_its_factor(model_r
     assert low <= min(factors) and max(factors) <= high, (min(factors), max(factors))
 
 
-def test_the_head_mask_graphs_estimate_is_above_every_peak_and_within_its_factor(model_repository, monkeypatch):
+def test_the_head_mask_graphs_estimate_is_above_every_peak_and_within_its_factor(model_repository):
     """The head-mask graphs: the unfused figure with a (B, H, Lq, Lk) mask, on the same grid."""
-    rows = _measured(model_repository, HEAD_MASK_KINDS, monkeypatch)
+    rows = _measured(model_repository, HEAD_MASK_KINDS)
     for r in rows:
         assert r["peak"] <= r["estimate"], r
     factors = [r["factor"] for r in rows if r["scores"] >= FACTOR_FROM_SCORES]
@@ -112,14 +106,14 @@ def test_the_head_mask_graphs_estimate_is_above_every_peak_and_within_its_factor
     assert len(factors) >= 8 and low <= min(factors) and max(factors) <= high, (min(factors), max(factors))
 
 
-def test_the_fused_graphs_stay_under_their_upper_bound(model_repository, monkeypatch):
+def test_the_fused_graphs_stay_under_their_upper_bound(model_repository):
     """The fused graphs' estimate (the unfused output-only figure) is above their measured peaks
     (far above, for flash attention: it is an upper bound, not a fit)."""
     for preset in GRID:
         for kind in (FUSED, FUSED_KEY_PADDING):
             if not read_model_spec(model_repository / preset).graph_path(kind).exists():
                 pytest.skip(f"{preset} has no {kind} graph")
-    for r in _measured(model_repository, (FUSED, FUSED_KEY_PADDING), monkeypatch):
+    for r in _measured(model_repository, (FUSED, FUSED_KEY_PADDING)):
         assert r["peak"] <= r["estimate"], r
 
 
