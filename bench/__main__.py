@@ -20,8 +20,9 @@
    goals are derived from the same round's figures: concurrency 32 against
    1 / (1/floor + 1/in-process b32) (a request costing exactly its transport plus its compute),
    concurrency 1's p50 against the floor's p50 + the batch-1 call + 0.1 ms. In-process, server
-   and floor alternate, round after round (--rounds, A/B/A/B), so the ratios survive a noisy
-   machine; the table gives each figure's median over the rounds, the CPU model and the load.
+   and floor alternate, round after round (--rounds, A/B/A/B), each level's server and floor
+   runs back to back, so the ratios survive a noisy machine; the table gives each figure's
+   median over the rounds, the CPU model and the load.
 """
 
 from __future__ import annotations
@@ -230,19 +231,25 @@ def main(argv: list[str] | None = None) -> int:
                         got["in_process"] = inprocess.measure(specs[model], SHAPES[model], IN_PROCESS_BATCHES,
                                                               seconds=min(args.seconds, 3.0), providers=providers)
 
-                    def served() -> None:
-                        for c in levels:
-                            print(f"round {r + 1}: server, {model}, concurrency {c} ...", flush=True)
-                            got["server"][c] = drive(server, model, c, Path(tmp))
+                    def served(c: int) -> None:
+                        print(f"round {r + 1}: server, {model}, concurrency {c} ...", flush=True)
+                        got["server"][c] = drive(server, model, c, Path(tmp))
 
-                    def floored() -> None:
-                        for c in levels if floor is not None else ():
+                    def floored(c: int) -> None:
+                        if floor is not None:
                             print(f"round {r + 1}: floor (no model), {model}, concurrency {c} ...", flush=True)
                             got["floor"][c] = drive(floor, model, c, Path(tmp))
 
-                    # A/B/A/B: the order turns round each round.
-                    for step in (in_process, served, floored) if r % 2 == 0 else (floored, served, in_process):
-                        step()
+                    # A/B/A/B: the order turns round each round. The server and the floor take each
+                    # level one right after the other: this VM's speed drifts by 1.4x within minutes,
+                    # so the figures a ratio divides are measured seconds apart, not a level apart.
+                    pairs = [(side, c) for c in levels for side in ((served, floored) if r % 2 == 0 else (floored, served))]
+                    if r % 2 == 0:
+                        in_process()
+                    for side, c in pairs:
+                        side(c)
+                    if r % 2 == 1:
+                        in_process()
                     got["derived"] = derived(got["in_process"], got["server"], got["floor"])
                     results["models"][model]["rounds"].append(got)
             for model in models:  # the extra transports, once each
