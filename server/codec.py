@@ -307,6 +307,11 @@ class InferRequest:
     def __getattr__(self, name: str):  # model_name, inputs, outputs, id, ...: the message's own
         return getattr(self.message, name)
 
+    def drop_contents(self) -> None:
+        """Let go of the tensors (and with the last view, the received message's bytes)."""
+        self.raw_input_contents = []
+        self.message.Clear()
+
 
 class InferResponse:
     """A ModelInferResponse to send: the message, and the raw outputs it will carry, as arrays

@@ -98,6 +98,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         response, status = await self._answered(request, context)
         if response is None:
+            # context.abort raises, and gRPC's handler keeps the exception in a reference cycle
+            # with this call's frames, which hold the request, until the cyclic collector runs:
+            # every refused large call would keep its tensors that long (measured: 64 clients of
+            # 12.6 MB, 50 of them shed, held up to 50 such messages).
+            _drop_contents(request)
+            del request
             await context.abort(status.code, status.details)
         # The answer stays counted in the memory budget until the call is over: sent (a client
         # that does not read holds it until its deadline or its connection ends), or cancelled.
@@ -152,6 +158,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 error_message=status.stream_message(),
                 infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id)), None
         return pb.ModelStreamInferResponse(infer_response=response.as_message()), response
+
+
+def _drop_contents(request: codec.InferRequest | pb.ModelInferRequest) -> None:
+    if isinstance(request, codec.InferRequest):
+        request.drop_contents()
+    else:
+        request.Clear()
 
 
 class _StreamHold:

@@ -204,6 +204,41 @@ def test_a_request_that_can_never_fit_is_refused_naming_its_figure_and_one_that_
         assert proc.stop() == 0, proc.log()[-3000:]
 
 
+def test_refused_large_calls_leave_nothing_behind_before_any_collection(model_repository, eager_modules):
+    """A refused call ends in context.abort, whose exception gRPC keeps in a reference cycle with
+    the call's frames: if they still held the request, each refused 12.6 MB message would stay
+    resident until the cyclic collector ran (and a budget never used runs no reclaim). 24 calls
+    that can never fit, one after another: the peak stays within SLACK of idle (without the fix:
+    idle + 232 MiB, with it 56 MiB), and RSS near idle at once."""
+    limit = 64 * MIB
+    proc, _ = _start(model_repository, limit)
+    try:
+        idle = _warm(proc, eager_modules)
+        _reset_peak(proc)
+        rng = np.random.default_rng(12)
+        request = infer_request("self_attention", outputs=("output",), **random_inputs(rng, 4, 512, 512, 512, 512))
+        outcomes = []
+        with proc.channel() as channel:
+            infer = channel.unary_unary(INFER, request_serializer=pb.ModelInferRequest.SerializeToString,
+                                        response_deserializer=pb.ModelInferResponse.FromString)
+            for _ in range(24):
+                try:
+                    infer(request, timeout=60)
+                    outcomes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as err:
+                    outcomes.append(err.code())
+        rss, peak = _rss(proc), _peak(proc)  # no waiting: nothing is collected or trimmed for these
+        _figures("memory_refused", limit=limit, idle=idle, rss_after=rss, rss_over_idle=rss - idle,
+                 peak_over_idle=peak - idle)
+        assert outcomes == [grpc.StatusCode.INVALID_ARGUMENT] * 24, outcomes
+        assert peak <= idle + SLACK, (peak - idle) / MIB
+        assert rss <= idle + BACK_NEAR_IDLE, (rss - idle) / MIB
+        assert _budget_metrics(proc)["too_large_total"] == 24
+        _known_good(proc, eager_modules)
+    finally:
+        assert proc.stop() == 0, proc.log()[-3000:]
+
+
 # -- merging ---------------------------------------------------------------------------------
 
 
