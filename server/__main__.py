@@ -84,9 +84,25 @@ def run(config: ServerConfig, argv: list[str], command: list[str], run_batch: Ru
     return asyncio.run(serve(config, run_batch))
 
 
+def start_on_huge_pages() -> None:
+    """Re-execute this process (the same PID, interpreter and command line) with glibc's
+    huge-page tunable in its environment, where that changes anything (server.heap, "Roomy");
+    workers inherit it. Before any model or library is loaded."""
+    import os
+
+    from attnserve.server import heap
+
+    environ = heap.huge_pages_environment(os.environ)
+    if environ is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)
+
+
 def main(argv: list[str] | None = None, prog: str = "attnserve serve") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     config = load_config(argv, prog=prog)
+    start_on_huge_pages()
     configure_logging(config)
     return run(config, argv, [sys.executable, "-m", "attnserve", "serve"])
 

@@ -152,22 +152,31 @@ class Server:
         limit = cfg.memory_limit_bytes if cfg.memory_limit_bytes is not None else default_memory_limit(share)
         loop = asyncio.get_running_loop()
         # Once a large use of the budget is over, what gRPC and numpy freed goes back to the
-        # system (off the event loop: malloc_trim walks every heap); the later passes only while
-        # the budget stays empty (a new use ends in a new idle, and its own passes).
+        # system (off the event loop: malloc_trim walks every heap), each pass only while less
+        # than a large use is held (a new one ends in a new idle, and its own passes). Crowded,
+        # the heap turns lean at once, and roomy again at a pass that finds at most one large
+        # use (server.heap, "Reclaim").
         pending: list[asyncio.TimerHandle] = []
 
-        def reclaim_if_idle() -> None:
-            if self.budget is not None and self.budget.reserved_bytes == 0:
+        def reclaim_if_quiet() -> None:
+            budget = self.budget
+            if budget is not None and budget.used_bytes < MemoryBudget.IDLE_AFTER_BYTES:
+                if budget.large_uses < 2:
+                    heap.uncrowd()
                 loop.run_in_executor(None, heap.reclaim)
 
         def reclaim_soon() -> None:
             for handle in pending:
                 handle.cancel()
-            first, *later = _TRIM_DELAYS_S
-            pending[:] = [loop.call_later(first, lambda: loop.run_in_executor(None, heap.reclaim)),
-                          *(loop.call_later(delay_s, reclaim_if_idle) for delay_s in later)]
+            delays = _LEAN_RECLAIM_DELAYS_S if heap.is_lean() else _ROOMY_RECLAIM_DELAYS_S
+            pending[:] = [loop.call_later(delay_s, reclaim_if_quiet) for delay_s in delays]
 
-        self.budget = MemoryBudget(limit, on_idle=reclaim_soon)
+        def crowded() -> None:
+            if not heap.is_lean():
+                heap.crowd()
+                loop.run_in_executor(None, heap.trim)
+
+        self.budget = MemoryBudget(limit, on_idle=reclaim_soon, on_crowded=crowded)
         self.metrics.watch_budget(self.budget)
         self.registry = ModelRegistry.from_repository(cfg, device, self.metrics, arrivals=self._arrivals,
                                                       run_batch=self._run_batch, budget=self.budget,
@@ -339,12 +348,15 @@ _HANDOVER_PAUSE_S = 0.1  # where channelz cannot tell
 # point (UNAVAILABLE) get this long to leave.
 _RUNNING_MARGIN_S = 10.0
 # After the memory budget empties, the call that released it is still finishing (its request
-# and response objects go when its handler's frames do): reclaim a moment later. gRPC's core
-# frees its own buffers of those calls later still (an answer leaves as the client's window
-# allows, a connection's buffers go when it closes), and the last refused calls' exceptions,
-# which hold their requests' tensors through their frames, become garbage as those calls end:
-# reclaim again (collect, trim: about 2 ms once heap.settle() ran) after 1, 5 and 15 s.
-_TRIM_DELAYS_S = (0.05, 1.0, 5.0, 15.0)
+# and response objects go when its handler's frames do): reclaim a moment later, lean; roomy, a
+# second later, so that a client's next long request within it finds its heap resident
+# (server.heap, "Reclaim"). gRPC's core frees its own buffers of those calls later still (an
+# answer leaves as the client's window allows, a connection's buffers go when it closes), and
+# the last refused calls' exceptions, which hold their requests' tensors through their frames,
+# become garbage as those calls end: reclaim again (collect, trim: about 2 ms once
+# heap.settle() ran) after 5 and 15 s.
+_LEAN_RECLAIM_DELAYS_S = (0.05, 1.0, 5.0, 15.0)
+_ROOMY_RECLAIM_DELAYS_S = (1.0, 5.0, 15.0)
 
 
 async def _wait_for(event: asyncio.Event, timeout_s: float) -> bool:

@@ -1,46 +1,61 @@
-"""The process heap: glibc's allocator told to give memory back (the one place that trims).
+"""The process heap: glibc's allocator, roomy while large work comes alone, lean once it comes
+crowded (the one place that sets it up and trims).
 
-    configure_allocator()       # once at startup: large blocks in mappings of their own, a
-                                #   bounded top of each heap kept for the next request
-    release_after(nbytes)       # after a large message parsed or a large run: trim
-    reclaim()                   # after a large use of the memory budget: collect cycles, trim
-    trim()                      # give freed heap back now
+    huge_pages_environment(env)  # the environment main() re-executes the server with, or None
+    configure_allocator()        # once at startup: the roomy mode
+    crowd()                      # a second large use of the memory budget began: the lean mode
+    uncrowd()                    # the budget is quiet again: the roomy mode
+    release_after(nbytes)        # lean mode: trim after a large message parsed or a large run
+    reclaim()                    # once large work is over: collect cycles, trim
+    trim()                       # give freed heap back now
 
-Large messages. gRPC receives a message into buffers of its own, gives Python a copy, then frees
-them. glibc keeps freed heap resident for reuse, and the buffers that come next (the model's
-run, the answer) are of other sizes, mapped elsewhere: so every large request left its size
-behind, resident, through the rest of its run. Measured for a (1, 4096, 512) request (25 MB):
-the server's peak RSS increase +118-132 MB without, +97 MB with a trim once the request is
-parsed (in-process ONNX Runtime on the same graph: +88 MB).
+Why two modes. A large request's buffers are new memory: gRPC's copy of the message, Python's
+bytes, ONNX Runtime's tensors, the answer. Faulted in 4 KiB at a time, at 2 us a page on the
+2-core VM this was measured on (a 64 MiB buffer: 34 ms), they cost more than the copies. Two
+things remove that cost for a client's long requests that come one after another: transparent
+huge pages under glibc's blocks, and freed blocks kept in the heap for the next request
+((1, 4096, 512) output alone, 30 rounds paired with the in-process fused run: 1.23-1.28x with
+both, 1.48-1.51x huge pages alone, 1.72-1.73x neither). But under many concurrent large requests
+the same two break the memory budget's bound: a 2 MiB page is resident whole once touched, the
+freed blocks of many requests pile up, and RSS passed the budget (tests/test_memory_attacks.py's
+overload case: idle + 860-1,003 MiB against the 736 it allows; 297-452 without). So:
 
-Large runs. glibc raises its mmap threshold to the largest block freed (up to 32 MiB), so after
-one large run the buffers of later ones stay in its heaps for good; a fixed threshold
-(MMAP_THRESHOLD_BYTES) keeps them out, and a trim after a run whose attention matrix is large
-returns what its smaller blocks left (server.engine).
+Roomy (from the start, while at most one large use of the budget is held). Blocks below
+ROOMY_MMAP_THRESHOLD_BYTES come from glibc's heaps, and up to ROOMY_TRIM_THRESHOLD_BYTES free at
+the top of each stays resident; the heaps and large blocks are on huge pages (glibc's tunable
+glibc.malloc.hugetlb=1, which it reads once, at startup: main() re-executes the server with it
+where the kernel gives huge pages on request, its transparent_hugepage mode "madvise", and the
+environment does not name it; GLIBC_TUNABLES=glibc.malloc.hugetlb=0 keeps 4 KiB pages).
 
-Small requests. Fixing the mmap threshold also fixes glibc's trim threshold at its default,
-128 KiB: whenever more than that lies free at the top of a heap, free() returns it, and the next
-run faults it back in. Every batch's tensors are freed at its end, so at the seeds' sizes each
-request paid that: (1, 10, 512) at concurrency 32, 13.2 page faults per request; with
-TRIM_THRESHOLD_BYTES (8 MiB) kept at the top of each heap, 3.9 (1 MiB: 8.7, 32 MiB: 3.6). That
-bounds what is kept: 8 MiB a heap (glibc keeps one per thread that allocates, up to 8 per core),
-and every trim below still returns it all. An operator's own trim threshold (GLIBC_TUNABLES
-glibc.malloc.trim_threshold, or MALLOC_TRIM_THRESHOLD_) is left as it is.
+Lean (from a second large use held at once, until the budget is quiet). crowd() turns huge pages
+off for the process (prctl PR_SET_THP_DISABLE: what is faulted in from then on takes 4 KiB
+pages), maps every block of LEAN_MMAP_THRESHOLD_BYTES or more on its own (returned whole when
+freed), keeps at most LEAN_TRIM_THRESHOLD_BYTES free at a heap's top, and the server trims
+(off the event loop) what the roomy mode kept. From then on release_after() trims after each
+message and run of TRIM_MIN_BYTES or more (a trim walks the heap: 1-2 ms). Measured before the
+modes, with the lean settings always on: for a (1, 4096, 512) request the server's peak RSS
+increase was +118-132 MB without the trim after the message, +97 MB with it.
 
-A trim walks the heap (1-2 ms here), so only messages and runs of TRIM_MIN_BYTES or more take
-one. Elsewhere than glibc, nothing is done.
+Small requests never make a use large enough to count, so the seeds' traffic stays roomy: a
+fixed mmap threshold would otherwise leave glibc's trim threshold at its default, 128 KiB, and
+every batch's freed tensors would go back to the system to be faulted in again (measured at
+(1, 10, 512), concurrency 32: 13.2 page faults a request with 128 KiB, 3.9 with 8 MiB).
 
-This costs long requests their page faults (each block is new memory: 2 us a 4 KiB page here).
-Huge pages (glibc.malloc.hugetlb) and a heap kept between requests were measured against it and
-left off: they break the memory budget's bound under concurrent large requests (README, Memory,
-"Huge pages and a kept heap").
+Reclaim. The server (server.app) gives freed heap back once the budget empties after a large
+use: roomy, 1, 5 and 15 s later, each only if nothing is reserved then (a client's next long
+request within a second finds its heap resident: a first pass at 0.05 s gave 1.40-1.46x instead
+of 1.23-1.28x); lean, 0.05 s later, then uncrowd() and again at 1, 5 and 15 s. A pass collects
+reference cycles first (a refused request's exception holds its frames, and they its request's
+tensors, until the cyclic collector runs; without it RSS stayed 120-190 MB above idle after 40
+large refused calls), then trims. An operator's own glibc.malloc.mmap_threshold or
+trim_threshold (GLIBC_TUNABLES, or MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_) is left as
+it is in both modes. Elsewhere than glibc on Linux nothing is set or trimmed.
 
-The cyclic collector. reclaim() collects reference cycles after a large use of the budget,
-holding the GIL while it walks every tracked object: 35-250 ms in a server with its models
-loaded (54,000 objects), so inside the next request when requests come back to back. settle(),
-once the server has started, moves what exists then (modules, models, the servers) out of the
-collector's walk (gc.freeze): a collection then costs about 0.2 ms. unsettle() gives it all
-back to the collector (a model version unloaded or replaced: its objects must be collectable).
+The cyclic collector walks every tracked object holding the GIL: 35-250 ms in a server with its
+models loaded (54,000 objects), so inside the next request when requests come back to back.
+settle(), once the server has started, moves what exists then (modules, models, the servers) out
+of the collector's walk (gc.freeze): a collection then costs about 0.2 ms. unsettle() gives it
+all back to the collector (a model version unloaded or replaced: its objects must be collectable).
 """
 
 from __future__ import annotations
@@ -50,16 +65,24 @@ import gc
 import os
 import platform
 from collections.abc import Mapping
+from pathlib import Path
 
 TRIM_MIN_BYTES = 16 << 20
-# Blocks from this size up get their own mapping, returned to the system when freed.
-MMAP_THRESHOLD_BYTES = 1 << 20
-# Free memory kept at the top of each heap for the next request ("Small requests").
-TRIM_THRESHOLD_BYTES = 8 << 20
+ROOMY_MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's own dynamic threshold stops there
+ROOMY_TRIM_THRESHOLD_BYTES = 64 << 20
+LEAN_MMAP_THRESHOLD_BYTES = 1 << 20
+LEAN_TRIM_THRESHOLD_BYTES = 8 << 20
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers
 _M_MMAP_THRESHOLD = -3
+_PR_SET_THP_DISABLE = 41  # Linux prctl
+_TUNABLES = "GLIBC_TUNABLES"
+_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 _libc: ctypes.CDLL | None | bool = None  # looked up once; False where it is not glibc
+_lean = False  # the mode: crowd() .. uncrowd()
+_operator_set = frozenset[str]()  # the thresholds the environment sets: "mmap", "trim"
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -68,28 +91,75 @@ def _glibc() -> ctypes.CDLL | None:
         _libc = False
         if platform.libc_ver()[0] == "glibc":
             try:
-                libc = ctypes.CDLL(None)
-                libc.malloc_trim, libc.mallopt  # noqa: B018 - both are glibc's
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.malloc_trim, libc.mallopt, libc.prctl  # noqa: B018 - all glibc's
                 _libc = libc
             except (OSError, AttributeError):
                 pass
     return _libc or None
 
 
-def configure_allocator(environ: Mapping[str, str] = os.environ) -> None:
-    """Once at startup: blocks of MMAP_THRESHOLD_BYTES or more mapped on their own, and up to
-    TRIM_THRESHOLD_BYTES free at the top of each heap kept, unless `environ` sets glibc's trim
-    threshold itself."""
+def huge_pages_environment(environ: Mapping[str, str], thp_mode: Path = _THP_MODE) -> dict[str, str] | None:
+    """`environ` with HUGE_PAGES_TUNABLE added to GLIBC_TUNABLES, for a process to start with;
+    None where it would change nothing: not glibc, the kernel's transparent huge pages not
+    "madvise" (its mode file reads e.g. "always [madvise] never"), or the tunable already named
+    (whatever its value: the operator's choice)."""
+    tunables = environ.get(_TUNABLES, "")
+    if platform.libc_ver()[0] != "glibc" or "glibc.malloc.hugetlb=" in tunables:
+        return None
+    try:
+        if "[madvise]" not in thp_mode.read_text():
+            return None
+    except OSError:
+        return None
+    return {**environ, _TUNABLES: f"{tunables}:{HUGE_PAGES_TUNABLE}" if tunables else HUGE_PAGES_TUNABLE}
+
+
+def thresholds_named(environ: Mapping[str, str]) -> frozenset[str]:
+    """Which of glibc's thresholds the environment sets ("mmap", "trim"): the tunables or the
+    older variables."""
+    tunables = environ.get(_TUNABLES, "")
+    return frozenset(name for name in ("mmap", "trim") if f"glibc.malloc.{name}_threshold=" in tunables
+                     or f"MALLOC_{name.upper()}_THRESHOLD_" in environ)
+
+
+def _set(mmap_threshold: int, trim_threshold: int, huge_pages: bool) -> None:
     libc = _glibc()
-    if libc is not None:
-        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-        if not trim_threshold_named(environ):
-            libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    if libc is None:
+        return
+    if "mmap" not in _operator_set:
+        libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
+    if "trim" not in _operator_set:
+        libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold)
+    libc.prctl(_PR_SET_THP_DISABLE, 0 if huge_pages else 1, 0, 0, 0)  # fails harmlessly on old kernels
 
 
-def trim_threshold_named(environ: Mapping[str, str]) -> bool:
-    """Whether the environment sets glibc's trim threshold (the tunable or the older variable)."""
-    return "MALLOC_TRIM_THRESHOLD_" in environ or "glibc.malloc.trim_threshold=" in environ.get("GLIBC_TUNABLES", "")
+def configure_allocator(environ: Mapping[str, str] = os.environ) -> None:
+    """Once at startup: the roomy mode (module docstring), with the environment's own
+    thresholds left as they are."""
+    global _operator_set, _lean
+    _operator_set = thresholds_named(environ)
+    _lean = False
+    _set(ROOMY_MMAP_THRESHOLD_BYTES, ROOMY_TRIM_THRESHOLD_BYTES, huge_pages=True)
+
+
+def crowd() -> None:
+    """A second large use of the memory budget is held: the lean mode. The caller trims next
+    (off the event loop), giving back what the roomy mode kept."""
+    global _lean
+    _lean = True
+    _set(LEAN_MMAP_THRESHOLD_BYTES, LEAN_TRIM_THRESHOLD_BYTES, huge_pages=False)
+
+
+def uncrowd() -> None:
+    """The budget is quiet again: back to the roomy mode."""
+    global _lean
+    _lean = False
+    _set(ROOMY_MMAP_THRESHOLD_BYTES, ROOMY_TRIM_THRESHOLD_BYTES, huge_pages=True)
+
+
+def is_lean() -> bool:
+    return _lean
 
 
 def trim() -> bool:
@@ -103,8 +173,9 @@ def trim() -> bool:
 
 def release_after(nbytes: int) -> bool:
     """After a message of `nbytes` was received and parsed, or a run whose attention matrix has
-    `nbytes`: give freed heap back to the system if that was large. Whether a trim ran."""
-    return nbytes >= TRIM_MIN_BYTES and trim()
+    `nbytes`: in the lean mode, give freed heap back to the system if that was large. Whether a
+    trim ran."""
+    return _lean and nbytes >= TRIM_MIN_BYTES and trim()
 
 
 def settle() -> None:
@@ -120,9 +191,6 @@ def unsettle() -> None:
 
 
 def reclaim() -> None:
-    """After a large use of the memory budget: collect reference cycles (a refused request's
-    exception holds its frames, and they its request's tensors, until the cyclic collector
-    runs), then trim. Measured: without the collection RSS stayed 120-190 MB above idle after
-    40 large refused calls."""
+    """Once large work is over: collect reference cycles, then trim (module docstring, "Reclaim")."""
     gc.collect()
     trim()

@@ -245,14 +245,21 @@ class MemoryBudget:
     WAITING_ROOM = 1 / 8
     # on_idle is called when nothing is reserved any more after at least this much was.
     IDLE_AFTER_BYTES = 64 << 20
+    # A reservation or waiter of this much is a large use; on_crowded is called when two are held.
+    LARGE_BYTES = 16 << 20
 
-    def __init__(self, limit_bytes: int, on_idle: Callable[[], None] | None = None) -> None:
+    def __init__(self, limit_bytes: int, on_idle: Callable[[], None] | None = None,
+                 on_crowded: Callable[[], None] | None = None) -> None:
         """on_idle: called (on the event loop) when the budget empties after a large use: the
-        server gives freed heap memory back to the system then (server.heap.reclaim)."""
+        server gives freed heap memory back to the system then (server.heap.reclaim).
+        on_crowded: called (on the event loop) whenever a second large use comes to be held at
+        once (granted or waiting): the heap turns lean (server.heap.crowd)."""
         if limit_bytes < 1:
             raise ValueError(f"memory limit must be >= 1 byte, got {limit_bytes}")
         self.limit_bytes = limit_bytes
         self._on_idle = on_idle
+        self._on_crowded = on_crowded
+        self.large_uses = 0  # large reservations and waiters held now
         self._high_water = 0  # most reserved since the budget was last empty
         self.reserved_bytes = 0  # granted reservations
         self.waiting_bytes = 0  # inputs of the requests that wait
@@ -300,7 +307,15 @@ class MemoryBudget:
             return None
         self.reserved_bytes += nbytes
         self._high_water = max(self._high_water, self.reserved_bytes)
+        self._count_large(nbytes, +1)
         return Reservation(self, nbytes)
+
+    def _count_large(self, nbytes: int, step: int) -> None:
+        if nbytes < self.LARGE_BYTES:
+            return
+        self.large_uses += step
+        if step > 0 and self.large_uses == 2 and self._on_crowded is not None:
+            self._on_crowded()
 
     async def reserve(self, nbytes: int, deadline: float | None, first: int = 0, what: str = "this request"
                       ) -> Reservation | None:
@@ -323,6 +338,7 @@ class MemoryBudget:
         self.waits += 1
         self._waiters.append(waiter)
         self.waiting_bytes += first
+        self._count_large(nbytes, +1)  # waiting or admitted, it stays one large use
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), max(deadline - time.monotonic(), 0.0))
         except (TimeoutError, asyncio.CancelledError) as err:
@@ -334,6 +350,7 @@ class MemoryBudget:
                 waiter.future.cancel()
                 self._waiters.remove(waiter)
                 self.waiting_bytes -= first
+                self._count_large(nbytes, -1)
                 self._admit_waiters()
             if isinstance(err, asyncio.CancelledError):
                 raise
@@ -354,6 +371,7 @@ class MemoryBudget:
 
     def _give_back(self, nbytes: int) -> None:
         self.reserved_bytes -= nbytes
+        self._count_large(nbytes, -1)
         self._admit_waiters()
         if self.reserved_bytes == 0 and not self._waiters:
             if self._on_idle is not None and self._high_water >= self.IDLE_AFTER_BYTES:

@@ -1,7 +1,9 @@
 """server.heap: the cyclic collector leaves out what exists when the server has started
 (gc.freeze) until a model change or the stop gives it back. A real in-process Server on the
-exported models; no mocks. And glibc's trim threshold: what configure_allocator keeps at the
-top of a heap, measured in page faults of a fresh process."""
+exported models; no mocks. And glibc's allocator (server.heap's two modes), in fresh processes:
+what the roomy mode keeps at the top of a heap, measured in page faults; huge pages on and off
+with the mode (/proc/self/status); the tunable a served process runs with (its environment, read
+from /proc)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,15 @@ import shutil
 import subprocess
 import sys
 import weakref
+from pathlib import Path
 
 import pytest
+from grpc_health.v1 import health_pb2
 
 from attnserve.server import heap
 from attnserve.server.app import Server
 from attnserve.server.config import ServerConfig
+from tests.server_process import ServerProcess
 
 
 class _Cycle:
@@ -101,13 +106,17 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def _reuse_faults(**env: str) -> int:
-    environ = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "MALLOC_TRIM_THRESHOLD_")}
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("GLIBC_TUNABLES", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")}
     got = subprocess.run([sys.executable, "-c", _REUSE_FAULTS], env={**environ, **env},
                          capture_output=True, text=True, check=True)
     return int(got.stdout)
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
+GLIBC = platform.libc_ver()[0] == "glibc"
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's allocator only")
 def test_freed_small_blocks_stay_for_the_next_request_unless_the_operator_sets_the_threshold():
     kept = _reuse_faults()
     # The operator's own threshold wins (glibc's default, 128 KiB): the 4 MiB went back to the
@@ -117,8 +126,83 @@ def test_freed_small_blocks_stay_for_the_next_request_unless_the_operator_sets_t
     assert kept <= 100, (kept, returned)
 
 
-def test_the_trim_threshold_is_named_by_the_tunable_or_the_older_variable():
-    assert not heap.trim_threshold_named({})
-    assert not heap.trim_threshold_named({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
-    assert heap.trim_threshold_named({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.malloc.trim_threshold=1048576"})
-    assert heap.trim_threshold_named({"MALLOC_TRIM_THRESHOLD_": "1048576"})
+def test_the_thresholds_are_named_by_the_tunables_or_the_older_variables():
+    assert heap.thresholds_named({}) == frozenset()
+    assert heap.thresholds_named({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) == frozenset()
+    assert heap.thresholds_named({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.malloc.trim_threshold=1048576"}) == {"trim"}
+    assert heap.thresholds_named({"MALLOC_TRIM_THRESHOLD_": "1048576", "MALLOC_MMAP_THRESHOLD_": "1"}) == {"trim", "mmap"}
+
+
+# A fresh process: roomy, then crowded, then quiet again. Per mode: whether huge pages may be
+# faulted in (the kernel's THP_enabled for the process) and whether a large release trims.
+_MODES = """
+from attnserve.server import heap
+def state():
+    thp = [line.split()[1] for line in open("/proc/self/status") if line.startswith("THP_enabled:")]
+    return [heap.is_lean(), thp[0] if thp else None, heap.release_after(heap.TRIM_MIN_BYTES),
+            heap.release_after(heap.TRIM_MIN_BYTES - 1)]
+heap.configure_allocator()
+seen = [state()]
+heap.crowd()
+seen.append(state())
+heap.uncrowd()
+seen.append(state())
+print(seen)
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's allocator only")
+def test_crowded_the_heap_turns_lean_without_huge_pages_and_trims_after_large_work_then_roomy_again():
+    got = subprocess.run([sys.executable, "-c", _MODES], capture_output=True, text=True, check=True)
+    roomy, lean, again = eval(got.stdout)  # noqa: S307 - our own child's repr of lists of bools and str
+    thp = Path("/proc/self/status").read_text().count("THP_enabled:") > 0  # kernels since 6.0 say it
+    assert roomy == [False, "1" if thp else None, False, False]
+    assert lean == [True, "0" if thp else None, True, False]
+    assert again == roomy
+
+
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _mode_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "enabled"
+    path.write_text(text + "\n")
+    return path
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's tunable")
+def test_the_huge_page_tunable_is_added_only_where_the_kernel_gives_huge_pages_on_request(tmp_path):
+    madvise = _mode_file(tmp_path, "always [madvise] never")
+    assert heap.huge_pages_environment({"A": "1"}, madvise) == {"A": "1", "GLIBC_TUNABLES": heap.HUGE_PAGES_TUNABLE}
+    # Other tunables are kept, in their order.
+    assert heap.huge_pages_environment({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}, madvise) == {
+        "GLIBC_TUNABLES": f"glibc.malloc.tcache_count=0:{heap.HUGE_PAGES_TUNABLE}"}
+    # Named already (on or off): the operator's choice; the process needs no restart.
+    assert heap.huge_pages_environment({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, madvise) is None
+    assert heap.huge_pages_environment({"GLIBC_TUNABLES": heap.HUGE_PAGES_TUNABLE}, madvise) is None
+    # "always": every mapping has them already; "never": none can; no file: not Linux's THP.
+    assert heap.huge_pages_environment({}, _mode_file(tmp_path, "[always] madvise never")) is None
+    assert heap.huge_pages_environment({}, _mode_file(tmp_path, "always madvise [never]")) is None
+    assert heap.huge_pages_environment({}, tmp_path / "missing") is None
+
+
+def _environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(entry.decode().split("=", 1) for entry in entries if b"=" in entry)
+
+
+@pytest.mark.skipif(not GLIBC or "[madvise]" not in (THP_MODE.read_text() if THP_MODE.exists() else ""),
+                    reason="the kernel's transparent huge pages are not in madvise mode here")
+def test_a_served_process_runs_with_the_tunable_and_keeps_an_operators_own(model_repository):
+    server = ServerProcess(model_repository, env={"GLIBC_TUNABLES": ""})
+    try:
+        environ = _environ(server.proc.pid)  # the same PID: the server re-executed itself
+        assert environ["GLIBC_TUNABLES"] == heap.HUGE_PAGES_TUNABLE
+        assert server.health() == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        assert server.stop() == 0  # drained on SIGTERM, signal handlers those of the new image
+    server = ServerProcess(model_repository, env={"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
+    try:
+        assert _environ(server.proc.pid)["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
+    finally:
+        server.stop()

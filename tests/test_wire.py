@@ -78,13 +78,18 @@ def test_codec_takes_the_wire_path_for_large_messages_only():
     assert codec.serialize_infer_response(pb.ModelInferResponse(id="x")) == pb.ModelInferResponse(id="x").SerializeToString()
 
 
-def test_a_large_request_hands_freed_heap_back_and_a_small_one_does_not():
+def test_crowded_a_large_request_hands_freed_heap_back_and_a_small_one_does_not():
     import platform
 
     from attnserve.server import heap
 
-    assert heap.release_after(heap.TRIM_MIN_BYTES - 1) is False
-    assert heap.release_after(heap.TRIM_MIN_BYTES) is (platform.libc_ver()[0] == "glibc")
+    assert heap.release_after(heap.TRIM_MIN_BYTES) is False  # roomy: nothing trims
+    heap.crowd()
+    try:
+        assert heap.release_after(heap.TRIM_MIN_BYTES - 1) is False
+        assert heap.release_after(heap.TRIM_MIN_BYTES) is (platform.libc_ver()[0] == "glibc")
+    finally:
+        heap.uncrowd()
 
 
 # -- malformed bytes: a clear error, never a crash, a hang or a read past the message ----------------
