@@ -193,8 +193,8 @@ class Engine:
         try:
             outputs = self._run(session or self._sessions[kind], _graph_feeds(kind, feeds))
         finally:
-            # A large run's freed buffers go back to the system now (server.heap): sized by the
-            # batch's (B, H, Lq, Lk) matrix whichever graph ran, the run's scale.
+            # Crowded (server.heap, "Lean"), a large run's freed buffers go back to the system
+            # now: sized by the batch's (B, H, Lq, Lk) matrix whichever graph ran, the run's scale.
             b, lq, _ = feeds["query"].shape
             heap.release_after(b * self.spec.num_heads * lq * feeds["key"].shape[1] * BYTES_PER_SCORE)
         self.runs[kind] += 1
