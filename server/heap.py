@@ -42,9 +42,10 @@ every batch's freed tensors would go back to the system to be faulted in again (
 (1, 10, 512), concurrency 32: 13.2 page faults a request with 128 KiB, 3.9 with 8 MiB).
 
 Reclaim. The server (server.app) gives freed heap back once the budget empties after a large
-use: roomy, 1, 5 and 15 s later, each only if nothing is reserved then (a client's next long
-request within a second finds its heap resident: a first pass at 0.05 s gave 1.40-1.46x instead
-of 1.23-1.28x); lean, 0.05 s later, then uncrowd() and again at 1, 5 and 15 s. A pass collects
+use, each pass only while less than 64 MiB of the budget is held: roomy, 1, 5 and 15 s later
+(a client's next long request within a second finds its heap resident: a first pass at 0.05 s
+gave 1.40-1.46x instead of 1.23-1.28x); lean, 0.05 s later and again at 1, 5 and 15 s, and the
+first pass that finds at most one large use held calls uncrowd(). A pass collects
 reference cycles first (a refused request's exception holds its frames, and they its request's
 tensors, until the cyclic collector runs; without it RSS stayed 120-190 MB above idle after 40
 large refused calls), then trims. An operator's own glibc.malloc.mmap_threshold or
