@@ -26,8 +26,9 @@ from pathlib import Path
 from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, HEAD_MASK_ALL_OUTPUTS, HEAD_MASK_KINDS
 
 FLOAT = 4  # bytes of a float32
-# What the estimate is allowed to be, as a multiple of a measured peak (tests/test_memory.py).
-MEASURED_FACTOR_RANGE = (1.0, 2.0)
+# What the estimate is allowed to be, as a multiple of a measured peak (tests/test_memory.py):
+# found 1.16x to 2.07x with HUGE_PAGE_SLACK_BYTES (1.08x to 1.71x before it).
+MEASURED_FACTOR_RANGE = (1.0, 2.2)
 # Over the fitted figure: measured in fresh processes the fit was 1.04x to 1.33x the peak.
 SAFETY = 1.1
 # Runs of this much or more get their blocks on 2 MiB huge pages (server.heap, "Roomy"), which
