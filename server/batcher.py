@@ -405,10 +405,16 @@ class Batcher:
             if not batch:
                 self._slots.release()
                 continue
-            self._computing += 1
-            task = asyncio.get_running_loop().create_task(self._run(batch, extra))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            self._start(batch, extra)
+            # This coroutine waits for its next batch holding no reference to this one: a batch's
+            # tensors (its requests' received bytes, its outputs) go as soon as its answers do.
+            del batch, extra
+
+    def _start(self, batch: list[_Pending], extra: Reservation | None) -> None:
+        self._computing += 1
+        task = asyncio.get_running_loop().create_task(self._run(batch, extra))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
 
     async def _wait_for_company(self) -> None:
         """Company is coming: let a partial batch fill until the oldest request has waited

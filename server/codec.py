@@ -384,7 +384,11 @@ def serialize_infer_response(response: InferResponse | pb.ModelInferResponse) ->
         return response.SerializeToString()
     if not response.raw_output_contents:
         return response.message.SerializeToString()
-    return wire.serialize_with_raw(response.message, "raw_output_contents", response.raw_output_contents)
+    data = wire.serialize_with_raw(response.message, "raw_output_contents", response.raw_output_contents)
+    # The arrays are in `data` now. gRPC keeps the call's done callbacks (which hold this answer,
+    # for its reservation) until it lets go of the call, after the next call began here.
+    response.raw_output_contents = []
+    return data
 
 
 # -- typed contents as packed wire bytes -------------------------------------------------------
