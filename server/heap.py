@@ -11,21 +11,29 @@ crowded (the one place that sets it up and trims).
 
 Why two modes. A large request's buffers are new memory: gRPC's copy of the message, Python's
 bytes, ONNX Runtime's tensors, the answer. Faulted in 4 KiB at a time, at 2 us a page on the
-2-core VM this was measured on (a 64 MiB buffer: 34 ms), they cost more than the copies. Two
-things remove that cost for a client's long requests that come one after another: transparent
-huge pages under glibc's blocks, and freed blocks kept in the heap for the next request
-((1, 4096, 512) output alone, 30 rounds paired with the in-process fused run: 1.23-1.28x with
-both, 1.48-1.51x huge pages alone, 1.72-1.73x neither). But under many concurrent large requests
-the same two break the memory budget's bound: a 2 MiB page is resident whole once touched, the
-freed blocks of many requests pile up, and RSS passed the budget (tests/test_memory_attacks.py's
-overload case: idle + 860-1,003 MiB against the 736 it allows; 297-452 without). So:
+2-core VM this was first measured on (a 64 MiB buffer: 34 ms), they cost more than the copies;
+and on a VM whose balloon reports free pages to its host (virtio-balloon free page reporting),
+memory given back and faulted in again costs the host's fault too (about 1 ms per MB measured
+on such a VM, 0.2 with huge pages). Huge pages under glibc's blocks, and freed heap kept for the
+next request, remove much of that cost for a client's long requests that come one after another.
+But under many concurrent large requests keeping freed blocks breaks the memory budget's bound:
+the freed blocks of many requests pile up (tests/test_memory_attacks.py's overload case reached
+idle + 860-1,003 MiB against the 736 it allows). So:
 
 Roomy (from the start, while at most one large use of the budget is held). Blocks below
 ROOMY_MMAP_THRESHOLD_BYTES come from glibc's heaps, and up to ROOMY_TRIM_THRESHOLD_BYTES free at
-the top of each stays resident; the heaps and large blocks are on huge pages (glibc's tunable
-glibc.malloc.hugetlb=1, which it reads once, at startup: main() re-executes the server with it
-where the kernel gives huge pages on request, its transparent_hugepage mode "madvise", and the
-environment does not name it; GLIBC_TUNABLES=glibc.malloc.hugetlb=0 keeps 4 KiB pages).
+the top of each stays resident; larger blocks are mapped on their own and go back when freed.
+The heaps and large blocks are on huge pages (glibc's tunable glibc.malloc.hugetlb=1, which it
+reads once, at startup: main() re-executes the server with it where the kernel gives huge pages
+on request, its transparent_hugepage mode "madvise", and the environment does not name it;
+GLIBC_TUNABLES=glibc.malloc.hugetlb=0 keeps 4 KiB pages). Why 4 and 16 MiB: with every block
+under 32 MiB kept (glibc's own dynamic ceiling) and 64 MiB free at each heap's top, each thread's
+arena (gRPC's core threads receive a message, the event loop copies it into bytes, the run
+thread holds ONNX Runtime's tensors) kept what it had freed, and no other could reuse it: a
+(1, 4096, 512) output-only request's peak RSS increase was 144 MB (1.64x the in-process fused
+run's 88 MB) and 210-300 MB once such requests came back to back; with 4 and 16 MiB, 104 MB
+(1.19x), and 92-143 MB back to back, in about the same time on that VM (paired with the
+in-process run, in alternating runs at load 1.5-2: 1.06-1.25x before, 1.14-1.26x after).
 
 Lean (from a second large use held at once, until the budget is quiet). crowd() turns huge pages
 off for the process (prctl PR_SET_THP_DISABLE: what is faulted in from then on takes 4 KiB
@@ -69,8 +77,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 TRIM_MIN_BYTES = 16 << 20
-ROOMY_MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's own dynamic threshold stops there
-ROOMY_TRIM_THRESHOLD_BYTES = 64 << 20
+ROOMY_MMAP_THRESHOLD_BYTES = 4 << 20
+ROOMY_TRIM_THRESHOLD_BYTES = 16 << 20
 LEAN_MMAP_THRESHOLD_BYTES = 1 << 20
 LEAN_TRIM_THRESHOLD_BYTES = 8 << 20
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
