@@ -26,14 +26,18 @@ the top of each stays resident; larger blocks are mapped on their own and go bac
 The heaps and large blocks are on huge pages (glibc's tunable glibc.malloc.hugetlb=1, which it
 reads once, at startup: main() re-executes the server with it where the kernel gives huge pages
 on request, its transparent_hugepage mode "madvise", and the environment does not name it;
-GLIBC_TUNABLES=glibc.malloc.hugetlb=0 keeps 4 KiB pages). Why 4 and 16 MiB: with every block
-under 32 MiB kept (glibc's own dynamic ceiling) and 64 MiB free at each heap's top, each thread's
-arena (gRPC's core threads receive a message, the event loop copies it into bytes, the run
-thread holds ONNX Runtime's tensors) kept what it had freed, and no other could reuse it: a
-(1, 4096, 512) output-only request's peak RSS increase was 144 MB (1.64x the in-process fused
-run's 88 MB) and 210-300 MB once such requests came back to back; with 4 and 16 MiB, 104 MB
-(1.19x), and 92-143 MB back to back, in about the same time on that VM (paired with the
-in-process run, in alternating runs at load 1.5-2: 1.06-1.25x before, 1.14-1.26x after).
+GLIBC_TUNABLES=glibc.malloc.hugetlb=0 keeps 4 KiB pages). Why blocks of 8 MiB and more are
+mapped: with every block under 32 MiB kept (glibc's own dynamic ceiling), each thread's arena
+(gRPC's core threads receive a message, the event loop copies it into bytes, the run thread holds
+ONNX Runtime's tensors) kept what it had freed, and no other could reuse it: a (1, 4096, 512)
+output-only request's peak RSS increase was 144 MB (1.64x the in-process fused run's 88 MB), and
+210-300 MB once such requests came back to back; mapping blocks of 8 MiB and more (one
+(4096, 512) fp32 tensor is 8 MiB): 105-114 MB (1.2-1.3x), 111-127 MB back to back, paired time
+1.16-1.17x against 1.10-1.15x before (alternating runs on a 2-core AMD EPYC VM, load 1-2.7).
+Mapping from 4 MiB (16 MiB kept) did as well there but took the seeds' cross-attention batches
+with it: at concurrency 32 their (32, 2, 256, 77) attention probabilities (5 MB) were mapped
+afresh for every batch, 0.87x the throughput (perf_analyzer, 4 alternating rounds); from 8 MiB,
+0.98x (64 MiB kept), 0.97x (32 MiB kept).
 
 Lean (from a second large use held at once, until the budget is quiet). crowd() turns huge pages
 off for the process (prctl PR_SET_THP_DISABLE: what is faulted in from then on takes 4 KiB
@@ -77,8 +81,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 TRIM_MIN_BYTES = 16 << 20
-ROOMY_MMAP_THRESHOLD_BYTES = 4 << 20
-ROOMY_TRIM_THRESHOLD_BYTES = 16 << 20
+ROOMY_MMAP_THRESHOLD_BYTES = 8 << 20
+ROOMY_TRIM_THRESHOLD_BYTES = 64 << 20
 LEAN_MMAP_THRESHOLD_BYTES = 1 << 20
 LEAN_TRIM_THRESHOLD_BYTES = 8 << 20
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
