@@ -13,7 +13,8 @@ in a fresh process, so one's memory cannot pollute another's figures:
     ort_fused    in-process ONNX Runtime, model_fused.onnx (ORT's MultiHeadAttention: flash on CPU)
     server       a fresh `attnserve serve` process, one ModelInfer call for `output` alone, raw
                  contents, from a client in another process that writes and reads the raw
-                 tensors without protobuf's copies (attnserve.proto.wire); the project's
+                 tensors without protobuf's copies (attnserve.proto.wire) and keeps its large
+                 blocks in its heap between calls (keep_client_heap); the project's
                  InferenceClient on the same request is reported beside it
 
 Time: the median of the runs after the first (at least 3, up to --budget-s); then, for issue #16's
@@ -70,6 +71,27 @@ def _status(pid: int | str, field: str) -> float:
 def _reset_peak(pid: int | str) -> None:
     """Start VmHWM afresh from the current RSS (Linux: 5 > /proc/PID/clear_refs)."""
     Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+# The client's large blocks (the serialized request, gRPC's copy of it, the answer) stay in its
+# heap between calls, as a long-lived client sending tens of MB per call should keep them (see
+# README, "Sequence-length sweep"): with glibc's defaults this client faulted in ~12,400 pages a
+# (1, 4096, 512) call (its heap trimmed after each, the next call's blocks fresh), about 60 ms of
+# the "server" column that were the client's own.
+CLIENT_MMAP_THRESHOLD_BYTES = 64 << 20
+CLIENT_TRIM_THRESHOLD_BYTES = 128 << 20
+
+
+def keep_client_heap() -> None:
+    """Set this (benchmark client) process's glibc thresholds to CLIENT_*; elsewhere nothing."""
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return
+    libc = ctypes.CDLL(None)
+    libc.mallopt(-3, CLIENT_MMAP_THRESHOLD_BYTES)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, CLIENT_TRIM_THRESHOLD_BYTES)  # M_TRIM_THRESHOLD
 
 
 def _timed(call, budget_s: float) -> tuple[float, list[float]]:
@@ -166,6 +188,7 @@ def _measure_server(repository: Path, model: str, spec, shape: tuple[int, int, i
     def call(channel, x):
         return _raw_call(channel, model, x)
 
+    keep_client_heap()
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="attnserve-sweep-") as tmp:
         server = _Server(repository, server_args, Path(tmp))
@@ -222,6 +245,7 @@ def _measure_pair(repository: Path, model: str, spec, shape: tuple[int, int, int
     from attnserve.server.engine import session_options
     from bench.__main__ import _Server
 
+    keep_client_heap()  # for the in-process runs as well: they share this process
     rng = np.random.default_rng(0)
     x = _inputs(spec, shape, rng)
     session = ort.InferenceSession(str(spec.graph_path(contract.FUSED)), sess_options=session_options(0),
