@@ -63,9 +63,11 @@ from typing import Callable, Protocol
 import numpy as np
 
 from attnserve.contract import HEAD_MASK, KEY_PADDING_MASK
+from attnserve.server import priority
 from attnserve.server.graphs import GENERAL, HEADS, KEY_PADDING, NO_MASK
 from attnserve.server.lifecycle import MemoryBudget, Reservation
 from attnserve.server.memory import Cost
+from attnserve.server.stacking import place, stack
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +288,7 @@ class Batcher:
                  observer: BatchObserver | None = None, arrivals: ArrivalSignal | None = None,
                  scores_of: ScoresOf | None = None, budget: MemoryBudget | None = None,
                  costing: Costing | None = None, run_solo: RunBatch | None = None,
-                 solitude: Solitude | None = None) -> None:
+                 solitude: Solitude | None = None, compute_nice: int = 0) -> None:
         self.name = name
         self._run_batch = run_batch
         self._run_solo = run_solo if solitude is not None else None  # see _runs_solo
@@ -305,7 +307,9 @@ class Batcher:
             raise ValueError("a memory budget needs a costing, and a costing a budget")
         self._budget = budget
         self._costing = costing
-        self._executor = ThreadPoolExecutor(max_workers=policy.batches_in_flight, thread_name_prefix=f"run-{name}")
+        # Its runs' threads give way to the event loop where both want a core (server.priority).
+        self._executor = ThreadPoolExecutor(max_workers=policy.batches_in_flight, thread_name_prefix=f"run-{name}",
+                                            initializer=priority.lower_this_thread, initargs=(compute_nice,))
         self._closing = False
         self._loop_task: asyncio.Task | None = None
 
@@ -589,8 +593,8 @@ def merge(works: list[Work]) -> tuple[dict[str, np.ndarray], float]:
     if len(works) == 1:
         w = works[0]
         feeds = {"query": w.query, "key": w.key, "value": w.value}
-    elif same_lengths:
-        feeds = {name: np.concatenate([getattr(w, name) for w in works]) for name in ("query", "key", "value")}
+    elif same_lengths:  # copies that keep the GIL (server.stacking): this runs beside the event loop
+        feeds = {name: stack([getattr(w, name) for w in works]) for name in ("query", "key", "value")}
     else:
         first = works[0]
         feeds = {"query": np.zeros((rows, q_len, first.query.shape[2]), dtype=np.float32),  # (B, Lq, q_dim)
@@ -598,11 +602,9 @@ def merge(works: list[Work]) -> tuple[dict[str, np.ndarray], float]:
         feeds["value"] = np.zeros_like(feeds["key"])
         start = 0
         for w in works:
-            end = start + w.rows
-            feeds["query"][start:end, : w.q_len] = w.query
-            feeds["key"][start:end, : w.k_len] = w.key
-            feeds["value"][start:end, : w.k_len] = w.value
-            start = end
+            for name in ("query", "key", "value"):
+                place(feeds[name], start, getattr(w, name))
+            start += w.rows
     if masking == KEY_PADDING:
         key_padding = np.zeros((rows, k_len), dtype=np.int32)  # (B, Lk): 1 = a real key to attend
         start = 0
@@ -616,7 +618,7 @@ def merge(works: list[Work]) -> tuple[dict[str, np.ndarray], float]:
     elif masking == GENERAL:
         if len(works) == 1 or (same_lengths and all(w.mask is not None for w in works)):
             # A view ((lq, lk) broadcast, a head sliced) becomes the contiguous array a run takes.
-            mask = np.ascontiguousarray(works[0].mask) if len(works) == 1 else np.concatenate([w.mask for w in works])
+            mask = np.ascontiguousarray(works[0].mask) if len(works) == 1 else stack([w.mask for w in works])
         else:
             mask = np.zeros((rows, q_len, k_len), dtype=np.bool_)  # (B, Lq, Lk): padding is masked
             start = 0
@@ -636,7 +638,7 @@ def _head_mask(works: list[Work], rows: int, q_len: int, k_len: int, same_length
     if len(works) == 1:
         return works[0].mask
     if same_lengths and all(w.masking == HEADS for w in works):
-        return np.concatenate([w.mask for w in works])
+        return stack([w.mask for w in works])
     mask = np.zeros((rows, heads, q_len, k_len), dtype=np.bool_)  # padding is masked
     start = 0
     for w in works:

@@ -42,6 +42,10 @@ class ServerConfig:
     # A lone request (no other call in flight, after a quiet spell) runs on sessions whose threads
     # spin between runs (server.engine, "Solo sessions"): lower latency at low load for CPU.
     spin_when_alone: bool = True
+    # Added to the nice value of the threads that compute (each batcher's run threads, ONNX
+    # Runtime's pool threads): where they and the event loop want a core, the loop goes first
+    # (server.priority). 0: the same priority as the loop.
+    compute_nice: int = 5
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_queued_bytes: int = 1024**3  # input bytes waiting per model; beyond it RESOURCE_EXHAUSTED
     # RSS above idle for queued inputs, runs in flight and answers not yet sent (server.memory);
@@ -119,6 +123,8 @@ class ServerConfig:
             raise ValueError("--workers above 1 cannot be combined with --model-control-mode explicit: a model "
                              "loaded or unloaded through one worker would not change the others' (use --workers 1, "
                              "or --model-control-mode poll, where every worker rescans the repository)")
+        if not 0 <= self.compute_nice <= 19:
+            raise ValueError(f"compute_nice must be in 0..19, got {self.compute_nice}")
         if self.intra_op_threads < 0:
             raise ValueError(f"intra_op_threads must be >= 0, got {self.intra_op_threads}")
         if not 0 <= self.drain_delay_s < float("inf"):
@@ -153,6 +159,8 @@ _HELP: dict[str, str] = {
     "intra_op_threads": "ONNX Runtime intra-op threads (0 = one per core)",
     "spin_when_alone": "a lone request runs on ONNX Runtime sessions whose threads spin ~20-40 ms after it, "
                        "so the next finds the cores awake (CPU only; false: threads always sleep when idle)",
+    "compute_nice": "added to the nice value of the threads that run models (batch runs, ONNX Runtime's pool), "
+                    "so that the event loop goes first where they want the same core (0 = the loop's priority)",
     "max_message_bytes": "largest gRPC message received or sent; largest REST body received (inflated)",
     "max_queued_bytes": "input bytes queued per model before RESOURCE_EXHAUSTED",
     "memory_limit_bytes": "memory budget above idle RSS: queued inputs, runs in flight, unsent answers "

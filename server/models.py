@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, HEAD_MASK_KINDS, OUTPUT_ONLY
+from attnserve.server import priority
 from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch, Solitude, Work
 from attnserve.server.codec import Limits
 from attnserve.server.config import ServerConfig
@@ -398,7 +399,9 @@ class ModelRegistry:
         device = self._device
         if device is None:
             raise RuntimeError("ModelRegistry has no device to open models on")
-        engine = Engine(spec, device, self.config.intra_op_threads, solo=self.config.spin_when_alone)
+        # Opened on a thread of the compute priority: ONNX Runtime's pool threads inherit it.
+        engine = priority.run_lowered(self.config.compute_nice, lambda: Engine(
+            spec, device, self.config.intra_op_threads, solo=self.config.spin_when_alone))
         run_solo = engine.run_solo if engine.has_solo_sessions else None
         return engine.run, ",".join(engine.providers), fingerprint, engine.graphs, run_solo
 
@@ -428,7 +431,7 @@ class ModelRegistry:
             batcher = Batcher(label, run, policy, self._metrics.observer(name), self._arrivals,
                               scores_of=graphs.scores_held, budget=self._budget,
                               costing=None if self._budget is None else GraphCosting(spec, graphs),
-                              run_solo=run_solo, solitude=self._solitude)
+                              run_solo=run_solo, solitude=self._solitude, compute_nice=cfg.compute_nice)
             limits = Limits(spec.max_q_len, spec.max_kv_len, cfg.max_attention_bytes,
                             max_response_bytes=cfg.max_message_bytes, max_typed_bytes=cfg.max_typed_bytes,
                             graphs=graphs)
