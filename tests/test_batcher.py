@@ -1101,6 +1101,38 @@ def test_a_lone_request_runs_solo_and_gets_the_same_answer():
     assert_matches_alone(work, result)
 
 
+def test_a_short_solo_run_computes_on_the_event_loop_and_a_longer_one_on_the_run_thread():
+    """A lone request of at most INLINE_SOLO_MAX_TOKENS tokens (B * (Lq + Lk)) is computed by the
+    event loop's own thread (it holds the only call: nothing waits for the loop meanwhile, and
+    two thread hand-offs are saved); a longer one goes to the run thread like any batch."""
+    from attnserve.server.batcher import INLINE_SOLO_MAX_TOKENS
+
+    regular, solo = _two_runs()
+    threads: list[int] = []
+
+    def run_solo(feeds, want_probs):
+        threads.append(threading.get_ident())
+        return solo(feeds, want_probs)
+
+    short = make_work(1, 4, 6)
+    longer = make_work(1, INLINE_SOLO_MAX_TOKENS // 2, INLINE_SOLO_MAX_TOKENS // 2 + 1)
+
+    async def main():
+        batcher = Batcher("test", regular, BatchPolicy(), run_solo=run_solo, solitude=Solitude(True))
+        batcher.start()
+        try:
+            return [await batcher.submit(work) for work in (short, longer)]
+        finally:
+            await batcher.close()
+
+    results = asyncio.run(main())
+    assert threads[0] == threading.get_ident()  # asyncio.run's loop ran in this thread
+    assert threads[1] != threading.get_ident()
+    assert len(solo.calls) == 2 and not regular.calls
+    for work, result in zip((short, longer), results):
+        assert_matches_alone(work, result)
+
+
 @pytest.mark.parametrize("case", ["not alone", "no signal", "no solo run"])
 def test_without_solitude_or_a_solo_run_a_request_takes_the_regular_run(case):
     regular, solo = _two_runs()
