@@ -17,13 +17,16 @@ and after runs: server.engine) and the `solitude` signal the server hands in, a 
 request, dispatched while nothing else queues or runs here and the server holds no other call
 after a quiet spell (lifecycle.Admission.alone), runs on `run_solo`: at low load each request
 then finds its cores awake. Under load the signal is off and every batch takes `run_batch`,
-whose threads sleep when idle and leave the cores to the event loop. A solo run of a request
-of at most INLINE_SOLO_MAX_TOKENS tokens (B * (Lq + Lk): the seeds' (1, 10, 10) is 20) computes
-on the event loop itself: it is the only call in the server, so the loop has nothing else to
-do meanwhile, and the hand-off to the run thread and back (two thread wake-ups) is saved.
-Measured at concurrency 1 (perf_analyzer alternating between two servers, 4 rounds, 2-core
-VM): 1.17x the throughput, p50 2.30 ms against 2.83; a longer one still goes to the run thread,
-so that the loop never stops for long (health checks, metrics, other models' calls).
+whose threads sleep when idle and leave the cores to the event loop. A solo run computes on the
+event loop itself when the last solo run of the same shape (rows, lengths, masking, attn_probs
+or not) took at most INLINE_SOLO_MAX_S: it is the only call in the server, so the loop has
+nothing else to do meanwhile, and the hand-off to the run thread and back (two thread wake-ups)
+is saved. The first run of a shape, and any whose last run took longer, go to the run thread,
+so that the loop never stops for long (health checks, metrics, other models' calls), on a fast
+machine or a slow one. Measured at concurrency 1 (perf_analyzer alternating between two
+servers, 2-core VM): the seeds' self_attention (1, 10, 512), 0.2 ms runs, 1.17x the throughput
+(4 rounds, p50 2.30 ms against 2.83); cross_attention (4, 256, 32) over 77 keys, 0.8 ms runs,
+1.11x (6 rounds, p50 3.78 ms against 3.95).
 
 Padding. Requests of different lengths are padded to the longest query and key of their batch:
 padded keys are masked, padded query rows are dropped when the batch is split. A batch only
@@ -61,6 +64,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -289,9 +293,11 @@ class _Pending:
             self.reservation.release()
 
 
-# The largest solo run (B * (Lq + Lk) tokens) computed on the event loop ("Solo runs"): a
-# self_attention run of 64 tokens, (1, 32, 32), takes 0.67 ms on the 2-core VM it was measured on.
-INLINE_SOLO_MAX_TOKENS = 64
+# The longest solo run computed on the event loop ("Solo runs"), judged by the last solo run of
+# the same shape: about the loop's own cost of one call at concurrency 1 on the 2-core VM it was
+# measured on, where the seeds' runs take 0.2 ms (self_attention) and 0.8 ms (cross_attention).
+INLINE_SOLO_MAX_S = 0.002
+SOLO_SHAPES_TIMED = 64  # the shapes whose last solo run's time is kept (the least recent dropped)
 
 
 class Batcher:
@@ -304,6 +310,8 @@ class Batcher:
         self._run_batch = run_batch
         self._run_solo = run_solo if solitude is not None else None  # see _runs_solo
         self._solitude = solitude
+        # Seconds the last solo run of each shape computed for (_solo_shape), most recent last.
+        self._solo_seconds: collections.OrderedDict[tuple, float] = collections.OrderedDict()
         self.policy = policy
         self._scores_of = scores_of or _all_scores  # what a merged batch's run holds, for max_batch_scores
         self._observer = observer
@@ -527,11 +535,13 @@ class Batcher:
         try:
             works = [p.work for p in batch]
             loop = asyncio.get_running_loop()
-            if solo and sum(w.rows * (w.q_len + w.k_len) for w in works) <= INLINE_SOLO_MAX_TOKENS:
+            if solo and self._solo_seconds.get(_solo_shape(works[0]), math.inf) <= INLINE_SOLO_MAX_S:
                 results, padding_ratio, timings = _compute(self._run_solo, works)  # on the loop ("Solo runs")
             else:
                 results, padding_ratio, timings = await loop.run_in_executor(
                     self._executor, _compute, self._run_solo if solo else self._run_batch, works)
+            if solo:
+                self._time_solo_run(_solo_shape(works[0]), sum(timings))
             compute_s = time.monotonic() - started
             for p, (output, attn_probs), waited in zip(batch, results, queue_s):
                 if not p.future.done():
@@ -563,9 +573,20 @@ class Batcher:
                     compute_s=time.monotonic() - started, queue_s=queue_s, failed=failed,
                     merge_s=timings[0], run_s=timings[1], split_s=timings[2], solo=solo))
 
+    def _time_solo_run(self, shape: tuple, seconds: float) -> None:
+        self._solo_seconds[shape] = seconds
+        self._solo_seconds.move_to_end(shape)
+        if len(self._solo_seconds) > SOLO_SHAPES_TIMED:
+            self._solo_seconds.popitem(last=False)
+
     def _report_depth(self) -> None:
         if self._observer is not None:
             self._observer.on_queue_depth(len(self._pending))
+
+
+def _solo_shape(work: Work) -> tuple:
+    """What a solo run's time depends on: rows, lengths, the graph its masking and attn_probs take."""
+    return work.rows, work.q_len, work.k_len, work.masking, work.want_probs
 
 
 def _compute(run_batch: RunBatch, works: list[Work]

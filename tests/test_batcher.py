@@ -1101,35 +1101,47 @@ def test_a_lone_request_runs_solo_and_gets_the_same_answer():
     assert_matches_alone(work, result)
 
 
-def test_a_short_solo_run_computes_on_the_event_loop_and_a_longer_one_on_the_run_thread():
-    """A lone request of at most INLINE_SOLO_MAX_TOKENS tokens (B * (Lq + Lk)) is computed by the
-    event loop's own thread (it holds the only call: nothing waits for the loop meanwhile, and
-    two thread hand-offs are saved); a longer one goes to the run thread like any batch."""
-    from attnserve.server.batcher import INLINE_SOLO_MAX_TOKENS
+def test_a_solo_run_computes_on_the_event_loop_once_its_shape_has_run_short(monkeypatch):
+    """A lone request whose shape's last solo run took at most INLINE_SOLO_MAX_S is computed by
+    the event loop's own thread (it holds the only call: nothing waits for the loop meanwhile,
+    and two thread hand-offs are saved). A shape's first run, and a shape whose last run took
+    longer, go to the run thread like any batch; so does a shape forgotten since (only the
+    last SOLO_SHAPES_TIMED are kept). The limit is set far from both runs here (a run that
+    sleeps past it, one that does not), so the machine's speed does not decide."""
+    from attnserve.server import batcher as batching
 
+    monkeypatch.setattr(batching, "INLINE_SOLO_MAX_S", 0.5)
+    monkeypatch.setattr(batching, "SOLO_SHAPES_TIMED", 2)
     regular, solo = _two_runs()
-    threads: list[int] = []
+    threads: list[tuple[int, int]] = []  # (query length, thread)
+    slow_q_len = 7
 
     def run_solo(feeds, want_probs):
-        threads.append(threading.get_ident())
+        q_len = feeds["query"].shape[1]
+        threads.append((q_len, threading.get_ident()))
+        if q_len == slow_q_len:
+            time.sleep(0.6)  # past INLINE_SOLO_MAX_S, however fast the machine
         return solo(feeds, want_probs)
 
-    short = make_work(1, 4, 6)
-    longer = make_work(1, INLINE_SOLO_MAX_TOKENS // 2, INLINE_SOLO_MAX_TOKENS // 2 + 1)
+    short, slow, other, another = (make_work(1, q, 6) for q in (4, slow_q_len, 5, 3))
+    order = (short, short, short, slow, slow, other, another, short)
 
     async def main():
         batcher = Batcher("test", regular, BatchPolicy(), run_solo=run_solo, solitude=Solitude(True))
         batcher.start()
         try:
-            return [await batcher.submit(work) for work in (short, longer)]
+            return [await batcher.submit(work) for work in order]
         finally:
             await batcher.close()
 
     results = asyncio.run(main())
-    assert threads[0] == threading.get_ident()  # asyncio.run's loop ran in this thread
-    assert threads[1] != threading.get_ident()
-    assert len(solo.calls) == 2 and not regular.calls
-    for work, result in zip((short, longer), results):
+    on_loop = [thread == threading.get_ident() for _, thread in threads]  # asyncio.run's loop ran here
+    assert [q for q, _ in threads] == [w.q_len for w in order]
+    # short: first on the run thread, then on the loop; slow: always on the run thread; other and
+    # another push short out of the two shapes kept, so its next run is a first run again.
+    assert on_loop == [False, True, True, False, False, False, False, False]
+    assert len(solo.calls) == len(order) and not regular.calls
+    for work, result in zip(order, results):
         assert_matches_alone(work, result)
 
 
