@@ -7,9 +7,11 @@ generator: LOADGEN_PROCESSES processes, the `concurrency` calls in flight spread
 `connections` gRPC channels (each its own TCP connection; a channel's calls all reach one
 worker, so the connections are what the kernel spreads, SO_REUSEPORT), then perf_analyzer
 (`make bench-tools`) on gRPC and REST at the same concurrency. Printed per row: requests/s,
-p50, the server's CPU seconds (supervisor and workers) and the load generator's own (it shares
-the machine) over the row's run, and the balance: requests each worker answered (from its
-statistics file, server.shared_stats). Results in bench/results/scaling.json.
+p50, the CPUs the server kept busy (supervisor and workers) and the load generator's own (it
+shares the machine): CPU seconds per second of the row's whole run (perf_analyzer repeats its
+window until stable, so its rows run longer than --seconds), and the balance: requests each
+worker answered (from its statistics file, server.shared_stats). Results in
+bench/results/scaling.json (the CPU seconds and the row's wall time too).
 """
 
 from __future__ import annotations
@@ -179,8 +181,12 @@ def measure(repository: Path, workers: list[int], concurrency: int, connections:
                 drive(server.address, model, dims, shape, warm, warm, 0.5)  # warm-up
                 for generator, run in runs:
                     base_cpu, base_requests = server.cpu_s(), server.requests_per_worker(model)
+                    started = time.monotonic()
                     got = run()
+                    got["wall_s"] = time.monotonic() - started
                     got["server_cpu_s"] = server.cpu_s() - base_cpu
+                    got["server_cpus"] = got["server_cpu_s"] / got["wall_s"]
+                    got["loadgen_cpus"] = got["loadgen_cpu_s"] / got["wall_s"]
                     got.update(workers=n, generator=generator)
                     got["requests_per_worker"] = [a - b for a, b in zip(server.requests_per_worker(model),
                                                                         base_requests)]
@@ -194,11 +200,11 @@ def measure(repository: Path, workers: list[int], concurrency: int, connections:
 def _print_row(r: dict, seconds: float) -> None:
     balance = "/".join(str(x) for x in r["requests_per_worker"]) or "-"
     print(f"| {r['workers']:>7} | {r['generator']:<20} | {r['requests_per_s']:>10.0f} | {r['p50_ms']:>6.2f} | "
-          f"{r['server_cpu_s']:>12.1f} | {r['loadgen_cpu_s']:>13.1f} | {balance} |", flush=True)
+          f"{r['server_cpus']:>11.2f} | {r['loadgen_cpus']:>12.2f} | {balance} |", flush=True)
 
 
-HEADER = ("| workers | load generator       | requests/s | p50 ms | server CPU s | loadgen CPU s | requests per worker |\n"
-          "|--------:|----------------------|-----------:|-------:|-------------:|--------------:|---------------------|")
+HEADER = ("| workers | load generator       | requests/s | p50 ms | server CPUs | loadgen CPUs | requests per worker |\n"
+          "|--------:|----------------------|-----------:|-------:|------------:|-------------:|---------------------|")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     workers = [int(w) for w in args.workers.split(",") if w] or list(range(1, cpus + 1))
     load = os.getloadavg()
     print(f"bench.scaling: {platform.node()}, {cpus} CPUs, load {load[0]:.2f}; {args.model}, concurrency "
-          f"{args.concurrency}, {LOADGEN_PROCESSES} load generator processes; CPU columns: CPU seconds per second",
-          flush=True)
+          f"{args.concurrency}, {LOADGEN_PROCESSES} load generator processes; CPU columns: CPU seconds per second of "
+          "each row's run", flush=True)
     print(HEADER, flush=True)
     rows = measure(args.repository, workers, args.concurrency, [int(c) for c in args.connections.split(",")],
                    args.seconds, args.model, extra, use_perf_analyzer=not args.no_perf_analyzer)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -320,5 +321,8 @@ def test_the_scaling_benchmark_reports_each_workers_share(model_repository, tmp_
     (row,) = json.loads((tmp_path / "scaling.json").read_text())["rows"]
     assert row["workers"] == 2 and row["errors"] == 0 and len(row["requests_per_worker"]) == 2
     assert row["requests_per_s"] > 0 and row["loadgen_cpu_s"] > 0 and row["server_cpu_s"] > 0
+    # CPUs kept busy: CPU seconds over the row's own wall time, at most what the machine has
+    assert row["wall_s"] >= 0.5 and row["server_cpus"] == pytest.approx(row["server_cpu_s"] / row["wall_s"])
+    assert 0 < row["loadgen_cpus"] <= os.cpu_count() + 0.5
     answered = round(row["requests_per_s"] * 0.5)
     assert sum(row["requests_per_worker"]) >= answered  # the worker counts include the calls still in the window's end
