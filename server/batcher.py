@@ -535,13 +535,14 @@ class Batcher:
         try:
             works = [p.work for p in batch]
             loop = asyncio.get_running_loop()
-            if solo and self._solo_seconds.get(_solo_shape(works[0]), math.inf) <= INLINE_SOLO_MAX_S:
+            shape = _solo_shape(works[0]) if solo else None
+            if solo and self._solo_seconds.get(shape, math.inf) <= INLINE_SOLO_MAX_S:
                 results, padding_ratio, timings = _compute(self._run_solo, works)  # on the loop ("Solo runs")
             else:
                 results, padding_ratio, timings = await loop.run_in_executor(
                     self._executor, _compute, self._run_solo if solo else self._run_batch, works)
             if solo:
-                self._time_solo_run(_solo_shape(works[0]), sum(timings))
+                self._time_solo_run(shape, sum(timings))
             compute_s = time.monotonic() - started
             for p, (output, attn_probs), waited in zip(batch, results, queue_s):
                 if not p.future.done():
