@@ -61,8 +61,9 @@ class ServerProcess:
                 return (int(info["grpc_port"]), int(info.get("http_port") or 0),
                         int(info.get("metrics_port") or 0))
             time.sleep(0.05)
+        where = self.processes()
         self.proc.kill()
-        raise RuntimeError(f"server not ready within {STARTUP_TIMEOUT_S}s:\n{self.log()}")
+        raise RuntimeError(f"server not ready within {STARTUP_TIMEOUT_S}s:\n{self.log()}\n{where}")
 
     def channel(self, credentials: grpc.ChannelCredentials | None = None, **options: int) -> grpc.Channel:
         """A channel to the server: plaintext, or TLS with `credentials` (default: the server's)."""
@@ -93,9 +94,40 @@ class ServerProcess:
         while (log := self.log()).count(text) < count:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"{text!r} x{count} not in the server log "
-                                     f"(exit status {self.proc.poll()}):\n{log}")
+                                     f"(exit status {self.proc.poll()}):\n{log}\n{self.processes()}")
             time.sleep(0.01)
         return log
+
+    def processes(self) -> str:
+        """Where the server's processes are, for a failure's message: each process of its tree
+        (the supervisor's workers too) with its CPU seconds and its threads' states and kernel
+        wait channels (/proc), so that a process that hangs says whether it runs, sleeps or waits
+        in the kernel. Linux; elsewhere a line saying so."""
+        if not Path("/proc/self/task").exists():
+            return "(no /proc here: no process states)"
+        children: dict[int, list[int]] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:  # the process ended meanwhile
+                continue
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        lines, tree = [], [self.proc.pid]
+        while tree:
+            pid = tree.pop()
+            tree += children.get(pid, [])
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                threads = []
+                for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+                    state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                    threads.append(f"{state}:{(task / 'wchan').read_text() or '-'}")
+            except OSError:
+                continue
+            cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            lines.append(f"pid {pid} state {fields[0]} cpu {cpu_s:.2f}s {cmd[:120]}\n  threads: {' '.join(threads)}")
+        return "processes:\n" + "\n".join(lines)
 
     def log(self) -> str:
         if not self._log.closed:

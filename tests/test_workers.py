@@ -179,6 +179,21 @@ def test_sigterm_drains_every_worker(model_repository, eager_modules):
         assert "every worker stopped (exit statuses [0, 0])" in proc.log()
 
 
+def test_a_failed_wait_names_every_process_of_the_server_and_its_threads_states(model_repository):
+    """The harness's message when a server does not reach a state (tests.server_process,
+    `processes`): the supervisor and each worker, with CPU seconds and each thread's state and
+    kernel wait channel, so that a hang seen once in CI says where it waits."""
+    with GatedServer(model_repository, *FLAGS) as proc:
+        workers = _ready(proc)["workers"]
+        with pytest.raises(AssertionError) as failed:
+            proc.wait_for_log("a line no server writes", timeout_s=0.0)
+        message = str(failed.value)
+        for pid in (proc.proc.pid, *workers):
+            assert f"pid {pid} state " in message, message
+        assert message.count("threads: ") == 1 + len(workers)
+        assert "tests.gated_server" in message
+
+
 def test_model_statistics_and_metrics_are_the_whole_servers(model_repository):
     """Calls answered by both workers: ModelStatistics asked through either worker, and the one
     /metrics, count every call of both."""
