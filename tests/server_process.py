@@ -123,6 +123,12 @@ class ServerProcess:
                 for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
                     state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
                     threads.append(f"{state}:{(task / 'wchan').read_text() or '-'}")
+                    if state == "D":  # in the kernel, uninterruptible: its kernel stack (root can read it)
+                        try:
+                            threads.append("[" + " < ".join(line.split()[-1] for line in
+                                                            (task / "stack").read_text().splitlines()) + "]")
+                        except OSError:
+                            pass
             except OSError:
                 continue
             cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
