@@ -57,7 +57,10 @@ def _requests(n: int, shape=(1, 10, 512), dtype=np.float32) -> list[np.ndarray]:
 
 def test_numpy_lets_go_of_the_gil_for_a_batch_and_stack_and_place_do_not():
     arrays = _requests(12, (1, 1024, 1024))  # 4 MiB each: each copy a window of milliseconds
-    assert _lets_go_of_the_gil(lambda: np.concatenate(arrays))  # what the batcher did before
+    # What the batcher did before. The probe sees a let-go only if the kernel runs the waiter
+    # inside one of the copy's windows: on one core that takes a preemption, so a few tries.
+    # Holding the GIL (below) is seen on every try: the waiter can never run then.
+    assert any(_lets_go_of_the_gil(lambda: np.concatenate(arrays)) for _ in range(10))
     assert not _lets_go_of_the_gil(lambda: stack(arrays))
     padded = np.zeros((12, 1100, 1024), np.float32)
     assert not _lets_go_of_the_gil(lambda: [place(padded, i, a) for i, a in enumerate(arrays)])
