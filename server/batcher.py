@@ -24,9 +24,9 @@ nothing else to do meanwhile, and the hand-off to the run thread and back (two t
 is saved. The first run of a shape, and any whose last run took longer, go to the run thread,
 so that the loop never stops for long (health checks, metrics, other models' calls), on a fast
 machine or a slow one. Measured at concurrency 1 (perf_analyzer alternating between two
-servers, 2-core VM): the seeds' self_attention (1, 10, 512), 0.2 ms runs, 1.17x the throughput
-(4 rounds, p50 2.30 ms against 2.83); cross_attention (4, 256, 32) over 77 keys, 0.8 ms runs,
-1.11x (6 rounds, p50 3.78 ms against 3.95).
+servers, 2-core VM): the seeds' self_attention (1, 10, 512), 0.4-0.7 ms runs in the server,
+1.17x the throughput (4 rounds, p50 2.30 ms against 2.83); cross_attention (4, 256, 32) over
+77 keys, 0.85-1.5 ms runs, 1.06x (8 rounds) against the run thread.
 
 Padding. Requests of different lengths are padded to the longest query and key of their batch:
 padded keys are masked, padded query rows are dropped when the batch is split. A batch only
@@ -294,8 +294,8 @@ class _Pending:
 
 
 # The longest solo run computed on the event loop ("Solo runs"), judged by the last solo run of
-# the same shape: about the loop's own cost of one call at concurrency 1 on the 2-core VM it was
-# measured on, where the seeds' runs take 0.2 ms (self_attention) and 0.8 ms (cross_attention).
+# the same shape: on the 2-core VM it was measured on, the seeds' runs take 0.4-0.7 ms
+# (self_attention) and 0.85-1.5 ms (cross_attention) in the server; 1 ms split cross_attention's.
 INLINE_SOLO_MAX_S = 0.002
 SOLO_SHAPES_TIMED = 64  # the shapes whose last solo run's time is kept (the least recent dropped)
 
