@@ -8,7 +8,7 @@ PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
 PRESETS := self_attention cross_attention
 
-.PHONY: install test test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-sweep bench-tools clean nginx
+.PHONY: native native-deps install test test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-sweep bench-tools clean nginx
 
 install: $(STAMP)
 
@@ -69,6 +69,27 @@ test-deps-oldest test-deps-newest: test-deps-%: $(STAMP)
 	@.venv-deps-$*/bin/python -c 'import importlib.metadata as m, sys; \
 	  print("test-deps-$*: " + ", ".join(n + " " + m.version(n) for n in sys.argv[1:]))' $(DEPS_SHOWN)
 	ATTNSERVE_TEST_MODEL_REPOSITORY=$(abspath $(DEPS_MODELS)) .venv-deps-$*/bin/python -m pytest -q $(DEPS_TESTS)
+
+# The native data plane (native/, docs/native-data-plane.md): attnserve.server._native into server/
+# (git-ignored), with CMake, Debian's gRPC C++ and pybind11 (the `native` extra).
+NATIVE_BUILD := build/native
+NATIVE_DEBS := cmake g++ pkg-config libgrpc++-dev protobuf-compiler-grpc
+native: $(STAMP) native-deps
+	@$(PY) -c 'import pybind11' 2>/dev/null || $(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev,native]'
+	cmake -S native -B $(NATIVE_BUILD) -DPython_EXECUTABLE=$(abspath $(PY)) \
+	  -Dpybind11_DIR="$$($(PY) -c 'import pybind11; print(pybind11.get_cmake_dir())')"
+	cmake --build $(NATIVE_BUILD) -j
+
+# Debian's build dependencies of `make native`, installed when missing and we are root.
+native-deps:
+	@if command -v cmake >/dev/null && command -v g++ >/dev/null && command -v grpc_cpp_plugin >/dev/null \
+	  && pkg-config --exists grpc++ 2>/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing the native data plane's build dependencies: $(NATIVE_DEBS)"; \
+	  apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y $(NATIVE_DEBS); \
+	else \
+	  echo "make native needs $(NATIVE_DEBS) (Debian names); tests/test_native_plane.py skips without it"; exit 1; \
+	fi
 
 # tests/test_deploy_nginx.py runs a real nginx (deploy/nginx/nginx.conf). Install the Debian
 # package when it is missing and we are root; otherwise say so (that test then skips).

@@ -120,6 +120,8 @@ class Server:
         self.port: int | None = None
         self.http_port: int | None = None
         self.metrics_port: int | None = None
+        self.native_port: int | None = None  # --data-plane native (server.native)
+        self._native = None
         self._rest: RestPort | None = None
         self.metrics = Metrics(worker.directory if worker is not None else None)
         self._metrics_endpoint = MetricsEndpoint(self.metrics.registry)
@@ -221,6 +223,8 @@ class Server:
 
         for name in self.registry.known_names():
             await self._model_changed(name, self.registry.ready(name))
+        if cfg.data_plane == "native":
+            self.native_port = self._start_native(answers)
 
         if cfg.http_port >= 0:
             self._rest = RestPort(answers, self._admission, self._draining, token, cfg.max_message_bytes,
@@ -270,9 +274,21 @@ class Server:
         await self._health.set("", overall)
         await self._health.set(SERVICE_NAME, overall)
 
+    def _start_native(self, answers: Answers) -> int:
+        """The native data plane's listener (server.native), or RuntimeError saying why it cannot start."""
+        from attnserve.server.native import NativePlane, why_unavailable
+
+        why = why_unavailable()
+        if why is None and self.worker is not None and self.worker.workers > 1:
+            why = "it serves one process (--workers 1)"
+        if why is not None:
+            raise RuntimeError(f"--data-plane native: {why}")
+        self._native = NativePlane(self.config, self.registry, answers)
+        return self._native.start()
+
     def _write_ready_file(self, path: Path) -> None:
         write_json_atomic(path, {"grpc_port": self.port, "http_port": self.http_port, "metrics_port": self.metrics_port,
-                                 "pid": os.getpid()})
+                                 "native_port": self.native_port, "pid": os.getpid()})
 
     def hurry(self) -> None:
         """A second signal: end the drain delay and the grace period now; what has not started
@@ -310,6 +326,8 @@ class Server:
             logger.warning("%s with %d call(s) unfinished; refusing queued ones",
                            "second signal" if self._draining.hurried.is_set() else f"grace period {grace_s:.1f}s over",
                            self._admission.in_flight)
+        if self._native is not None:  # queued calls refused, running batches finish
+            await asyncio.to_thread(self._native.stop, _RUNNING_MARGIN_S)
         if self.registry is not None:
             await self.registry.close(abandon_queued=not finished)
         watches = await self._gate.end_watches() if self._gate is not None else 0

@@ -333,6 +333,15 @@ class Batcher:
         self._loop_task: asyncio.Task | None = None
 
     @property
+    def run_batch(self) -> RunBatch:
+        return self._run_batch
+
+    @property
+    def run_solo(self) -> RunBatch | None:
+        """The solo sessions' run (None without them): for server.native's lone requests."""
+        return self._run_solo
+
+    @property
     def queue_depth(self) -> int:
         return len(self._pending)
 

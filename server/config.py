@@ -19,6 +19,7 @@ ENV_PREFIX = "ATTNSERVE_"
 DEVICES = ("cpu", "cuda", "auto")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # any case
 MODEL_CONTROL_MODES = ("none", "explicit", "poll")  # as Triton's --model-control-mode
+DATA_PLANES = ("python", "native")  # who serves ModelInfer (server.native: the C++ prototype)
 # gRPC's 4 MiB default is too small for real requests (4 x 200 x 512 float32 is 4.9 MB).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -87,6 +88,10 @@ class ServerConfig:
     tls_key: Path | None = None  # PEM private key of the server
     tls_client_ca: Path | None = None  # PEM roots that client certificates must chain to
     auth_token_file: Path | None = None  # file holding the bearer token clients must send
+    # native: ModelInfer also served by the C++ data plane (server.native) on native_port, a
+    # prototype beside the Python gRPC server, which keeps every other RPC.
+    data_plane: str = "python"
+    native_port: int = 8003  # 0 = any free port
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -131,6 +136,14 @@ class ServerConfig:
             raise ValueError(f"drain_delay_s must be >= 0, got {self.drain_delay_s}")
         if self.grace_period_s < 0:
             raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
+        if self.data_plane not in DATA_PLANES:
+            raise ValueError(f"data_plane must be one of {', '.join(DATA_PLANES)}, got {self.data_plane!r}")
+        if not 0 <= self.native_port <= 65535:
+            raise ValueError(f"native_port must be in 0..65535, got {self.native_port}")
+        if self.data_plane == "native" and (self.tls_cert is not None or self.auth_token_file is not None
+                                            or (self.workers or 1) > 1):
+            raise ValueError("--data-plane native (a prototype) serves one process without TLS or tokens: "
+                             "drop --tls-cert/--auth-token-file and use --workers 1")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key, got only "
                              + ("--tls-cert" if self.tls_key is None else "--tls-key"))
@@ -184,6 +197,9 @@ _HELP: dict[str, str] = {
     "tls_key": "PEM private key of --tls-cert",
     "tls_client_ca": "PEM roots: require client certificates signed by them (mutual TLS)",
     "auth_token_file": "file holding a bearer token every call must send (health stays open)",
+    "data_plane": "python, or native: ModelInfer also served by the C++ data plane on --native-port (prototype; "
+                  "`make native` builds it)",
+    "native_port": "the native data plane's gRPC port with --data-plane native (0 = any free port)",
 }
 
 

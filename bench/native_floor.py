@@ -1,0 +1,59 @@
+"""`python -m bench.native_floor [server flags]`: a C++ gRPC server answering zeros, the native floor.
+
+The native data plane (server.native, attnserve.server._native) with its zeros switch on: the
+same callback server, proto, parsing and contract checks, and every ModelInfer answered with
+zeros of the right shapes in the handler itself, Python never called. What a load generator
+measures against it is what gRPC's C++ core costs per call on this machine, the floor under any
+native data plane; bench.floor is the same for the Python stack. ModelMetadata, ModelConfig and
+ModelStatistics answer from the tables the real server would make (perf_analyzer asks them).
+Writes --ready-file with {"grpc_port": the native port} and serves until SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+from attnserve.files import write_json_atomic
+from attnserve.server.__main__ import configure_logging
+from attnserve.server.answers import Answers
+from attnserve.server.config import load_config
+from attnserve.server.engine import DeviceChoice
+from attnserve.server.lifecycle import Draining
+from attnserve.server.metrics import Metrics
+from attnserve.server.models import ModelRegistry
+from attnserve.server.native import NativePlane, why_unavailable
+from bench.floor import zeros
+
+
+async def serve(config) -> int:
+    why = why_unavailable()
+    if why is not None:
+        print(f"python -m bench.native_floor: {why}", file=sys.stderr)
+        return 2
+    metrics = Metrics()
+    # Batches "computed" by zeros: no ONNX Runtime session is opened for the tables' sake.
+    registry = ModelRegistry.from_repository(config, DeviceChoice(("CPUExecutionProvider",), None), metrics,
+                                             run_batch=zeros)
+    plane = NativePlane(config, registry, Answers(registry, metrics, Draining()), zeros=True)
+    port = plane.start()
+    if config.ready_file is not None:
+        write_json_atomic(config.ready_file, {"grpc_port": port, "native_port": port})
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await asyncio.to_thread(plane.stop, 1.0)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = load_config(argv, prog="python -m bench.native_floor")
+    configure_logging(config)
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+// attnserve.server._native: the native data plane's few coarse calls, for server/native.py.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "plane.h"
+
+namespace py = pybind11;
+using attnserve::Batch;
+using attnserve::Contract;
+using attnserve::ModelLimits;
+using attnserve::Plane;
+
+namespace {
+
+// A numpy view of a buffer the batch owns; `self` (the Python Batch) keeps it alive.
+template <typename T>
+py::array View(py::object self, std::vector<T>& buffer, std::vector<py::ssize_t> shape, const char* dtype) {
+  return py::array(py::dtype(dtype), shape, {}, buffer.data(), self);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "The native data plane: a C++ gRPC listener for ModelInfer handing Python one call per batch.";
+
+  py::class_<Batch, std::shared_ptr<Batch>>(m, "Batch")
+      .def_property_readonly("model", [](const Batch& b) { return b.model; })
+      .def_property_readonly("requests", [](const Batch& b) { return b.items.size(); })
+      .def_property_readonly("rows", [](const Batch& b) { return b.rows; })
+      .def_property_readonly("want_probs", [](const Batch& b) { return b.want_probs; })
+      .def("feeds", [](py::object self, py::ssize_t query_dim, py::ssize_t kv_dim) {
+        Batch& b = self.cast<Batch&>();
+        py::dict feeds;
+        feeds["query"] = View(self, b.query, {b.rows, b.q_len, query_dim}, "float32");
+        feeds["key"] = View(self, b.key, {b.rows, b.k_len, kv_dim}, "float32");
+        feeds["value"] = View(self, b.value, {b.rows, b.k_len, kv_dim}, "float32");
+        if (!b.mask.empty()) feeds["mask"] = View(self, b.mask, {b.rows, b.q_len, b.k_len}, "bool");
+        return feeds;
+      }, "query, key, value and (when a request has one or keys are padded) mask: views, no copies");
+
+  py::class_<Plane>(m, "Plane")
+      .def(py::init([](py::dict names) {
+        auto get = [&](const char* key) { return names[key].cast<std::string>(); };
+        return std::make_unique<Plane>(Contract{get("query"), get("key"), get("value"), get("mask"), get("output"),
+                                                get("attn_probs"), get("fp32"), get("bool")});
+      }), py::arg("names"))
+      .def("add_model", [](Plane& p, const std::string& name, const std::string& version, int64_t query_dim,
+                           int64_t kv_dim, int64_t out_dim, int64_t num_heads, int64_t max_batch_size,
+                           int64_t max_q_len, int64_t max_kv_len, int64_t max_attention_bytes,
+                           int64_t max_queue_size, double max_padding_ratio) {
+        ModelLimits l;
+        l.name = name;
+        l.version = version;
+        l.query_dim = query_dim;
+        l.kv_dim = kv_dim;
+        l.out_dim = out_dim;
+        l.num_heads = num_heads;
+        l.max_batch_size = max_batch_size;
+        l.max_q_len = max_q_len;
+        l.max_kv_len = max_kv_len;
+        l.max_attention_bytes = max_attention_bytes;
+        l.max_queue_size = max_queue_size;
+        l.max_padding_ratio = max_padding_ratio;
+        return p.AddModel(l);
+      })
+      .def("set_answer", [](Plane& p, const std::string& method, const std::string& name, py::bytes data) {
+        p.SetAnswer(method, name, std::string(data));
+      })
+      .def("set_zeros", &Plane::SetZeros)
+      .def("start", &Plane::Start, py::call_guard<py::gil_scoped_release>())
+      .def("next_batch", &Plane::NextBatch, py::call_guard<py::gil_scoped_release>(),
+           "the next batch of model `index` (blocks up to timeout_ms), or None")
+      .def("complete", [](Plane& p, Batch& batch, py::array_t<float, py::array::c_style> output,
+                          std::optional<py::array_t<float, py::array::c_style>> attn_probs) {
+        const ModelLimits& m = p.model(batch.model);
+        if (output.size() != batch.rows * batch.q_len * m.out_dim) throw py::value_error("output has the wrong size");
+        if (attn_probs && attn_probs->size() != batch.rows * m.num_heads * batch.q_len * batch.k_len)
+          throw py::value_error("attn_probs has the wrong size");
+        const float* out = output.data();
+        const float* probs = attn_probs ? attn_probs->data() : nullptr;
+        py::gil_scoped_release release;  // the arrays stay referenced by this frame
+        p.Complete(batch, out, probs);
+      })
+      .def("fail", [](Plane& p, Batch& batch, const std::string& message) {
+        py::gil_scoped_release release;
+        p.Fail(batch, grpc::StatusCode::INTERNAL, message);
+      })
+      .def("queued", &Plane::Queued, "requests waiting for model `index`")
+      .def("stop", &Plane::Stop, py::call_guard<py::gil_scoped_release>())
+      .def("counters", [](const Plane& p) {
+        const auto& c = p.counters();
+        py::dict d;
+        d["requests"] = c.requests.load();
+        d["refused"] = c.refused.load();
+        d["batches"] = c.batches.load();
+        d["rows"] = c.rows.load();
+        d["check_ns"] = c.check_ns.load();
+        d["queue_ns"] = c.queue_ns.load();
+        d["merge_ns"] = c.merge_ns.load();
+        d["python_ns"] = c.python_ns.load();
+        d["split_ns"] = c.split_ns.load();
+        return d;
+      });
+}

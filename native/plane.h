@@ -1,0 +1,148 @@
+// The native data plane (prototype): a gRPC callback server for ModelInfer that parses and
+// checks requests, queues them per model, forms padded batches and hands each batch to Python
+// once; Python computes and hands the outputs back, which are split and encoded here.
+// docs/native-data-plane.md says how it is built, flagged and measured.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "inference.grpc.pb.h"
+
+namespace attnserve {
+
+// The tensor contract's names and datatypes, handed over from attnserve.contract (never re-derived).
+struct Contract {
+  std::string query, key, value, mask;   // input names
+  std::string output, attn_probs;        // output names
+  std::string fp32, boolean;             // datatypes: "FP32", "BOOL"
+};
+
+// One model version's numbers, from its ModelSpec and the server's config.
+struct ModelLimits {
+  std::string name;
+  std::string version;  // as answered in model_version
+  int64_t query_dim = 0, kv_dim = 0, out_dim = 0, num_heads = 0;
+  int64_t max_batch_size = 1, max_q_len = 1, max_kv_len = 1;
+  int64_t max_attention_bytes = 0, max_queue_size = 1;
+  double max_padding_ratio = 0.5;
+};
+
+// A checked request waiting in its model's queue; the request and response belong to gRPC's call.
+struct Pending {
+  grpc::ServerUnaryReactor* reactor = nullptr;
+  const inference::ModelInferRequest* request = nullptr;
+  inference::ModelInferResponse* response = nullptr;
+  int64_t rows = 0, q_len = 0, k_len = 0;
+  const float* query = nullptr;  // (rows, q_len, query_dim), possibly unaligned: read with memcpy
+  const float* key = nullptr;
+  const float* value = nullptr;
+  const uint8_t* mask = nullptr;  // bool bytes, 0 or 1; nullptr: attend every key
+  int64_t mask_row_stride = 0;    // bytes between batch items (0: one (q_len, k_len) mask for all)
+  int64_t mask_head_stride = 0;   // unused: heads alike read as the first
+  bool raw = true;                // answer in raw_output_contents
+  bool want_output = true, want_probs = true;
+  std::vector<bool> order_probs;  // the requested outputs in order: true = attn_probs
+  bool exact_k_len = false;       // a query row masks all its keys: never pad its keys
+  std::chrono::steady_clock::time_point arrived;
+};
+
+// A formed batch: its requests and their merged, padded inputs, owned here, viewed by numpy.
+struct Batch {
+  size_t model = 0;
+  std::vector<Pending> items;
+  std::vector<int64_t> first_row;  // each item's first row in the batch
+  int64_t rows = 0, q_len = 0, k_len = 0;
+  bool want_probs = false;
+  std::vector<float> query, key, value;  // (rows, q_len, query_dim), (rows, k_len, kv_dim) x2
+  std::vector<uint8_t> mask;             // (rows, q_len, k_len) bool, empty: no mask needed
+  std::chrono::steady_clock::time_point formed;
+  bool settled = false;
+};
+
+// Counters of where time goes (nanoseconds, counts), read by Python at any time.
+struct Counters {
+  std::atomic<uint64_t> requests{0}, refused{0}, batches{0}, rows{0};
+  std::atomic<uint64_t> check_ns{0}, queue_ns{0}, merge_ns{0}, python_ns{0}, split_ns{0};
+};
+
+class Plane final : public inference::GRPCInferenceService::CallbackService {
+ public:
+  explicit Plane(Contract contract) : contract_(std::move(contract)) {}
+  ~Plane() override;
+
+  size_t AddModel(const ModelLimits& limits);
+  // Serialized answers of the rare RPCs, by method and model name ("" for server-wide ones).
+  void SetAnswer(const std::string& method, const std::string& name, std::string bytes);
+  void SetZeros(bool zeros) { zeros_ = zeros; }  // the native floor: answer zeros, no Python
+  int Start(const std::string& address, int max_message_bytes, int max_concurrent_streams);
+  // Blocks up to timeout_ms for a batch of model `index`; nullptr on timeout or once stopping.
+  std::shared_ptr<Batch> NextBatch(size_t index, int64_t timeout_ms);
+  // output (rows, q_len, out_dim), attn_probs (rows, heads, q_len, k_len) or nullptr: contiguous.
+  void Complete(Batch& batch, const float* output, const float* attn_probs);
+  void Fail(Batch& batch, grpc::StatusCode code, const std::string& message);
+  void Stop(double grace_s);
+  const Counters& counters() const { return counters_; }
+  size_t Queued(size_t index);  // requests waiting for model `index`
+  const ModelLimits& model(size_t index) const { return models_.at(index)->limits; }
+
+  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
+                                       const inference::ModelInferRequest* request,
+                                       inference::ModelInferResponse* response) override;
+  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
+                                       const inference::ServerLiveRequest* request,
+                                       inference::ServerLiveResponse* response) override;
+  grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* context,
+                                        const inference::ServerReadyRequest* request,
+                                        inference::ServerReadyResponse* response) override;
+  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* context,
+                                       const inference::ModelReadyRequest* request,
+                                       inference::ModelReadyResponse* response) override;
+  grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* context,
+                                           const inference::ServerMetadataRequest* request,
+                                           inference::ServerMetadataResponse* response) override;
+  grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* context,
+                                          const inference::ModelMetadataRequest* request,
+                                          inference::ModelMetadataResponse* response) override;
+  grpc::ServerUnaryReactor* ModelConfig(grpc::CallbackServerContext* context,
+                                        const inference::ModelConfigRequest* request,
+                                        inference::ModelConfigResponse* response) override;
+  grpc::ServerUnaryReactor* ModelStatistics(grpc::CallbackServerContext* context,
+                                            const inference::ModelStatisticsRequest* request,
+                                            inference::ModelStatisticsResponse* response) override;
+
+ private:
+  struct Queue {
+    ModelLimits limits;
+    std::mutex mu;
+    std::condition_variable arrived;
+    std::deque<Pending> pending;
+  };
+
+  grpc::Status Check(const Queue& queue, const inference::ModelInferRequest& request, Pending& p) const;
+  void AnswerZeros(Pending& p, const ModelLimits& limits);
+  grpc::ServerUnaryReactor* Table(grpc::CallbackServerContext* context, const std::string& method,
+                                  const std::string& name, google::protobuf::Message* response);
+  std::unique_ptr<Batch> Form(size_t index, Queue& queue);  // with queue.mu held
+
+  Contract contract_;
+  std::vector<std::unique_ptr<Queue>> models_;
+  std::map<std::string, size_t> by_name_;
+  std::map<std::pair<std::string, std::string>, std::string> answers_;
+  std::unique_ptr<grpc::Server> server_;
+  std::atomic<bool> stopping_{false};
+  bool zeros_ = false;
+  Counters counters_;
+};
+
+}  // namespace attnserve

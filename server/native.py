@@ -1,0 +1,132 @@
+"""The native data plane (prototype): ModelInfer served by C++, Python called once per batch.
+
+    plane = NativePlane(config, registry, answers); port = plane.start(); ...; plane.stop(grace_s)
+
+attnserve.server._native (native/, built by `make native`) listens on --native-port: it parses
+each ModelInfer request, checks it against the contract (the names and datatypes below are
+attnserve.contract's, the numbers each model's ModelSpec), queues it per model and forms padded
+batches with their masks. One thread per model here takes each batch as numpy views of the
+batch's own buffers (no copies), runs the model's existing ONNX Runtime engine on them, and hands
+the outputs back; C++ splits and encodes the answers. The rare RPCs answer from tables made
+here at start (a prototype: they do not follow model changes). docs/native-data-plane.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from attnserve import contract
+from attnserve.server import priority
+from attnserve.server.listen import listen_addresses
+
+logger = logging.getLogger(__name__)
+
+# The contract as the C++ side takes it: names and datatypes, never spelled again there.
+CONTRACT_NAMES = {
+    "query": "query", "key": "key", "value": "value", "mask": "mask",
+    "output": "output", "attn_probs": "attn_probs",
+    "fp32": contract.DATATYPES["query"], "bool": contract.DATATYPES["mask"],
+}
+assert set(contract.INPUT_NAMES) == {"query", "key", "value", "mask"}
+assert contract.OUTPUT_NAMES == ("output", "attn_probs")
+
+_WAIT_MS = 100  # how often an idle runner thread looks whether the plane is stopping
+
+
+def why_unavailable() -> str | None:
+    """None when the extension is built and loads; else why not, and how to build it."""
+    try:
+        from attnserve.server import _native  # noqa: F401
+    except ImportError as err:
+        return f"attnserve.server._native is not built or does not load ({err}); build it with `make native`"
+    return None
+
+
+def new_plane(zeros: bool = False):
+    """A _native.Plane holding the contract's names; zeros: the native floor (no Python per call)."""
+    from attnserve.server import _native
+
+    plane = _native.Plane(CONTRACT_NAMES)
+    plane.set_zeros(zeros)
+    return plane
+
+
+def add_tables(plane, answers, names: list[str]) -> None:
+    """The rare RPCs' answers, serialized from Python's own (server.answers) for these models."""
+    plane.set_answer("ServerMetadata", "", answers.server_metadata().SerializeToString())
+    for name in names:
+        plane.set_answer("ModelMetadata", name, answers.model_metadata(name).SerializeToString())
+        plane.set_answer("ModelConfig", name, answers.model_config(name).SerializeToString())
+        plane.set_answer("ModelStatistics", name, answers.model_statistics(name).SerializeToString())
+
+
+def address(host: str, port: int) -> str:
+    first = listen_addresses(host)[0]
+    return f"[{first}]:{port}" if ":" in first else f"{first}:{port}"
+
+
+class NativePlane:
+    def __init__(self, config, registry, answers, zeros: bool = False) -> None:
+        """zeros: the native floor (bench.native_floor): C++ answers zeros itself, no runner threads."""
+        self._config = config
+        self._zeros = zeros
+        self._plane = new_plane(zeros)
+        self._runners: list[threading.Thread] = []
+        self._stopping = threading.Event()
+        names = sorted(registry.loaded)
+        self._models = []  # (name, spec, run, run_solo), by the plane's model index
+        for name in names:
+            lv = registry.get(name)
+            spec = lv.spec
+            index = self._plane.add_model(
+                name, str(spec.version), spec.query_dim, spec.kv_dim, spec.out_dim, spec.num_heads,
+                config.max_batch_size or spec.max_batch_size, lv.limits.max_q_len, lv.limits.max_kv_len,
+                config.max_attention_bytes, config.max_queue_size, config.max_padding_ratio)
+            assert index == len(self._models)
+            self._models.append((name, spec, lv.batcher.run_batch, lv.batcher.run_solo))
+        add_tables(self._plane, answers, names)
+
+    def start(self) -> int:
+        """Bind --native-port and start a runner thread per model; the bound port."""
+        cfg = self._config
+        target = address(cfg.host, cfg.native_port)
+        port = self._plane.start(target, cfg.max_message_bytes, cfg.max_concurrent_streams)
+        if port == 0:
+            raise OSError(f"native data plane: cannot listen on {target} (--native-port)")
+        for index, (name, *_rest) in enumerate(() if self._zeros else self._models):
+            thread = threading.Thread(target=self._run_forever, args=(index,), name=f"native-{name}", daemon=True)
+            thread.start()
+            self._runners.append(thread)
+        logger.info("native data plane (prototype%s) serving ModelInfer for %s on %s", " answering zeros" if self._zeros else "", [m[0] for m in self._models],
+                    f"{target.rsplit(':', 1)[0]}:{port}")
+        return port
+
+    def _run_forever(self, index: int) -> None:
+        priority.lower_this_thread(self._config.compute_nice)  # as the batchers' run threads
+        name, spec, run, run_solo = self._models[index]
+        plane = self._plane
+        while not self._stopping.is_set():
+            batch = plane.next_batch(index, _WAIT_MS)
+            if batch is None:
+                continue
+            try:
+                feeds = batch.feeds(spec.query_dim, spec.kv_dim)
+                # A lone request takes the spinning sessions, as the Python batcher's solo runs do.
+                compute = run_solo if run_solo is not None and batch.requests == 1 else run
+                output, attn_probs = compute(feeds, batch.want_probs)
+                plane.complete(batch, output, attn_probs if batch.want_probs else None)
+            except Exception as err:  # the batch's calls fail; the plane keeps serving
+                logger.exception("native data plane: a batch of %s failed", name)
+                plane.fail(batch, f"{type(err).__name__}: {err}")
+
+    def counters(self) -> dict[str, int]:
+        return self._plane.counters()
+
+    def stop(self, grace_s: float) -> None:
+        """Refuse queued calls (UNAVAILABLE), let running batches finish, close the listener."""
+        self._stopping.set()
+        self._plane.stop(grace_s)
+        for thread in self._runners:
+            thread.join()
+        logger.info("native data plane stopped: %s", self.counters())
