@@ -86,6 +86,7 @@ PYBIND11_MODULE(_native, m) {
         py::gil_scoped_release release;
         p.Fail(batch, grpc::StatusCode::INTERNAL, message);
       })
+      .def("in_flight", &Plane::InFlight, "calls queued or computing, every model")
       .def("queued", &Plane::Queued, "requests waiting for model `index`")
       .def("stop", &Plane::Stop, py::call_guard<py::gil_scoped_release>())
       .def("counters", [](const Plane& p) {
@@ -100,6 +101,7 @@ PYBIND11_MODULE(_native, m) {
         d["merge_ns"] = c.merge_ns.load();
         d["python_ns"] = c.python_ns.load();
         d["split_ns"] = c.split_ns.load();
+        d["finish_ns"] = c.finish_ns.load();
         return d;
       });
 }

@@ -85,6 +85,7 @@ void Plane::Stop(double grace_s) {
       refused.swap(queue->pending);
     }
     queue->arrived.notify_all();
+    in_flight_ -= static_cast<int64_t>(refused.size());
     for (auto& p : refused) p.reactor->Finish(Status(StatusCode::UNAVAILABLE, "the server is stopping; not computed"));
   }
   if (server_) {
@@ -331,6 +332,7 @@ grpc::ServerUnaryReactor* Plane::ModelInfer(grpc::CallbackServerContext* context
       return reactor;
     }
     queue.pending.push_back(std::move(p));
+    in_flight_++;
   }
   queue.arrived.notify_one();
   return reactor;
@@ -428,7 +430,8 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
 void Plane::Complete(Batch& batch, const float* output, const float* attn_probs) {
   if (batch.settled) return;
   batch.settled = true;
-  const auto started = Clock::now();
+  in_flight_ -= static_cast<int64_t>(batch.items.size());
+  auto started = Clock::now();
   counters_.python_ns += static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(started - batch.formed).count());
   const ModelLimits& m = models_.at(batch.model)->limits;
@@ -458,14 +461,19 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
           std::memcpy(to, output + ((r0 + r) * lq) * od, static_cast<size_t>(p.q_len * od) * 4);
       }
     }
-    p.reactor->Finish(Status::OK);
+    const auto finishing = Clock::now();
+    counters_.split_ns += static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(finishing - started).count());
+    p.reactor->Finish(Status::OK);  // gRPC may send the answer on this thread
+    counters_.finish_ns += NanosSince(finishing);
+    started = Clock::now();
   }
-  counters_.split_ns += NanosSince(started);
 }
 
 void Plane::Fail(Batch& batch, StatusCode code, const std::string& message) {
   if (batch.settled) return;
   batch.settled = true;
+  in_flight_ -= static_cast<int64_t>(batch.items.size());
   for (auto& p : batch.items) p.reactor->Finish(Status(code, message));
 }
 

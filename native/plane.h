@@ -73,7 +73,7 @@ struct Batch {
 // Counters of where time goes (nanoseconds, counts), read by Python at any time.
 struct Counters {
   std::atomic<uint64_t> requests{0}, refused{0}, batches{0}, rows{0};
-  std::atomic<uint64_t> check_ns{0}, queue_ns{0}, merge_ns{0}, python_ns{0}, split_ns{0};
+  std::atomic<uint64_t> check_ns{0}, queue_ns{0}, merge_ns{0}, python_ns{0}, split_ns{0}, finish_ns{0};
 };
 
 class Plane final : public inference::GRPCInferenceService::CallbackService {
@@ -94,6 +94,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   void Stop(double grace_s);
   const Counters& counters() const { return counters_; }
   size_t Queued(size_t index);  // requests waiting for model `index`
+  int64_t InFlight() const { return in_flight_; }  // calls queued or computing, every model
   const ModelLimits& model(size_t index) const { return models_.at(index)->limits; }
 
   grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
@@ -141,6 +142,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   std::map<std::pair<std::string, std::string>, std::string> answers_;
   std::unique_ptr<grpc::Server> server_;
   std::atomic<bool> stopping_{false};
+  std::atomic<int64_t> in_flight_{0};
   bool zeros_ = false;
   Counters counters_;
 };

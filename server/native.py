@@ -17,7 +17,6 @@ import logging
 import threading
 
 from attnserve import contract
-from attnserve.server import priority
 from attnserve.server.listen import listen_addresses
 
 logger = logging.getLogger(__name__)
@@ -103,7 +102,9 @@ class NativePlane:
         return port
 
     def _run_forever(self, index: int) -> None:
-        priority.lower_this_thread(self._config.compute_nice)  # as the batchers' run threads
+        # Not lowered (unlike the batchers' run threads): this thread also sends the answers
+        # (gRPC's Finish), the event loop's part in the Python plane; ONNX Runtime's pool
+        # threads keep the compute priority they were opened with.
         name, spec, run, run_solo = self._models[index]
         plane = self._plane
         while not self._stopping.is_set():
@@ -112,8 +113,9 @@ class NativePlane:
                 continue
             try:
                 feeds = batch.feeds(spec.query_dim, spec.kv_dim)
-                # A lone request takes the spinning sessions, as the Python batcher's solo runs do.
-                compute = run_solo if run_solo is not None and batch.requests == 1 else run
+                # A lone call (no other in flight) takes the spinning sessions, as the Python
+                # batcher's solo runs do; under load their spinning would starve gRPC's threads.
+                compute = run_solo if run_solo is not None and plane.in_flight() <= 1 else run
                 output, attn_probs = compute(feeds, batch.want_probs)
                 plane.complete(batch, output, attn_probs if batch.want_probs else None)
             except Exception as err:  # the batch's calls fail; the plane keeps serving

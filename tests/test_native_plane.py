@@ -188,12 +188,14 @@ def test_concurrent_calls_form_one_padded_batch_and_each_gets_its_own_rows(model
                 time.sleep(0.005)
             batch = plane.next_batch(index, 1000)
             assert (batch.requests, batch.rows) == (len(cases), sum(x["query"].shape[0] for x in cases))
+            assert plane.in_flight() == len(cases)  # what chooses the solo sessions (server.native)
             feeds = batch.feeds(spec.query_dim, spec.kv_dim)
             assert feeds["query"].shape == (batch.rows, 10, 512) and feeds["mask"].shape == (batch.rows, 10, 7)
             assert all(not a.flags.owndata for a in feeds.values())  # views of the batch's buffers
             output, attn_probs = engine.run(feeds, batch.want_probs)
             plane.complete(batch, output, attn_probs)
             answers = [outputs_of(f.result()) for f in futures]
+            assert plane.in_flight() == 0
     finally:
         plane.stop(1.0)
     for x, got in zip(cases, answers):
