@@ -123,6 +123,9 @@ bench: export bench-tools
 	$(PY) -m bench --repository $(MODELS) $(BENCH_ARGS)
 	$(PY) -m bench.sweep --repository $(MODELS) $(SWEEP_ARGS)
 	$(PY) -m bench.scaling --repository $(MODELS) $(SCALING_ARGS)
+	@if $(PY) -c 'from attnserve.server.native import why_unavailable as w; raise SystemExit(w() is not None)'; then \
+	  $(PY) -m bench.native_compare --repository $(MODELS) $(NATIVE_COMPARE_ARGS); \
+	else echo "bench: the native data plane is not built (make native): no native floor or prototype figures"; fi
 
 bench-sweep: export
 	$(PY) -m bench.sweep --repository $(MODELS) $(SWEEP_ARGS)
