@@ -344,7 +344,7 @@ _QUIET_BOUND_S = 0.5
 _HANDOVER_BOUND_S = 2.0
 _HANDOVER_PAUSE_S = 0.1  # where channelz cannot tell
 # gRPC cancels whatever still runs this long after our own grace: the batches already running
-# when the grace ran out (they finish: the README's promise) and the answers refused at that
+# when the grace ran out (they finish: docs/server.md's promise) and the answers refused at that
 # point (UNAVAILABLE) get this long to leave.
 _RUNNING_MARGIN_S = 10.0
 # After the memory budget empties, the call that released it is still finishing (its request

@@ -142,7 +142,7 @@ class ServerConfig:
         return dict(self.model_versions)
 
 
-# Flag help, one line each; the README's configuration table is this list.
+# Flag help, one line each; docs/server.md's configuration table is this list.
 _HELP: dict[str, str] = {
     "model_repository": "model repository written by `attnserve export`",
     "host": "address to bind",

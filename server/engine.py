@@ -76,12 +76,10 @@ def session_options(intra_op_threads: int, spinning: bool = False) -> ort.Sessio
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     # ONNX Runtime's pool threads spin after each run waiting for the next; on a server whose
-    # event loop shares the cores, that spinning starves the loop (measured: the pool thread
-    # burned 7.2 s of CPU against the loop's 6.0 s in an 11 s run at concurrency 32).
+    # event loop shares the cores, that spinning starves the loop (docs/performance.md).
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-    # No CPU memory arena: with it RSS stays at the largest run's peak for good (measured, self_attention
-    # (8, 512, 512): +416 MB after the run with the arena, +152 MB with its shrinkage run option,
-    # +16 MB without it; peak 416 / 320 / 248 MB; small runs no slower). README, "Memory".
+    # No CPU memory arena: with it RSS stays at the largest run's peak for good, and small runs are
+    # no slower without it (docs/server.md, Memory, has the figures).
     options.enable_cpu_mem_arena = False
     return options
 

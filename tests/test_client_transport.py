@@ -21,6 +21,8 @@ from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from tests.tls_certs import Pki, make_pki
 
+pytestmark = pytest.mark.e2e  # starts scripted gRPC servers
+
 FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.02)
 
 
