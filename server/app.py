@@ -353,8 +353,8 @@ _RUNNING_MARGIN_S = 10.0
 # (server.heap, "Reclaim"). gRPC's core frees its own buffers of those calls later still (an
 # answer leaves as the client's window allows, a connection's buffers go when it closes), and
 # the last refused calls' exceptions, which hold their requests' tensors through their frames,
-# become garbage as those calls end: reclaim again (collect, trim: about 2 ms once
-# heap.settle() ran) after 5 and 15 s.
+# become garbage as those calls end: reclaim again (collect, trim: cheap once heap.settle() ran)
+# after 5 and 15 s.
 _LEAN_RECLAIM_DELAYS_S = (0.05, 1.0, 5.0, 15.0)
 _ROOMY_RECLAIM_DELAYS_S = (1.0, 5.0, 15.0)
 

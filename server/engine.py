@@ -97,11 +97,10 @@ class Engine:
     Solo sessions (`solo=True`, CPU only): a second session of each unfused graph (those short
     sequences take, below the fused graphs' crossover) whose pool threads spin while idle, for
     `run(..., solo=True)`: the batcher's runs of a lone request (server.batcher, "Solo runs").
-    After each such run ONNX Runtime's threads spin about 20-40 ms before they sleep, so a lone
-    client's next request finds its cores awake: a short run after an idle gap otherwise costs
-    0.1-0.5 ms more than back to back. Up to one core's CPU while such requests keep coming;
-    the same graphs, kernels and answers; those graphs' weights held twice (self_attention:
-    +9 MiB). A run whose graph has no solo session takes the regular one. None on CUDA or with
+    After each such run ONNX Runtime's threads spin a while before they sleep, so a lone
+    client's next request finds its cores awake: a short run after an idle gap is otherwise
+    slower than back to back. Up to one core's CPU while such requests keep coming; the same
+    graphs, kernels and answers; those graphs' weights held twice. A run whose graph has no solo session takes the regular one. None on CUDA or with
     one intra-op thread."""
 
     def __init__(self, spec: ModelSpec, device: DeviceChoice, intra_op_threads: int = 0,

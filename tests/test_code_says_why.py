@@ -23,8 +23,9 @@ MACHINE_FIGURES = re.compile(
     r"|\b\d+ (?:alternating )?rounds\b"  # how often it was run
     r"|\b(?:EPYC|Xeon|Ryzen|Threadripper)\b"  # which machine
     r"|\bload average\b|\bload \d"  # how busy it was
-    r"|\bmeasured\b[^\n]*\d+(?:\.\d+)? ?(?:ms\b|µs\b|us\b|s\b|MB\b|MiB\b|%)"  # a time, size or share said to be measured
-    r"|\d+(?:\.\d+)? ?(?:ms\b|µs\b|us\b|MB\b|%)[^\n]*\bmeasured\b",
+    r"|\bmeasured\b[^\n]*\d+(?:\.\d+)? ?(?:ms\b|µs\b|us\b|s\b|MB\b|MiB\b|%)"  # said to be measured
+    r"|\d+(?:\.\d+)? ?(?:ms\b|µs\b|us\b|MB\b|%)[^\n]*\bmeasured\b"
+    r"|\d+(?:\.\d+)? ?(?:ms|µs|us) (?:per|a) (?:MiB|MB)\b",  # a rate on this machine
     re.I,
 )
 
@@ -38,7 +39,8 @@ def _sources():
 
 def test_the_pattern_catches_what_it_is_for():
     for line in ("# 1.17x the throughput", "paired 0.98x", "(4 rounds, p50 2.30 ms)", "a 2-core AMD EPYC VM",
-                 "load average 2.7", "measured here: 0.4-0.7 ms runs", "+9 % measured at concurrency 32"):
+                 "load average 2.7", "measured here: 0.4-0.7 ms runs", "about 3 ms per MiB",
+                 "+9 % measured at concurrency 32"):
         assert MACHINE_FIGURES.search(line), line
     for line in ("raise ValueError(f'byte 0x{b:02X}')", "MAX_BYTES = 64 << 20  # 64 MiB, gRPC's default x 16",
                  "# a (b, h, lq, lk) mask", "timeout_s: float = 5.0  # seconds"):
