@@ -8,7 +8,7 @@ PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
 PRESETS := self_attention cross_attention
 
-.PHONY: native native-deps install test test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-sweep bench-tools clean nginx
+.PHONY: native native-deps native-if-possible install test test-fast docs lint test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-sweep bench-tools clean nginx
 
 install: $(STAMP)
 
@@ -19,8 +19,24 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev]'
 	touch $(STAMP)
 
-test: $(STAMP) nginx
-	$(PY) -m pytest tests
+# In CI ($$CI set) a skipped test fails the run, unless it is a CUDA test (tests/conftest.py).
+test: $(STAMP) nginx native-if-possible
+	ATTNSERVE_TEST_NO_SKIP=$${ATTNSERVE_TEST_NO_SKIP:-$${CI:-}} $(PY) -m pytest tests
+
+# The tests that start no server, subprocess or container (marker `e2e`: tests/conftest.py).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not e2e" tests
+
+# The documentation site (mkdocs.yml, docs/) into build/site; strict: a broken link or reference fails.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): pyproject.toml $(STAMP)
+	$(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[docs]'
+	touch $@
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 # Every image built and docker-compose.yml run for real, with Debian's podman (needs root; a few
 # minutes): stand-in base images from Debian's packages (no registry here), the serve, export and
@@ -79,6 +95,13 @@ native: $(STAMP) native-deps
 	cmake -S native -B $(NATIVE_BUILD) -DPython_EXECUTABLE=$(abspath $(PY)) \
 	  -Dpybind11_DIR="$$($(PY) -c 'import pybind11; print(pybind11.get_cmake_dir())')"
 	cmake --build $(NATIVE_BUILD) -j
+
+# `make test` builds the native plane where it can (root, or the Debian packages present), so its
+# tests run; elsewhere it says why and tests/test_native_plane.py skips.
+native-if-possible:
+	@if [ "$$(id -u)" = 0 ] || { command -v grpc_cpp_plugin >/dev/null && pkg-config --exists grpc++ 2>/dev/null; }; then \
+	  $(MAKE) --no-print-directory native; \
+	else echo "not building the native data plane: not root and Debian's libgrpc++-dev / protobuf-compiler-grpc are missing"; fi
 
 # Debian's build dependencies of `make native`, installed when missing and we are root.
 native-deps:

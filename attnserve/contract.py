@@ -16,22 +16,10 @@ Masking is the seeds' own: a masked score (the seeds' `mask == 0`) is filled wit
 (-1e10, not -inf) before the softmax, so a row whose keys are all masked is a uniform
 distribution over them instead of NaN. Without a mask every key is attended.
 
-Layout:
-    <repository>/<name>/config.json                         dims, this contract, batching, limits,
-                                                            the fused graphs' crossover lengths
-    <repository>/<name>/<version>/model.onnx                outputs `output` and `attn_probs`
-    <repository>/<name>/<version>/model_output_only.onnx    `output` alone
-    <repository>/<name>/<version>/model_fused.onnx          `output` alone, ONNX Runtime's fused
-                                                            attention, no mask (query, key, value)
-    <repository>/<name>/<version>/model_fused_key_padding.onnx
-                                                            the same with key_padding_mask (B, Lk)
-    <repository>/<name>/<version>/model_head_mask.onnx      both outputs, mask (B, H, Lq, Lk)
-    <repository>/<name>/<version>/model_head_mask_output_only.onnx   `output` alone, the same mask
-    <repository>/<name>/<version>/export.json               parity figures, weights' source
-A version is an integer directory holding model.onnx; anything else (an export's staging
-directory) is not a version. The two fused graphs and the two head-mask graphs are optional
-(older repositories have none, fp16 exports no fused ones): a server serves without them exactly
-as before, and refuses a mask whose heads differ where the head-mask graphs are missing.
+Layout: <repository>/<name>/config.json, and per version <repository>/<name>/<version>/ with the
+graphs of GRAPH_FILES and export.json (docs/export.md lists them). A version is an integer
+directory holding model.onnx; the fused and head-mask graphs are optional (older repositories
+have none, fp16 exports no fused ones).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def _reset_peak(pid: int | str) -> None:
 
 # The client's large blocks (the serialized request, gRPC's copy of it, the answer) stay in its
 # heap between calls, as a long-lived client sending tens of MB per call should keep them (see
-# README, "Sequence-length sweep"): with glibc's defaults this client faulted in ~12,400 pages a
+# docs/performance.md, "The sequence-length sweep"): with glibc's defaults this client faulted in ~12,400 pages a
 # (1, 4096, 512) call (its heap trimmed after each, the next call's blocks fresh), about 60 ms of
 # the "server" column that were the client's own.
 CLIENT_MMAP_THRESHOLD_BYTES = 64 << 20

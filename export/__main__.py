@@ -25,7 +25,8 @@ def _parser(prog: str = "attnserve export") -> argparse.ArgumentParser:
         description="Export multi-head attention to ONNX (dynamic batch, q_len, k_len) into a model "
         "repository, after proving ONNX Runtime matches eager PyTorch within 1e-5.",
     )
-    p.add_argument("--preset", choices=sorted(PRESETS), help="the seed documents' sizes")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="the reference models' sizes (self_attention: seed 000, cross_attention: seed 002)")
     p.add_argument("--name", help="model name (default: the preset)")
     p.add_argument("--repository", type=Path, default=Path("models"), help="model repository (default: models)")
     p.add_argument("--version", type=int, help="version number (default: the next one)")

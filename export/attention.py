@@ -1,4 +1,4 @@
-"""The attention module: one nn.Module that covers both seed documents.
+"""The attention module: one nn.Module that covers both reference implementations.
 
 Seed 000 (`MultiHeadAttention`) is `AttentionConfig(query_dim=512, num_heads=8)`; seed 002
 (`Multiheadattention`) is `AttentionConfig(query_dim=32, num_heads=2, d_model=32)`. Key/value

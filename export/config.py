@@ -63,7 +63,7 @@ class AttentionConfig:
         return dataclasses.replace(self, **changes)
 
 
-# The seed documents' sizes, as given: widths left out follow query_dim, also when a flag
+# The reference implementations' sizes (seed 000 and seed 002, docs/index.md): widths left out follow query_dim, also when a flag
 # changes query_dim (AttentionConfig(**PRESET_ARGS[name] | overrides)).
 PRESET_ARGS: dict[str, dict[str, Any]] = {
     # seed 000 MultiHeadAttention: d_model 512, 8 heads, dropout 0.1 (training only).

@@ -12,8 +12,8 @@ weights (to_q/to_k/to_v/to_out, with their biases):
                                                                             num_heads, -1e10 fill)
     --> (b, lq, d_model) --MatMul to_out.weight^T, Add to_out.bias--> output (b, lq, out_dim)
 
-Why com.microsoft.MultiHeadAttention and not opset-23 `Attention` (measured on ONNX Runtime 1.32,
-CPU, README "Exporting models"): without a mask ORT runs MultiHeadAttention as flash attention
+Why com.microsoft.MultiHeadAttention and not opset-23 `Attention` (docs/export.md has the
+figures): without a mask ORT runs MultiHeadAttention as flash attention
 (memory grows with L, not L^2), while its CPU `Attention` materializes the scores even
 without a mask and wants a mask already expanded over the query rows. With a key padding mask,
 MultiHeadAttention adds `mask_filter_value` (-1e10, the seeds' fill) to the scaled scores of

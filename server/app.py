@@ -362,7 +362,7 @@ _QUIET_BOUND_S = 0.5
 _HANDOVER_BOUND_S = 2.0
 _HANDOVER_PAUSE_S = 0.1  # where channelz cannot tell
 # gRPC cancels whatever still runs this long after our own grace: the batches already running
-# when the grace ran out (they finish: the README's promise) and the answers refused at that
+# when the grace ran out (they finish: docs/server.md's promise) and the answers refused at that
 # point (UNAVAILABLE) get this long to leave.
 _RUNNING_MARGIN_S = 10.0
 # After the memory budget empties, the call that released it is still finishing (its request
@@ -371,8 +371,8 @@ _RUNNING_MARGIN_S = 10.0
 # (server.heap, "Reclaim"). gRPC's core frees its own buffers of those calls later still (an
 # answer leaves as the client's window allows, a connection's buffers go when it closes), and
 # the last refused calls' exceptions, which hold their requests' tensors through their frames,
-# become garbage as those calls end: reclaim again (collect, trim: about 2 ms once
-# heap.settle() ran) after 5 and 15 s.
+# become garbage as those calls end: reclaim again (collect, trim: cheap once heap.settle() ran)
+# after 5 and 15 s.
 _LEAN_RECLAIM_DELAYS_S = (0.05, 1.0, 5.0, 15.0)
 _ROOMY_RECLAIM_DELAYS_S = (1.0, 5.0, 15.0)
 

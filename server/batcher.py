@@ -3,60 +3,22 @@
 Knows nothing of gRPC, protobuf or ONNX Runtime: it is given a blocking `run_batch(feeds,
 want_probs)` and runs it on its own worker threads, so the event loop keeps accepting requests.
 
-Policy. A lone request on an idle model is dispatched at once (it never waits for company).
-While a batch runs, requests queue up; when an execution slot frees, everything compatible that
-waits is merged into the next run, up to `max_batch_size` rows. A partial batch waits up to
-`max_queue_delay_s` for company only when company is coming: another batch of this model runs,
-or (the `arrivals` signal the server hands in) requests have arrived that have not reached a
-batcher yet.
-Under load the gRPC layer, not the model, is often the slower stage; without that hint each
-request would run alone as it trickles in, at several times the per-request cost of a batch.
-
-Solo runs. Given `run_solo` (the same computation, whose ONNX Runtime threads spin between
-and after runs: server.engine) and the `solitude` signal the server hands in, a batch of one
-request, dispatched while nothing else queues or runs here and the server holds no other call
-after a quiet spell (lifecycle.Admission.alone), runs on `run_solo`: at low load each request
-then finds its cores awake. Under load the signal is off and every batch takes `run_batch`,
-whose threads sleep when idle and leave the cores to the event loop. A solo run computes on the
-event loop itself when the last solo run of the same shape (rows, lengths, masking, attn_probs
-or not) took at most INLINE_SOLO_MAX_S: it is the only call in the server, so the loop has
-nothing else to do meanwhile, and the hand-off to the run thread and back (two thread wake-ups)
-is saved. The first run of a shape, and any whose last run took longer, go to the run thread,
-so that the loop never stops for long (health checks, metrics, other models' calls), on a fast
-machine or a slow one. Measured at concurrency 1 (perf_analyzer alternating between two
-servers, 2-core VM): the seeds' self_attention (1, 10, 512), 0.4-0.7 ms runs in the server,
-1.17x the throughput (4 rounds, p50 2.30 ms against 2.83); cross_attention (4, 256, 32) over
-77 keys, 0.85-1.5 ms runs, 1.06x (8 rounds) against the run thread.
-
-Padding. Requests of different lengths are padded to the longest query and key of their batch:
-padded keys are masked, padded query rows are dropped when the batch is split. A batch only
-takes a request if its padded share of the attention matrix stays under `max_padding_ratio`
-(the oldest request is always taken, so nothing starves), and if the scores its run would hold
-(`scores_of`, handed in: which graph runs is the engine's business) stay within
-`max_batch_scores`. A batch whose run holds no scores (flash attention) takes only requests that
-keep it so: one that would pad its keys, bring a mask or ask for attn_probs waits for the next
-batch instead of moving the whole batch onto a graph that holds every score.
-
-Masks. A request's mask comes as any of contract.MASK_SHAPES; Work keeps it as (b, lq, lk) (a
-view: (lq, lk) broadcast over the batch, (b, 1, lq, lk) and a (b, h, lq, lk) whose heads are
-alike reshaped or sliced) unless its heads differ, then as (b, h, lq, lk). `merge` feeds the
-least a run needs (server.graphs' maskings): no mask when no request has one and no key is padded
-(padded query rows need none: they are dropped), a key padding mask (B, Lk) when every request's
-mask is the same for all its query rows (or absent) and attends at least one key in each, a
-head mask (B, H, Lq, Lk) when some request's heads differ (the others' masks repeated over the
-heads), the full (B, Lq, Lk) mask otherwise. The first two let the engine take ONNX Runtime's
-fused attention.
-
-Exactness. A masked key scores -1e10 (the seeds' fill), so a row that masks all its real keys is
-a uniform distribution over the keys it sees; padding keys onto it would widen that uniform
-distribution. Such requests therefore join only batches whose key length equals their own.
-
-Memory. Given a lifecycle.MemoryBudget and a Costing, each request reserves its cost (its inputs,
-its run alone, its answer: server.memory) before it queues, waiting within its deadline if the
-budget is spent; a batch merges a request only while the merged run's estimate stays within the
-reservations of its requests plus what the budget has free (the extra is reserved until the run
-ends). A served request's reservation travels in its Result: the transport releases it once the
-answer is sent.
+- Policy: a lone request on an idle model runs at once; while a batch runs, what waits merges
+  into the next run (up to `max_batch_size` rows), waiting up to `max_queue_delay_s` only while
+  company is coming (another batch runs, or the `arrivals` signal says requests are on the way).
+- Solo runs: a batch of one request while the server holds no other call runs on `run_solo`,
+  whose threads spin so the next lone request finds the cores awake; a solo run whose shape last
+  ran within INLINE_SOLO_MAX_S computes on the event loop itself (nothing else waits there).
+- Padding: requests are padded to the batch's longest query and key, padded keys masked; a
+  request joins only within `max_padding_ratio` and `max_batch_scores`, and a flash-attention
+  batch takes only requests that keep it on that graph.
+- Masks: Work keeps any of contract.MASK_SHAPES as the least it needs; `merge` feeds the least a
+  run needs (none, a key padding mask, the full mask, or a per-head mask).
+- Exactness: a request whose row masks all its keys joins only batches of its own key length
+  (padding would widen its uniform distribution).
+- Memory: each request reserves its cost in a lifecycle.MemoryBudget before it queues; a merged
+  run's extra is reserved until the run ends; the reservation travels in its Result.
+More, and the figures behind each choice: docs/design.md ("The batcher") and docs/performance.md.
 """
 
 from __future__ import annotations
@@ -294,8 +256,8 @@ class _Pending:
 
 
 # The longest solo run computed on the event loop ("Solo runs"), judged by the last solo run of
-# the same shape: on the 2-core VM it was measured on, the seeds' runs take 0.4-0.7 ms
-# (self_attention) and 0.85-1.5 ms (cross_attention) in the server; 1 ms split cross_attention's.
+# the same shape: long enough for the reference workloads' short runs, short enough that the loop
+# never stalls (docs/performance.md, "The event loop first").
 INLINE_SOLO_MAX_S = 0.002
 SOLO_SHAPES_TIMED = 64  # the shapes whose last solo run's time is kept (the least recent dropped)
 

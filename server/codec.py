@@ -8,8 +8,8 @@ bound is checked last, against the graph that will run the request (server.graph
 mask is read.
 
 Typed contents (`fp32_contents`, `bool_contents`) never become Python objects: they are read
-from, and written as, their packed wire bytes (attnserve.proto.wire; a 63 MB typed answer built
-with `tolist()` held the event loop for 0.6 s, every other client stalled behind it). Large raw
+from, and written as, their packed wire bytes (attnserve.proto.wire; a typed answer built with
+`tolist()` held the event loop, and every other client behind it, for a large one). Large raw
 contents (a message of WIRE_MIN_BYTES or more) skip protobuf's copies: InferRequest,
 InferResponse.
 """
@@ -175,8 +175,8 @@ _BOOL_TRANSLATE_MAX_BYTES = 4096  # where bytes.translate and numpy's max cost t
 def _check_bool_bytes(name: str, data: bytes) -> None:
     """The protocol's BOOL is one byte, 1 = true, 0 = false: any other byte is not a BOOL (and
     numpy would read it as some truth value of its own, silently). A small mask is checked by
-    bytes.translate (0.1 us for a (1, 10, 10) mask, numpy's max 2.5 us: a reduction's fixed cost,
-    on the event loop for every request); a large one by numpy (its max is the faster there)."""
+    bytes.translate (numpy's max has a reduction's fixed cost, on the event loop for every
+    request); a large one by numpy (its max is the faster there)."""
     if len(data) < _BOOL_TRANSLATE_MAX_BYTES and not data.translate(None, b"\x00\x01"):
         return
     octets = np.frombuffer(data, dtype=np.uint8)
@@ -246,7 +246,7 @@ def output_bytes(shapes: dict[str, tuple[int, ...]], spec: ModelSpec) -> dict[st
 def _check_typed_size(shapes: dict[str, tuple[int, ...]], outputs: tuple[str, ...], spec: ModelSpec,
                       limits: Limits) -> None:
     """Typed contents are parsed and built on the event loop (protobuf's C code and gRPC's
-    serialization, about 3 ms per MiB, every other call waits): a request whose typed inputs, or
+    serialization, while every other call waits): a request whose typed inputs, or
     whose typed answer, would be over --max-typed-bytes is refused before anything is read or
     computed, pointing to raw contents. (A raw request is answered raw.)"""
     if limits.max_typed_bytes is None:
@@ -361,7 +361,7 @@ def parse_infer_request(data: bytes, max_typed_bytes: int | None = None) -> Infe
     a smaller one protobuf parses whole. Malformed bytes raise (server.parsing answers
     INVALID_ARGUMENT). max_typed_bytes (--max-typed-bytes): a message whose bytes besides
     raw_input_contents are over it (and the room for names and shapes) is refused before
-    protobuf parses them (about 2.5 ms per MB, on the event loop): TypedContentsTooLarge."""
+    protobuf parses them (on the event loop): TypedContentsTooLarge."""
     if len(data) < WIRE_MIN_BYTES:
         return pb.ModelInferRequest.FromString(data)
 

@@ -59,11 +59,11 @@ class ServerConfig:
     # quarter of the memory budget. At least one message is always received.
     max_receiving_bytes: int | None = None
     # Tensor bytes a gRPC request's typed contents (fp32_contents, bool_contents) may hold, and
-    # its answer's: they are built and parsed on the event loop (about 3 ms per MiB), so larger
+    # its answer's: they are built and parsed on the event loop (time grows with the bytes), so larger
     # tensors must travel as raw_input_contents / raw_output_contents. Over it: INVALID_ARGUMENT.
     max_typed_bytes: int = 4 * 1024**2
     # JSON text of a REST request, and of an answer's `data` (24 bytes a value, the most json
-    # writes for a float32): parsed and written on the event loop (12-28 ms per MiB), so larger
+    # writes for a float32): parsed and written on the event loop (time grows with it), so larger
     # tensors must travel as binary data (binary_data_size, binary_data). Over it: 400.
     max_json_bytes: int = 8 * 1024**2
     # On SIGTERM/SIGINT/SIGHUP: readiness goes NOT_SERVING at once, calls are still admitted for
@@ -155,7 +155,7 @@ class ServerConfig:
         return dict(self.model_versions)
 
 
-# Flag help, one line each; the README's configuration table is this list.
+# Flag help, one line each; docs/server.md's configuration table is this list.
 _HELP: dict[str, str] = {
     "model_repository": "model repository written by `attnserve export`",
     "host": "address to bind",

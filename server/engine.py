@@ -76,12 +76,10 @@ def session_options(intra_op_threads: int, spinning: bool = False) -> ort.Sessio
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     # ONNX Runtime's pool threads spin after each run waiting for the next; on a server whose
-    # event loop shares the cores, that spinning starves the loop (measured: the pool thread
-    # burned 7.2 s of CPU against the loop's 6.0 s in an 11 s run at concurrency 32).
+    # event loop shares the cores, that spinning starves the loop (docs/performance.md).
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-    # No CPU memory arena: with it RSS stays at the largest run's peak for good (measured, self_attention
-    # (8, 512, 512): +416 MB after the run with the arena, +152 MB with its shrinkage run option,
-    # +16 MB without it; peak 416 / 320 / 248 MB; small runs no slower). README, "Memory".
+    # No CPU memory arena: with it RSS stays at the largest run's peak for good, and small runs are
+    # no slower without it (docs/server.md, Memory, has the figures).
     options.enable_cpu_mem_arena = False
     return options
 
@@ -99,11 +97,10 @@ class Engine:
     Solo sessions (`solo=True`, CPU only): a second session of each unfused graph (those short
     sequences take, below the fused graphs' crossover) whose pool threads spin while idle, for
     `run(..., solo=True)`: the batcher's runs of a lone request (server.batcher, "Solo runs").
-    After each such run ONNX Runtime's threads spin about 20-40 ms before they sleep, so a lone
-    client's next request finds its cores awake: a short run after an idle gap otherwise costs
-    0.1-0.5 ms more than back to back. Up to one core's CPU while such requests keep coming;
-    the same graphs, kernels and answers; those graphs' weights held twice (self_attention:
-    +9 MiB). A run whose graph has no solo session takes the regular one. None on CUDA or with
+    After each such run ONNX Runtime's threads spin a while before they sleep, so a lone
+    client's next request finds its cores awake: a short run after an idle gap is otherwise
+    slower than back to back. Up to one core's CPU while such requests keep coming; the same
+    graphs, kernels and answers; those graphs' weights held twice. A run whose graph has no solo session takes the regular one. None on CUDA or with
     one intra-op thread."""
 
     def __init__(self, spec: ModelSpec, device: DeviceChoice, intra_op_threads: int = 0,

@@ -6,7 +6,7 @@
     status.http                  # the HTTP status the REST port (server.rest) answers with
 
 The table has two columns: the gRPC status, and the HTTP status of the same error on the REST
-port (the README's table). The servicer (unary RPCs, stream answers, metadata RPCs), the gate
+port (docs/protocol.md's table). The servicer (unary RPCs, stream answers, metadata RPCs), the gate
 (token, draining), the parsing layer and the REST adapter all answer through here. The layers
 below raise their own exceptions and know nothing of gRPC or HTTP; the exceptions defined here
 are those of the edges themselves.

@@ -21,9 +21,7 @@ headers arrive and before its message is read. It answers with
 Every refusal is answered through server.errors, like any other error.
 
 Why not grpc.aio interceptors: they run as a chain of coroutines on every call, on the event
-loop that is this server's bottleneck (with a canned answer and no model, three of them cost
-2,983 vs 3,530 calls/s at concurrency 32; with the model the difference is within this
-machine's noise).
+loop that is this server's bottleneck (docs/performance.md has the figures).
 """
 
 from __future__ import annotations

@@ -9,66 +9,18 @@ crowded (the one place that sets it up and trims).
     reclaim()                    # once large work is over: collect cycles, trim
     trim()                       # give freed heap back now
 
-Why two modes. A large request's buffers are new memory: gRPC's copy of the message, Python's
-bytes, ONNX Runtime's tensors, the answer. Faulted in 4 KiB at a time, at 2 us a page on the
-2-core VM this was first measured on (a 64 MiB buffer: 34 ms), they cost more than the copies;
-and on a VM whose balloon reports free pages to its host (virtio-balloon free page reporting),
-memory given back and faulted in again costs the host's fault too (about 1 ms per MB measured
-on such a VM, 0.2 with huge pages). Huge pages under glibc's blocks, and freed heap kept for the
-next request, remove much of that cost for a client's long requests that come one after another.
-But under many concurrent large requests keeping freed blocks breaks the memory budget's bound:
-the freed blocks of many requests pile up (tests/test_memory_attacks.py's overload case reached
-idle + 860-1,003 MiB against the 736 it allows). So:
-
-Roomy (from the start, while at most one large use of the budget is held). Blocks below
-ROOMY_MMAP_THRESHOLD_BYTES come from glibc's heaps, and up to ROOMY_TRIM_THRESHOLD_BYTES free at
-the top of each stays resident; larger blocks are mapped on their own and go back when freed.
-The heaps and large blocks are on huge pages (glibc's tunable glibc.malloc.hugetlb=1, which it
-reads once, at startup: main() re-executes the server with it where the kernel gives huge pages
-on request, its transparent_hugepage mode "madvise", and the environment does not name it;
-GLIBC_TUNABLES=glibc.malloc.hugetlb=0 keeps 4 KiB pages). Why blocks of 8 MiB and more are
-mapped: with every block under 32 MiB kept (glibc's own dynamic ceiling), each thread's arena
-(gRPC's core threads receive a message, the event loop copies it into bytes, the run thread holds
-ONNX Runtime's tensors) kept what it had freed, and no other could reuse it: a (1, 4096, 512)
-output-only request's peak RSS increase was 144 MB (1.64x the in-process fused run's 88 MB), and
-210-300 MB once such requests came back to back; mapping blocks of 8 MiB and more (one
-(4096, 512) fp32 tensor is 8 MiB): 105-114 MB (1.2-1.3x), 111-127 MB back to back, paired time
-1.16-1.17x against 1.10-1.15x before (alternating runs on a 2-core AMD EPYC VM, load 1-2.7).
-Mapping from 4 MiB (16 MiB kept) did as well there but took the seeds' cross-attention batches
-with it: at concurrency 32 their (32, 2, 256, 77) attention probabilities (5 MB) were mapped
-afresh for every batch, 0.87x the throughput (perf_analyzer, 4 alternating rounds); from 8 MiB,
-0.98x (64 MiB kept), 0.97x (32 MiB kept).
-
-Lean (from a second large use held at once, until the budget is quiet). crowd() turns huge pages
-off for the process (prctl PR_SET_THP_DISABLE: what is faulted in from then on takes 4 KiB
-pages), maps every block of LEAN_MMAP_THRESHOLD_BYTES or more on its own (returned whole when
-freed), keeps at most LEAN_TRIM_THRESHOLD_BYTES free at a heap's top, and the server trims
-(off the event loop) what the roomy mode kept. From then on release_after() trims after each
-message and run of TRIM_MIN_BYTES or more (a trim walks the heap: 1-2 ms). Measured before the
-modes, with the lean settings always on: for a (1, 4096, 512) request the server's peak RSS
-increase was +118-132 MB without the trim after the message, +97 MB with it.
-
-Small requests never make a use large enough to count, so the seeds' traffic stays roomy: a
-fixed mmap threshold would otherwise leave glibc's trim threshold at its default, 128 KiB, and
-every batch's freed tensors would go back to the system to be faulted in again (measured at
-(1, 10, 512), concurrency 32: 13.2 page faults a request with 128 KiB, 3.9 with 8 MiB).
-
-Reclaim. The server (server.app) gives freed heap back once the budget empties after a large
-use, each pass only while less than 64 MiB of the budget is held: roomy, 1, 5 and 15 s later
-(a client's next long request within a second finds its heap resident: a first pass at 0.05 s
-gave 1.40-1.46x instead of 1.23-1.28x); lean, 0.05 s later and again at 1, 5 and 15 s, and the
-first pass that finds at most one large use held calls uncrowd(). A pass collects
-reference cycles first (a refused request's exception holds its frames, and they its request's
-tensors, until the cyclic collector runs; without it RSS stayed 120-190 MB above idle after 40
-large refused calls), then trims. An operator's own glibc.malloc.mmap_threshold or
-trim_threshold (GLIBC_TUNABLES, or MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_) is left as
-it is in both modes. Elsewhere than glibc on Linux nothing is set or trimmed.
-
-The cyclic collector walks every tracked object holding the GIL: 35-250 ms in a server with its
-models loaded (54,000 objects), so inside the next request when requests come back to back.
-settle(), once the server has started, moves what exists then (modules, models, the servers) out
-of the collector's walk (gc.freeze): a collection then costs about 0.2 ms. unsettle() gives it
-all back to the collector (a model version unloaded or replaced: its objects must be collectable).
+- Roomy: a large request's buffers faulted in 4 KiB at a time cost more than its copies, so
+  blocks below ROOMY_MMAP_THRESHOLD_BYTES stay in the heaps, on huge pages, with freed heap kept.
+- Lean: under many concurrent large requests kept blocks pile up past the memory budget, so huge
+  pages go off, blocks from LEAN_MMAP_THRESHOLD_BYTES are mapped alone and freed heap is trimmed.
+- Blocks of 8 MiB and more are mapped even when roomy: each thread's arena otherwise keeps what
+  it freed for itself, and a long request's buffers cannot reuse each other.
+- Reclaim collects reference cycles before trimming: a refused request's exception holds its
+  tensors until the cyclic collector runs.
+- settle() freezes what exists at startup out of the collector's walk (a collection holds the
+  GIL); unsettle() gives it back when a model version goes.
+An operator's own glibc tunables are left as they are. Elsewhere than glibc on Linux nothing is
+set or trimmed. Figures and history: docs/design.md ("The heap") and docs/server.md (Memory).
 """
 
 from __future__ import annotations

@@ -131,9 +131,8 @@ class Admission:
     `alone` tells the batchers that the call being dispatched is the only one: no other call in
     flight, no stream open, and the server held none for QUIET_S before it arrived. The quiet
     spell tells a lone client apart from a loaded server whose event loop has only just taken
-    the next call from gRPC's core (whose queue it cannot see): measured here at concurrency 1,
-    the server had been empty 0.69 ms or more before 99 % of calls; at concurrency 32 no call
-    found it empty at all in 96-100 % of arrivals."""
+    the next call from gRPC's core (whose queue it cannot see; docs/performance.md, "Solo runs",
+    has how often each case found it empty)."""
 
     QUIET_S = 0.0002
 

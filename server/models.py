@@ -102,9 +102,6 @@ class LoadedVersion:
     fingerprint: tuple = ()  # repository.version_fingerprint when it was loaded
 
 
-# Kept for callers of the single-version registry.
-LoadedModel = LoadedVersion
-
 
 @dataclass(frozen=True)
 class IndexEntry:

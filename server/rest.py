@@ -19,7 +19,7 @@ aiohttp's low-level server (aiohttp.web.Server): no Application, router or middl
 request; the routes are a table of our own. Bounds: MAX_CONNECTIONS open at once (beyond them a
 connection is closed at once), request line and header fields of MAX_FIELD_BYTES, MAX_HEADERS
 headers, idle keep-alive connections closed after KEEPALIVE_S. Why aiohttp and not uvicorn with
-starlette: bench/http_library.py (the README's Design section has the figures).
+starlette: bench/http_library.py (docs/performance.md has the figures).
 """
 
 from __future__ import annotations

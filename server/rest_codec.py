@@ -89,8 +89,8 @@ def parse_infer(body: bytes, header_length: int | None, model_name: str, model_v
     """A REST inference body -> (the request, output name -> answer it binary). header_length:
     the Inference-Header-Content-Length header (None: the whole body is JSON). An output not in
     the map follows the request's `binary_data_output` (the map's key ""). max_json_bytes: the
-    most JSON text it may have (--max-json-bytes; json parses it on the event loop, about 12 ms
-    per MiB), refused before it is parsed."""
+    most JSON text it may have (--max-json-bytes; json parses it on the event loop), refused
+    before it is parsed."""
     view = memoryview(body)
     if header_length is None:
         header_length = len(body)
@@ -163,7 +163,7 @@ JSON_VALUE_BYTES = 24
 def check_json_answer(request: pb.ModelInferRequest, spec: ModelSpec, binary_outputs: dict[str, bool],
                       max_json_bytes: int) -> None:
     """Refuse, before it is computed, a request whose answer's JSON `data` could be over
-    max_json_bytes (--max-json-bytes; json writes it on the event loop, about 28 ms per MiB),
+    max_json_bytes (--max-json-bytes; json writes it on the event loop),
     counted at JSON_VALUE_BYTES a value. Shapes that are not the contract's are left to
     codec.decode, which names what is wrong."""
     shapes = {t.name: tuple(t.shape) for t in request.inputs}

@@ -2,10 +2,9 @@
 
 numpy's copy loops let go of the GIL for every array of more than 500 values, and take it back
 when the event loop next gives it up: while the loop is busy that is one switch interval later
-(5 ms by default). A batch merged with np.concatenate waited that long for every request in it:
-12 (1, 10, 512) arrays took 35-50 ms with a busy thread beside them, 0.01 ms alone, and under
-load (perf_analyzer, concurrency 32) the run thread spent more of each batch waiting inside its
-merge than ONNX Runtime spent computing it. These copies are one memcpy each, under the GIL
+(5 ms by default). A batch merged with np.concatenate waited that long for every request in it,
+and under load the run thread spent more of each batch waiting inside its merge than ONNX
+Runtime spent computing it (docs/performance.md, "The event loop first"). These copies are one memcpy each, under the GIL
 (a memoryview's slice assignment), so the run thread waits for the GIL once per batch, not once
 per array:
 

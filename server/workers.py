@@ -3,8 +3,8 @@
     code = asyncio.run(supervise(config, argv, command))   # the parent: no ONNX Runtime, no model
     context = WorkerContext.from_env()                     # in a worker: its place in the server
 
-One process runs one event loop, which on a many-core host keeps the server to about one and a
-half cores. The supervisor (this module, the parent process) starts N workers, each today's
+One process runs one event loop, which keeps the server to a core or two on a many-core host.
+The supervisor (this module, the parent process) starts N workers, each today's
 whole server (app.Server: its event loop, batchers, ONNX Runtime sessions) on the same gRPC and
 REST ports, and:
 - shares the ports with SO_REUSEPORT: it binds each address itself, without listening, so that
@@ -12,7 +12,7 @@ REST ports, and:
   binds the same address with SO_REUSEPORT and listens, and the kernel spreads new connections
   over the workers' listeners (gRPC Python cannot adopt a listening socket handed down, so the
   kernel's spreading is the one way for gRPC; REST does the same). A gRPC channel is one
-  connection, so one channel's calls all go to one worker (README: connection balance);
+  connection, so one channel's calls all go to one worker (docs/server.md, Worker processes);
 - serves the one /metrics of the server: the workers' collectors are in prometheus_client's
   multiprocess mode (PROMETHEUS_MULTIPROC_DIR, a private directory), summed here, with this
   process's attnserve_worker_restarts_total; ModelStatistics is summed by whichever worker is
@@ -20,8 +20,7 @@ REST ports, and:
 - splits what the process may use: intra-op threads (CPUs / N each, unless
   --intra-op-threads is given) and the memory budget (--memory-limit-bytes / N each, or each
   worker's default from a 1/N share);
-- writes --ready-file once every worker is ready (their pids under "workers");
-- forwards SIGTERM, SIGINT and SIGHUP to every worker (each drains; a second signal hurries
+- writes --ready-file once every worker is ready (their pids under "workers"); forwards SIGTERM, SIGINT and SIGHUP to every worker (each drains; a second signal hurries
   them) and exits 0 once all have drained; restarts a worker that exits otherwise (logged,
   counted, after a back-off that grows while replacements die before they have served long).
 A worker dies with its supervisor (PR_SET_PDEATHSIG: SIGTERM, so it drains).
@@ -104,7 +103,7 @@ def _cgroup_quota(root: Path) -> float | None:
         return None
 
 
-CPUS_PER_WORKER = 2  # measured (README: workers): a worker keeps about 1.5 CPUs busy
+CPUS_PER_WORKER = 2  # one event loop keeps a core or two busy (docs/server.md, Worker processes)
 
 
 def default_workers(config: ServerConfig, cpus: int | None = None) -> int:

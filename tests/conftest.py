@@ -63,3 +63,59 @@ def server(model_repository) -> ServerProcess:
     proc = ServerProcess(model_repository)
     yield proc
     proc.stop()
+
+
+# -- test tiers -------------------------------------------------------------------------------
+# `e2e` marks a test that starts a server, a subprocess or a container, or needs the session's
+# exported models: `make test-fast` runs the others. A test gets it from its module's or its own
+# `pytest.mark.e2e`, or here, from any of these fixtures (directly or through another fixture).
+E2E_FIXTURES = frozenset({"model_repository", "server"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if E2E_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
+
+
+# -- unexpected skips -----------------------------------------------------------------------------
+# With $ATTNSERVE_TEST_NO_SKIP set (`make test` sets it from $CI), a skipped test fails the run
+# unless it is a CUDA test on a machine without CUDA: a test that skips in CI proves nothing.
+NO_SKIP_ENV = "ATTNSERVE_TEST_NO_SKIP"
+
+
+def skip_is_expected(nodeid: str, reason: str) -> bool:
+    """Only the CUDA tests may skip: tests/test_cuda.py, or a skip whose reason names CUDA."""
+    return nodeid.startswith("tests/test_cuda.py") or "cuda" in reason.lower()
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+_unexpected_skips: list[tuple[str, str]] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = _skip_reason(report)
+        if not skip_is_expected(report.nodeid, reason):
+            _unexpected_skips.append((report.nodeid, reason))
+
+
+def _no_skip() -> bool:
+    return os.environ.get(NO_SKIP_ENV, "").lower() in ("1", "true", "yes")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _no_skip() and _unexpected_skips and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _no_skip() and _unexpected_skips:
+        terminalreporter.section("unexpected skips", sep="=", red=True, bold=True)
+        for nodeid, reason in _unexpected_skips:
+            terminalreporter.write_line(f"{nodeid}: {reason}")
+        terminalreporter.write_line(f"${NO_SKIP_ENV} is set and only CUDA tests may skip: this run fails")

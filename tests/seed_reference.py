@@ -1,10 +1,10 @@
-"""Re-implementations of the user's two seed modules, kept to their parameter names and math.
+"""Re-implementations of the two reference modules (seed 000, seed 002), kept to their names and math.
 
 Seed 000 `MultiHeadAttention(d_model=512, n_heads=8, dropout=0.1)`: Wq/Wk/Wv/Wo, scores divided by
 math.sqrt(d_key), masked_fill(mask == 0, -1e10), softmax, dropout on the probs, returns
 (output, attn_probs). Seed 002 `Multiheadattention(input_dim, heads, d_model)`: to_q/to_k/to_v/to_out,
 no mask, no dropout, returns output alone. The tests compare our module against these, so they are
-written from the seed documents, not from export/attention.py.
+written from those references, not from export/attention.py.
 """
 
 from __future__ import annotations

@@ -8,7 +8,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.server_process import REPO_ROOT
+
+pytestmark = pytest.mark.e2e  # runs the benchmark's processes
 
 
 def test_bench_runs_and_writes_its_report(model_repository, tmp_path):

@@ -8,8 +8,6 @@ record the metadata it received, and serve TLS with a client-certificate check.
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 import threading
 import time
 from concurrent import futures
@@ -21,6 +19,9 @@ import pytest
 from attnserve.client import AsyncInferenceClient, InferenceClient, InferenceError, RetryPolicy, TlsConfig
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
+from tests.tls_certs import Pki, make_pki
+
+pytestmark = pytest.mark.e2e  # starts scripted gRPC servers
 
 FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.02)
 
@@ -217,47 +218,39 @@ def test_a_malformed_response_is_an_inference_error(scripted):
 
 
 @pytest.fixture(scope="module")
-def certs(tmp_path_factory):
-    """A CA, a server certificate for DNS:localhost, and a client certificate, made by openssl."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not on PATH")
-    d = tmp_path_factory.mktemp("tls")
-    (d / "ext.cnf").write_text("[server]\nsubjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n"
-                               "[client]\nextendedKeyUsage=clientAuth\n")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+def certs(tmp_path_factory) -> Pki:
+    """A CA, a server certificate for localhost, and a client certificate (tests/tls_certs.py, as
+    test_security.py makes them: a machine without openssl fails these tests, it does not skip them)."""
+    return make_pki(tmp_path_factory.mktemp("tls"))
 
-    def run(*args):
-        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
 
-    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca")
-    for name in ("server", "client"):
-        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.pem", "-days", "1", "-extfile", "ext.cnf", "-extensions", name)
-    return d
+def test_certificates_without_openssl_fail_rather_than_skip(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no openssl on it
+    with pytest.raises(RuntimeError, match="openssl command, which is not on PATH"):
+        make_pki(tmp_path / "pki")
 
 
 @pytest.fixture
 def mtls_port(scripted, certs):
     credentials = grpc.ssl_server_credentials(
-        [((certs / "server.key").read_bytes(), (certs / "server.pem").read_bytes())],
-        root_certificates=(certs / "ca.pem").read_bytes(), require_client_auth=True)
+        [(certs.server_key.read_bytes(), certs.server_cert.read_bytes())],
+        root_certificates=certs.ca.read_bytes(), require_client_auth=True)
     return scripted(ScriptedServicer(), credentials=credentials)
 
 
 def test_mtls_round_trip(certs, mtls_port):
-    tls = TlsConfig(ca_file=certs / "ca.pem", cert_file=certs / "client.pem", key_file=certs / "client.key")
+    tls = TlsConfig(ca_file=certs.ca, cert_file=certs.client_cert, key_file=certs.client_key)
     with InferenceClient(f"localhost:{mtls_port}", tls=tls, timeout_s=5) as client:
         np.testing.assert_array_equal(client.infer("m", Q, KV, KV)["output"], Q)
     # An IP literal in the url, the certificate's name given separately.
-    tls_by_ip = TlsConfig(ca_file=certs / "ca.pem", cert_file=certs / "client.pem", key_file=certs / "client.key",
+    tls_by_ip = TlsConfig(ca_file=certs.ca, cert_file=certs.client_cert, key_file=certs.client_key,
                           server_name="localhost")
     with InferenceClient(f"127.0.0.1:{mtls_port}", tls=tls_by_ip, timeout_s=5) as client:
         assert client.server_live()
 
 
 def test_mtls_refuses_a_client_without_a_certificate(certs, mtls_port):
-    with InferenceClient(f"localhost:{mtls_port}", tls=TlsConfig(ca_file=certs / "ca.pem"), timeout_s=5,
+    with InferenceClient(f"localhost:{mtls_port}", tls=TlsConfig(ca_file=certs.ca), timeout_s=5,
                          retry=RetryPolicy(max_attempts=1)) as client:
         with pytest.raises(InferenceError) as exc:
             client.server_live()
@@ -265,7 +258,7 @@ def test_mtls_refuses_a_client_without_a_certificate(certs, mtls_port):
 
 
 def test_tls_refuses_a_server_certificate_for_another_name(certs, mtls_port):
-    tls = TlsConfig(ca_file=certs / "ca.pem", cert_file=certs / "client.pem", key_file=certs / "client.key",
+    tls = TlsConfig(ca_file=certs.ca, cert_file=certs.client_cert, key_file=certs.client_key,
                     server_name="not-localhost")
     with InferenceClient(f"localhost:{mtls_port}", tls=tls, timeout_s=5, retry=RetryPolicy(max_attempts=1)) as client:
         with pytest.raises(InferenceError) as exc:

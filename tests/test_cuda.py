@@ -22,8 +22,9 @@ from tests.export_helpers import max_abs, random_mask, random_qkv
 from tests.oip import infer_request, outputs_of
 from tests.server_process import ServerProcess
 
-pytestmark = pytest.mark.skipif(CUDA not in onnxruntime.get_available_providers(),
-                                reason="no CUDAExecutionProvider here (onnxruntime-gpu and a GPU needed)")
+pytestmark = [pytest.mark.e2e,  # starts servers on CUDA
+              pytest.mark.skipif(CUDA not in onnxruntime.get_available_providers(),
+                                reason="no CUDAExecutionProvider here (onnxruntime-gpu and a GPU needed)")]
 
 # fp32 on the GPU may round differently (TF32 matmuls where ONNX Runtime allows them).
 CUDA_FP32_TOLERANCE = 2e-3

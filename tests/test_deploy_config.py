@@ -24,6 +24,8 @@ from attnserve.server.config import DEVICES, ServerConfig, env_name  # noqa: E40
 from tests.server_process import REPO_ROOT  # noqa: E402
 from tests.test_deploy_nginx import NGINX_CONF, UPSTREAM_CONF, UPSTREAM_HTTP_CONF  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # runs the export job and the command's help in subprocesses
+
 DEPLOY = REPO_ROOT / "deploy"
 COMPOSE = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]

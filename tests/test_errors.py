@@ -1,4 +1,4 @@
-"""Errors mapped once (server.errors): the table, the INTERNAL rule, and the README's error table."""
+"""Errors mapped once (server.errors): the table, the INTERNAL rule, and the error tables of docs/protocol.md."""
 
 from __future__ import annotations
 
@@ -64,17 +64,20 @@ def test_stream_answers_carry_the_status_as_code_colon_details():
     assert Status(Code.NOT_FOUND, "unknown model 'x'").stream_message() == "NOT_FOUND: unknown model 'x'"
 
 
-def test_the_readme_error_table_names_the_codes_the_server_answers():
-    readme = (REPO_ROOT / "README.md").read_text()
-    table = readme[readme.index("### Errors"):readme.index("A bad request fails alone")]
+PROTOCOL_PAGE = REPO_ROOT / "docs" / "protocol.md"
+
+
+def test_the_documented_error_table_names_the_codes_the_server_answers():
+    page = PROTOCOL_PAGE.read_text()
+    table = page[page.index("## Errors"):page.index("A bad request fails alone")]
     documented = {Code[name] for name in re.findall(r"^\| `([A-Z_]+)`", table, re.M)}
     assert documented == {code for code, _http in _STATUS.values()} - {Code.UNIMPLEMENTED}  # REST only
 
 
-def test_the_readme_http_table_is_the_status_table():
-    """Each row of the README's REST table (`| gRPC | HTTP | ...`) is a row of _STATUS, and back."""
-    readme = (REPO_ROOT / "README.md").read_text()
-    table = readme[readme.index("### REST errors"):]
+def test_the_documented_http_table_is_the_status_table():
+    """Each row of the REST table (`| gRPC | HTTP | ...`) in docs/protocol.md is a row of _STATUS, and back."""
+    page = PROTOCOL_PAGE.read_text()
+    table = page[page.index("## REST errors"):]
     table = table[:table.index("\n\n", table.index("|"))]
     documented = {(Code[name], int(http)) for name, http in re.findall(r"^\| `([A-Z_]+)` \| (\d{3}) \|", table, re.M)}
     assert documented == set(_STATUS.values()) | {(Code.INTERNAL, 500)}

@@ -32,6 +32,8 @@ from tests.export_helpers import (
 )
 from tests.seed_reference import Seed000MultiHeadAttention, Seed002Multiheadattention, trained_like_
 
+pytestmark = pytest.mark.e2e  # exports models (torch tracing, ONNX Runtime parity)
+
 PRESET_NAMES = ("self_attention", "cross_attention")
 TOLERANCE = 1e-5
 # (batch, lq, lk), none of them among the export's own parity shapes (batch 1/7 x lq 1/300 x lk 1/77),

@@ -25,6 +25,8 @@ from tests.export_helpers import (
 )
 from tests.seed_reference import Seed002Multiheadattention, trained_like_
 
+pytestmark = pytest.mark.e2e  # runs whole exports
+
 
 def _assert_argparse_error(result, fragment: str) -> None:
     assert result.returncode == 2, result.stderr

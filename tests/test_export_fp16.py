@@ -20,6 +20,8 @@ from tests.export_helpers import max_abs, ort_run, ort_session, random_mask, ran
 from tests.oip import infer_request, outputs_of
 from tests.server_process import ServerProcess
 
+pytestmark = pytest.mark.e2e  # exports, then serves the export in a server process
+
 
 @pytest.fixture(scope="module")
 def fp16_repository(tmp_path_factory):

@@ -19,6 +19,8 @@ from attnserve.export.checkpoint import demo_module
 from attnserve.export.config import PRESETS
 from tests.export_helpers import eager_output, key_mask, max_abs, ort_session, random_qkv
 
+pytestmark = pytest.mark.e2e  # exports and times fused graphs
+
 PRESET_NAMES = ("self_attention", "cross_attention")
 TOLERANCE = 1e-5
 # Unlike the trace's example and the export's own parity shapes; the long one is L = 2,048.

@@ -204,8 +204,20 @@ def test_bytes_that_are_not_a_request_get_invalid_argument(fuzz_server, data):
     assert code not in FORBIDDEN, (code, data)
 
 
+@pytest.fixture(scope="module")
+def attacked(fuzz_server, stub):
+    """Both attacks have been run against `fuzz_server`: by their own tests earlier in this module,
+    or here, when this module's tests run in another order or alone (`-k after_the_attack`)."""
+    if not _FIGURES["examples"]:
+        test_malformed_requests_get_a_proper_status(stub=stub)
+    if not _FIGURES["garbage_examples"]:
+        test_bytes_that_are_not_a_request_get_invalid_argument(fuzz_server=fuzz_server)
+    return _FIGURES
+
+
 def test_after_the_attack_the_server_answers_correctly_and_its_memory_stayed_bounded(
-        fuzz_server, stub, eager_modules):
+        fuzz_server, stub, attacked, eager_modules):
+    assert attacked["examples"] and attacked["garbage_examples"], attacked
     rng = np.random.default_rng(99)
     for model, (q_dim, kv_dim, _, _) in DIMS.items():
         x = random_inputs(rng, 2, 6, 9, q_dim, kv_dim, masked=True)

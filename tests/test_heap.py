@@ -25,6 +25,8 @@ from attnserve.server.app import Server
 from attnserve.server.config import ServerConfig
 from tests.server_process import ServerProcess
 
+pytestmark = pytest.mark.e2e  # starts servers and fresh processes
+
 
 class _Cycle:
     def __init__(self) -> None:

@@ -24,6 +24,8 @@ from tests.oip import eager, infer_request, outputs_of, random_inputs
 from tests.server_process import ServerProcess
 from tests.test_batcher import Model, assert_matches_alone, make_work, queue_while_busy, started, stop, wait_until
 
+pytestmark = pytest.mark.e2e  # starts servers
+
 # -- the queue, in bytes --------------------------------------------------------------------
 
 

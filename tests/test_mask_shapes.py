@@ -4,7 +4,8 @@ Seed 000's `masked_fill(mask == 0, -1e10)` broadcasts each of them against its (
 scores; the server must give the same numbers, on both transports, alone and merged into
 batches with other forms and lengths (padding), with fully masked rows and masks that differ by
 head. Bad shapes are INVALID_ARGUMENT / HTTP 400 naming the shapes taken. Real server, real ONNX
-Runtime; the reference is tests.seed_reference's seed 000 with the served weights.
+Runtime; the reference is tests.seed_reference's seed 000 class with the served weights (for
+cross_attention too, at its width and heads: seed 002 takes no mask).
 """
 
 from __future__ import annotations
@@ -35,19 +36,24 @@ DIMS = {"self_attention": (512, 8), "cross_attention": (32, 2)}  # width, heads
 FORMS = ("q_k", "b_q_k", "b_1_q_k", "b_h_q_k")
 
 
-@pytest.fixture(scope="module")
-def seed000(eager_modules):
-    """Seed 000's own class with the served (demo) weights: to_q/to_k/to_v/to_out are Wq/Wk/Wv/Wo."""
-    ours = eager_modules["self_attention"]
-    ref = Seed000MultiHeadAttention(d_model=512, n_heads=8, dropout=0.1)
+def _as_seed000(ours: torch.nn.Module, width: int, heads: int) -> Seed000MultiHeadAttention:
+    """Seed 000's own class (tests.seed_reference, not export/attention.py) holding the served
+    (demo) weights of `ours`: to_q/to_k/to_v/to_out are Wq/Wk/Wv/Wo."""
+    ref = Seed000MultiHeadAttention(d_model=width, n_heads=heads, dropout=0.1)
     names = {"to_q": "Wq", "to_k": "Wk", "to_v": "Wv", "to_out": "Wo"}
     ref.load_state_dict({f"{names[k.split('.')[0]]}.{k.split('.')[1]}": v for k, v in ours.state_dict().items()})
     return ref.eval()
 
 
+@pytest.fixture(scope="module")
+def seed000(eager_modules):
+    return _as_seed000(eager_modules["self_attention"], *DIMS["self_attention"])
+
+
 def reference(model, seed000, eager_modules):
-    """Seed 000 itself for self_attention; for cross_attention (seed 002 takes no mask) our module."""
-    return seed000 if model == "self_attention" else eager_modules[model]
+    """Seed 000 itself for self_attention; for cross_attention (seed 002 has the same math but
+    takes no mask) seed 000's class at cross_attention's width and heads, with its weights."""
+    return seed000 if model == "self_attention" else _as_seed000(eager_modules[model], *DIMS[model])
 
 
 def want(module, x: dict) -> dict:

@@ -28,6 +28,8 @@ from attnserve.contract import (ALL_OUTPUTS, FUSED, FUSED_KEY_PADDING, HEAD_MASK
 from attnserve.server.memory import (MEASURED_FACTOR_RANGE, AttentionDims, default_memory_limit,
                                      process_memory_bytes, run_working_set)
 
+pytestmark = pytest.mark.e2e  # measures runs in fresh processes
+
 DIMS = {"self_attention": AttentionDims(512, 512, 512, 512, 8), "cross_attention": AttentionDims(32, 32, 32, 32, 2)}
 GRID = {  # (rows, Lq, Lk): attention matrices of 8 to 128 MiB; peaks stay under 600 MB
     "self_attention": [(4, 256, 256), (8, 512, 512), (1, 2048, 2048), (16, 128, 1024), (32, 64, 512)],
@@ -187,7 +189,7 @@ def test_budget_waiters_go_in_arrival_order_within_their_deadline():
         await asyncio.sleep(0)
         small = asyncio.create_task(wait("small", 50, 30))  # would fit now, but must not pass `big`
         expired = asyncio.create_task(wait("late", 50, 0.05))
-        await asyncio.sleep(0.2)
+        assert await expired is None  # its deadline passes while `big` and `small` still wait
         assert order == ["late expired"] and budget.waiting_bytes == 20
         held.release()
         reservations = await asyncio.gather(big, small)

@@ -437,6 +437,7 @@ def test_poll_mode_loads_a_new_model_and_a_new_version(model_repository, second_
         proc.stop()
 
 
+@pytest.mark.e2e  # starts server processes
 def test_empty_repository_is_an_error_unless_models_can_come_later(tmp_path):
     """An empty repository at start: exit 3 with one line that says what to do; with model
     control explicit (or poll) the server starts, not ready, and loads a model later."""

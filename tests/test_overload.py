@@ -1,5 +1,5 @@
 """Overload, bounded: far more concurrent requests than a small queue holds. Each one is served
-correctly or shed at once with RESOURCE_EXHAUSTED; none is lost (no other status); the server's
+correctly or shed with RESOURCE_EXHAUSTED; none is lost (no other status); the server's
 resident memory stays under a stated bound.
 
 One server with a queue of 4 requests and 1 MiB per model: small requests meet the count bound,
@@ -93,7 +93,7 @@ def _wait_until(condition, timeout_s: float = 120.0) -> bool:
     return True
 
 
-def test_overload_is_shed_at_once_nothing_is_lost_and_memory_stays_bounded(overload_server, eager_modules):
+def test_overload_is_shed_nothing_is_lost_and_memory_stays_bounded(overload_server, eager_modules):
     proc = overload_server
     rng = np.random.default_rng(0)
     # Small requests (cross_attention, about 60 KB, but 150 to 170 keys: slower to compute than

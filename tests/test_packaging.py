@@ -16,6 +16,8 @@ import pytest
 from attnserve.cli import COMMANDS
 from tests.server_process import REPO_ROOT
 
+pytestmark = pytest.mark.e2e  # pip-installs the project into a scratch directory
+
 SUBPACKAGES = ("attnserve.server", "attnserve.client", "attnserve.export", "attnserve.proto")
 
 

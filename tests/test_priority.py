@@ -20,7 +20,8 @@ from attnserve.server import priority
 from tests.oip import infer_request, random_inputs
 from tests.server_process import ServerProcess
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+pytestmark = [pytest.mark.e2e,  # starts a server process
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")]
 
 
 def _nice(pid: int, tid: int) -> int:

@@ -12,6 +12,8 @@ from google.protobuf import descriptor as _d
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.e2e  # imports the stubs in fresh interpreters and regenerates them
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = REPO_ROOT / "proto"
 

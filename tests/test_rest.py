@@ -28,6 +28,8 @@ from tests.conftest import PRESET_NAMES
 from tests.oip import CASES, WIDTHS, eager, random_inputs
 from tests.server_process import ServerProcess, serve_with_port_taken
 
+pytestmark = pytest.mark.e2e  # starts servers
+
 TOLERANCE = 1e-5
 HEADER_LENGTH = "Inference-Header-Content-Length"
 

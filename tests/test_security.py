@@ -31,6 +31,8 @@ from tests.oip import eager, infer_request, random_inputs
 from tests.server_process import REPO_ROOT, ServerProcess
 from tests.tls_certs import Pki, make_pki
 
+pytestmark = pytest.mark.e2e  # starts servers with TLS and tokens
+
 TOLERANCE = 1e-5
 # A token no log line could contain by accident.
 TOKEN = "attnserve-test-token-" + secrets.token_hex(16)

@@ -294,7 +294,7 @@ def test_bad_request_is_invalid_argument(stub, case):
 def test_client_text_in_errors_is_echoed_bounded(stub):
     """A 1 MiB input name, model name or datatype comes back cut to a few hundred characters,
     marked as cut; the status stays the right one (gRPC clients report an oversized trailer as
-    RESOURCE_EXHAUSTED, which our README calls 'queue full, retry')."""
+    RESOURCE_EXHAUSTED, which docs/protocol.md calls 'queue full')."""
     q = np.zeros((1, 2, 512), np.float32)
     huge = "x" * (1 << 20)
     bad_name = infer_request("self_attention", query=q, key=q, value=q)

@@ -20,6 +20,8 @@ from attnserve.server.config import ServerConfig, load_config
 from tests.oip import eager, infer_request, outputs_of, random_inputs
 from tests.server_process import REPO_ROOT, ServerProcess
 
+pytestmark = pytest.mark.e2e  # starts server processes
+
 TOLERANCE = 1e-5
 
 

@@ -30,6 +30,8 @@ from tests.gated_server import GatedServer
 from tests.oip import eager, infer_request, outputs_of, random_inputs
 from tests.server_process import REPO_ROOT, ServerProcess
 
+pytestmark = pytest.mark.e2e  # starts supervisors and workers
+
 TOLERANCE = 1e-5
 MAX_CHANNELS = 40  # connections opened to find calls on every worker (2 workers: 2**-39 to miss one)
 # Every call reaches the gate at once, whichever worker it is on (none waits behind a held batch).
