@@ -258,6 +258,8 @@ class RestPort:
         if request.content_length is not None and request.content_length > self._max_body_bytes:
             raise BodyTooLarge(f"the request body has {request.content_length:,} bytes, over the "
                                f"{self._max_body_bytes:,}-byte limit (--max-message-bytes)")
+        if request.content_length is not None:  # inflated it is larger still: refused unread if this cannot fit
+            held.check_fits(RECEIVE_FACTOR * request.content_length)
         chunks, size = [], 0
         try:
             async with asyncio.timeout(BODY_TIMEOUT_S):
@@ -432,6 +434,10 @@ class _Held:
         self._what = what
         self._parts: list[Reservation] = []
         self.nbytes = 0
+
+    def check_fits(self, nbytes: int) -> None:
+        if self._budget is not None:
+            self._budget.check_fits(nbytes, self._what)
 
     def grow_to(self, nbytes: int, ahead: int = 0) -> None:
         """Hold `nbytes` in all, `nbytes + ahead` where that fits now (so that a growing body is
