@@ -15,10 +15,16 @@ rest_codec turns it into the pb.ModelInferRequest that Answers.infer decodes, ba
 encodes like a gRPC one. Every error is `{"error": "..."}` with the HTTP column of
 server.errors' table.
 
+While a body is received and parsed it holds a share of the server's memory budget (_Held),
+given back once it is parsed: the batcher's reservation counts the request from then on.
+
 aiohttp's low-level server (aiohttp.web.Server): no Application, router or middleware chain per
-request; the routes are a table of our own. Bounds: MAX_CONNECTIONS open at once (beyond them a
-connection is closed at once), request line and header fields of MAX_FIELD_BYTES, MAX_HEADERS
-headers, idle keep-alive connections closed after KEEPALIVE_S. Why aiohttp and not uvicorn with
+request; the routes are a table of our own, and each connection is a _Connection (aiohttp's, its
+refusals in JSON and its request head timed). Bounds: --max-http-connections open at once (at
+the cap the one that has waited longest for a request head is closed for the new one), a request
+head within --http-header-timeout-s, request line and header fields of MAX_FIELD_BYTES,
+MAX_HEADERS headers, idle keep-alive connections closed after KEEPALIVE_S. Why and what was
+measured: docs/rest-hardening.md. Why aiohttp and not uvicorn with
 starlette: bench/http_library.py (the README's Design section has the figures).
 """
 
@@ -122,8 +128,6 @@ class RestPort:
         # Connections awaiting a request head (new, between requests, or sending one), in the
         # order they began to wait: at the cap the first is closed for a new one.
         self._waiting: dict[_Connection, None] = {}
-        self.closed_for_head_timeout = 0
-        self.closed_for_room = 0
         self._max_json_bytes = max_json_bytes
         self._admission = admission
         self._draining = draining
@@ -166,7 +170,6 @@ class RestPort:
                 return _Closing()  # every connection has a request in hand
             oldest = next(iter(self._waiting))
             self._waiting.pop(oldest)
-            self.closed_for_room += 1
             oldest.force_close()
         return _Connection(self, self._web, loop=asyncio.get_running_loop(), **self._web_options)
 
@@ -362,7 +365,7 @@ class RestPort:
             body = await self._body(request, held)
             json_bytes = len(body) if length is None else min(max(length, 0), len(body))
             if self._max_json_bytes is None or json_bytes <= self._max_json_bytes:  # over it: refused unparsed
-                held.grow_to(held.nbytes + json_parse_bytes(memoryview(body)[:json_bytes]))
+                held.grow_to(held.nbytes + json_parse_bytes(body if json_bytes == len(body) else body[:json_bytes]))
             message, binary_outputs = parse_infer(body, length, model, version or "", self._max_json_bytes)
             del body  # what is left is the message, which the batcher's reservation counts
             if self._max_json_bytes is not None:
@@ -529,7 +532,6 @@ class _Connection(web.RequestHandler):
         transport = self.transport
         if transport is None:
             return
-        self._port.closed_for_head_timeout += 1
         body = json.dumps({"error": f"the request head did not arrive within {timeout_s:g}s "
                                     "(--http-header-timeout-s)"}).encode()
         transport.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
