@@ -229,6 +229,7 @@ class Server:
             try:
                 self.http_port = await self._rest.start(cfg.host, cfg.http_port, ssl_context,
                                                         reuse_port=self.worker is not None)
+                self.metrics.watch_http(self._rest)
             except OSError as err:
                 await self._grpc.stop(None)
                 raise OSError(f"HTTP/REST port: {err}") from None

@@ -128,6 +128,8 @@ class RestPort:
         # Connections awaiting a request head (new, between requests, or sending one), in the
         # order they began to wait: at the cap the first is closed for a new one.
         self._waiting: dict[_Connection, None] = {}
+        self.head_timeouts = 0  # connections closed with 408 (server.metrics exposes these)
+        self.evictions = 0  # connections closed at the cap for a new one
         self._max_json_bytes = max_json_bytes
         self._admission = admission
         self._draining = draining
@@ -170,8 +172,13 @@ class RestPort:
                 return _Closing()  # every connection has a request in hand
             oldest = next(iter(self._waiting))
             self._waiting.pop(oldest)
+            self.evictions += 1
             oldest.force_close()
         return _Connection(self, self._web, loop=asyncio.get_running_loop(), **self._web_options)
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._open)
 
     # -- connections: the request head's timer and the waiting order (see _Connection) --------
 
@@ -532,6 +539,7 @@ class _Connection(web.RequestHandler):
         transport = self.transport
         if transport is None:
             return
+        self._port.head_timeouts += 1
         body = json.dumps({"error": f"the request head did not arrive within {timeout_s:g}s "
                                     "(--http-header-timeout-s)"}).encode()
         transport.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"

@@ -70,6 +70,7 @@ def test_connections_that_never_finish_their_heads_cannot_hold_the_port(capped_s
         status, _, answer = _post(capped_server.http_address, "/v2/health/ready", b"", method="GET")
         assert (status, json.loads(answer)) == (200, {"ready": True})
         assert held[0].recv(100) == b""  # the oldest: closed for a newer one, nothing said
+        assert _metric(capped_server, "attnserve_http_evictions_total") >= 4
     finally:
         for sock in held:
             sock.close()
@@ -86,6 +87,7 @@ def test_a_head_that_takes_too_long_is_answered_408_and_closed(impatient_server)
     answer = _raw(impatient_server.http_address, b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n")
     status, document = _status_and_json(answer)
     assert status == 408 and "--http-header-timeout-s" in document["error"]
+    assert _metric(impatient_server, "attnserve_http_head_timeouts_total") >= 1
     # A keep-alive connection between requests is not timed by it (its idle timer is KEEPALIVE_S).
     connection = http.client.HTTPConnection(impatient_server.http_address, timeout=30)
     try:
