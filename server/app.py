@@ -228,10 +228,12 @@ class Server:
 
         if cfg.http_port >= 0:
             self._rest = RestPort(answers, self._admission, self._draining, token, cfg.max_message_bytes,
-                                  cfg.access_log, cfg.max_json_bytes)
+                                  cfg.access_log, cfg.max_json_bytes, budget=self.budget,
+                                  max_connections=cfg.max_http_connections, head_timeout_s=cfg.http_header_timeout_s)
             try:
                 self.http_port = await self._rest.start(cfg.host, cfg.http_port, ssl_context,
                                                         reuse_port=self.worker is not None)
+                self.metrics.watch_http(self._rest)
             except OSError as err:
                 await self._grpc.stop(None)
                 raise OSError(f"HTTP/REST port: {err}") from None

@@ -66,6 +66,11 @@ class ServerConfig:
     # writes for a float32): parsed and written on the event loop (time grows with it), so larger
     # tensors must travel as binary data (binary_data_size, binary_data). Over it: 400.
     max_json_bytes: int = 8 * 1024**2
+    # REST connections open at once; at the cap the one that has waited longest for a request
+    # head is closed for a new one (server.rest; docs/rest-hardening.md).
+    max_http_connections: int = 1024
+    # The most a REST request head may take, from its connection's start or its first byte.
+    http_header_timeout_s: float = 10.0
     # On SIGTERM/SIGINT/SIGHUP: readiness goes NOT_SERVING at once, calls are still admitted for
     # drain_delay_s (load balancers and Kubernetes endpoints take that long to stop sending),
     # then new streams are refused (GOAWAY) and what was admitted finishes within grace_period_s.
@@ -109,7 +114,8 @@ class ServerConfig:
             if not -1 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in -1..65535, got {getattr(self, name)}")
         for name in ("max_queue_size", "batches_in_flight", "max_message_bytes", "max_attention_bytes",
-                     "max_queued_bytes", "max_concurrent_streams", "max_typed_bytes", "max_json_bytes"):
+                     "max_queued_bytes", "max_concurrent_streams", "max_typed_bytes", "max_json_bytes",
+                     "max_http_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_receiving_bytes is not None and self.max_receiving_bytes < 1:
@@ -134,6 +140,8 @@ class ServerConfig:
             raise ValueError(f"intra_op_threads must be >= 0, got {self.intra_op_threads}")
         if not 0 <= self.drain_delay_s < float("inf"):
             raise ValueError(f"drain_delay_s must be >= 0, got {self.drain_delay_s}")
+        if not 0 < self.http_header_timeout_s < float("inf"):
+            raise ValueError(f"http_header_timeout_s must be > 0, got {self.http_header_timeout_s}")
         if self.grace_period_s < 0:
             raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
         if self.data_plane not in DATA_PLANES:
@@ -183,6 +191,10 @@ _HELP: dict[str, str] = {
                            "(default: a quarter of the memory budget)",
     "max_typed_bytes": "largest tensor bytes in a gRPC request's or answer's typed contents (larger: raw contents)",
     "max_json_bytes": "largest JSON text of a REST request or answer's data (larger: binary data)",
+    "max_http_connections": "REST connections open at once; at the cap the one waiting longest for a request "
+                            "head is closed for the new one",
+    "http_header_timeout_s": "seconds a REST request head may take (from the connection's start, or its first "
+                             "byte after an idle keep-alive spell); later: 408 and closed",
     "drain_delay_s": "seconds after SIGTERM that calls are still admitted (readiness already NOT_SERVING)",
     "grace_period_s": "seconds to finish admitted requests once the drain delay is over",
     "model_versions": "pin versions: NAME=VERSION[,NAME=VERSION...] (default: highest)",

@@ -22,6 +22,7 @@ from attnserve.server.batcher import BatcherClosed, BatchFailed, DeadlineExpired
 from attnserve.server.echo import capped
 from attnserve.server.lifecycle import MemoryExhausted, MemoryTooLarge
 from attnserve.server.models import ModelControlDisabled, ModelLoadFailed, ModelNotFound, ModelUnavailable
+from attnserve.server.ratelimit import CLIENT_ERRORS
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,10 @@ class MalformedMessage(Exception):
 
 class BodyTooLarge(Exception):
     """A REST request body over --max-message-bytes (inflated, when it came compressed)."""
+
+
+class ClientGone(Exception):
+    """The client went away before its request was read whole (a REST body cut off)."""
 
 
 class NoSuchEndpoint(LookupError):
@@ -79,6 +84,7 @@ _STATUS: dict[type[BaseException], tuple[grpc.StatusCode, int]] = {
     BatcherClosed: (_S.UNAVAILABLE, 503),  # never computed: safe to retry elsewhere
     ShuttingDown: (_S.UNAVAILABLE, 503),  # likewise
     Unauthenticated: (_S.UNAUTHENTICATED, 401),
+    ClientGone: (_S.CANCELLED, 499),  # nobody reads the answer; counted apart from server faults
     BatchFailed: (_S.INTERNAL, 500),  # details: its public message; logged by the batcher
 }
 
@@ -109,9 +115,10 @@ def status_for(err: BaseException) -> Status:
         return Status(code, capped(str(err)), http)  # whatever quoted the client, the trailer stays small
     if isinstance(err, BatchFailed):
         if not err.logged:
-            logger.error("internal error: %s", err, exc_info=err)
+            CLIENT_ERRORS.log(logger, logging.ERROR, "internal error: %s", err, exc_info=err)
         return Status(code, err.public, http)
-    logger.error("internal error: %s", err, exc_info=err)
+    # A client that finds a way to cause one must not flood the log with tracebacks.
+    CLIENT_ERRORS.log(logger, logging.ERROR, "internal error: %s", err, exc_info=err)
     return Status(code, f"internal error ({type(err).__name__}); the server log has the details", http)
 
 

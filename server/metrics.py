@@ -8,7 +8,9 @@ unlabelled; watch_budget): attnserve_memory_limit_bytes, attnserve_memory_reserv
 attnserve_memory_waiting_bytes, attnserve_memory_waiters, and the counters
 attnserve_memory_waits_total, attnserve_memory_shed_total, attnserve_memory_wait_timeouts_total,
 attnserve_memory_too_large_total. The gRPC messages being received (watch_receiving; server.gate):
-attnserve_receive_slots, attnserve_receiving_messages, attnserve_receive_deferred_total.
+attnserve_receive_slots, attnserve_receiving_messages, attnserve_receive_deferred_total. The REST
+port's connections (watch_http; server.rest): attnserve_http_connections,
+attnserve_http_head_timeouts_total, attnserve_http_evictions_total.
 With several workers these last two groups are each worker's own, copied into its multiprocess
 files once a second (_Mirror) and summed by the supervisor's /metrics.
 """
@@ -136,6 +138,11 @@ class Metrics:
         whose reading waited for a slot."""
         self._watch(_ReceiveCollector(receive))
 
+    def watch_http(self, port) -> None:
+        """Expose server.rest.RestPort's connections: open now, closed for a late request head
+        (408), closed at the cap for a new connection."""
+        self._watch(_HttpCollector(port))
+
     def _watch(self, collector) -> None:
         if self._shared_dir is None:
             self.registry.register(collector)
@@ -243,6 +250,24 @@ class _ReceiveCollector:
                                 value=len(r._taken))
         yield CounterMetricFamily("attnserve_receive_deferred", "ModelInfer calls whose message waited for a "
                                   "receive slot before it was read.", value=r.deferred)
+
+
+class _HttpCollector:
+    """server.rest.RestPort's connection figures, read at each scrape."""
+
+    def __init__(self, port) -> None:
+        self._port = port
+
+    def describe(self):
+        return list(self.collect())
+
+    def collect(self):
+        p = self._port
+        yield GaugeMetricFamily("attnserve_http_connections", "REST connections open now.", value=p.open_connections)
+        yield CounterMetricFamily("attnserve_http_head_timeouts", "REST connections closed (408) because a request "
+                                  "head took longer than --http-header-timeout-s.", value=p.head_timeouts)
+        yield CounterMetricFamily("attnserve_http_evictions", "REST connections waiting for a request head, closed "
+                                  "at --max-http-connections for a new connection.", value=p.evictions)
 
 
 class _Mirror:

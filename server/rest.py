@@ -15,10 +15,16 @@ rest_codec turns it into the pb.ModelInferRequest that Answers.infer decodes, ba
 encodes like a gRPC one. Every error is `{"error": "..."}` with the HTTP column of
 server.errors' table.
 
+While a body is received and parsed it holds a share of the server's memory budget (_Held),
+given back once it is parsed: the batcher's reservation counts the request from then on.
+
 aiohttp's low-level server (aiohttp.web.Server): no Application, router or middleware chain per
-request; the routes are a table of our own. Bounds: MAX_CONNECTIONS open at once (beyond them a
-connection is closed at once), request line and header fields of MAX_FIELD_BYTES, MAX_HEADERS
-headers, idle keep-alive connections closed after KEEPALIVE_S. Why aiohttp and not uvicorn with
+request; the routes are a table of our own, and each connection is a _Connection (aiohttp's, its
+refusals in JSON and its request head timed). Bounds: --max-http-connections open at once (at
+the cap the one that has waited longest for a request head is closed for the new one), a request
+head within --http-header-timeout-s, request line and header fields of MAX_FIELD_BYTES,
+MAX_HEADERS headers, idle keep-alive connections closed after KEEPALIVE_S. Why and what was
+measured: docs/rest-hardening.md. Why aiohttp and not uvicorn with
 starlette: bench/http_library.py (docs/performance.md has the figures).
 """
 
@@ -34,25 +40,32 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestPayloadError
 
 from attnserve.server.answers import Answers
 from attnserve.server.echo import echo
-from attnserve.server.errors import (BodyTooLarge, NoSuchEndpoint, ShuttingDown, Status, Unauthenticated,
+from attnserve.server.errors import (BodyTooLarge, ClientGone, NoSuchEndpoint, ShuttingDown, Status, Unauthenticated,
                                      status_for)
-from attnserve.server.lifecycle import Admission, Draining
+from attnserve.server.lifecycle import Admission, Draining, MemoryBudget, MemoryExhausted, Reservation
+from attnserve.server.ratelimit import CLIENT_ERRORS
 from attnserve.server.listen import listen_addresses
-from attnserve.server.rest_codec import HEADER_LENGTH, as_json, check_json_answer, encode_infer, parse_infer
+from attnserve.server.rest_codec import (HEADER_LENGTH, as_json, check_json_answer, encode_infer, json_parse_bytes,
+                                         parse_infer, parse_json)
 from attnserve.server.security import OPEN_PATH_PREFIXES, REFUSAL, BearerToken
 
 logger = logging.getLogger(__name__)
 
-MAX_CONNECTIONS = 1024
+MAX_CONNECTIONS = 1024  # --max-http-connections' default
+HEAD_TIMEOUT_S = 10.0  # --http-header-timeout-s' default
 MAX_FIELD_BYTES = 8190  # a request line or one header field
 MAX_HEADERS = 64
 KEEPALIVE_S = 75.0
 BODY_TIMEOUT_S = 60.0  # to send a body once its headers came
+# Bytes a body costs while it is received: its chunks and their join (server/memory.py counts
+# what a request holds after it is parsed).
+RECEIVE_FACTOR = 2
+_RECEIVE_STEP = 64 << 10  # the first reservation of a body: one read's worth
 _HTTP_REFUSAL = "missing or invalid bearer token: send header 'Authorization: Bearer <token>'"
 _JSON = "application/json"
 
@@ -99,10 +112,24 @@ def error_response(status: Status) -> web.Response:
 
 class RestPort:
     def __init__(self, answers: Answers, admission: Admission, draining: Draining, token: BearerToken | None,
-                 max_body_bytes: int, access_log: bool = False, max_json_bytes: int | None = None) -> None:
+                 max_body_bytes: int, access_log: bool = False, max_json_bytes: int | None = None,
+                 budget: MemoryBudget | None = None, max_connections: int = MAX_CONNECTIONS,
+                 head_timeout_s: float = HEAD_TIMEOUT_S) -> None:
         """max_json_bytes: the most JSON text a request, or an answer's `data`, may take
-        (--max-json-bytes): it is parsed and written on the event loop."""
+        (--max-json-bytes): it is parsed and written on the event loop. budget: the server's
+        memory budget, which a body takes from as it is received and parsed (None: unbounded
+        but for max_body_bytes). max_connections: open at once (--max-http-connections);
+        head_timeout_s: the most a request head may take (--http-header-timeout-s)."""
         self._answers = answers
+        self._budget = budget
+        self._max_connections = max_connections
+        self._head_timeout_s = head_timeout_s
+        self._open: set[_Connection] = set()
+        # Connections awaiting a request head (new, between requests, or sending one), in the
+        # order they began to wait: at the cap the first is closed for a new one.
+        self._waiting: dict[_Connection, None] = {}
+        self.head_timeouts = 0  # connections closed with 408 (server.metrics exposes these)
+        self.evictions = 0  # connections closed at the cap for a new one
         self._max_json_bytes = max_json_bytes
         self._admission = admission
         self._draining = draining
@@ -120,15 +147,15 @@ class RestPort:
         """Listen on every address `host` resolves to, all on one port; returns it. reuse_port:
         share the port with the other worker processes (server.workers)."""
         loop = asyncio.get_running_loop()
-        self._web = web.Server(self._handle, request_factory=self._make_request, max_line_size=MAX_FIELD_BYTES,
-                               max_field_size=MAX_FIELD_BYTES, max_headers=MAX_HEADERS,
-                               keepalive_timeout=KEEPALIVE_S, access_log=None)
+        self._web_options = dict(max_line_size=MAX_FIELD_BYTES, max_field_size=MAX_FIELD_BYTES,
+                                 max_headers=MAX_HEADERS, keepalive_timeout=KEEPALIVE_S, access_log=None)
+        self._web = web.Server(self._handle, request_factory=self._make_request, **self._web_options)
         try:
             for address in listen_addresses(host):
                 try:
                     listener = await loop.create_server(self._protocol, address, port, ssl=ssl_context,
                                                         reuse_address=True, reuse_port=reuse_port or None,
-                                                        backlog=MAX_CONNECTIONS)
+                                                        backlog=self._max_connections)
                 except OSError as err:
                     raise OSError(f"cannot listen on {address}:{port} (--host {host}): {err.strerror or err}") from None
                 self._listeners.append(listener)
@@ -139,10 +166,42 @@ class RestPort:
         self.port = port
         return port
 
-    def _protocol(self):
-        if len(self._web.connections) >= MAX_CONNECTIONS:
-            return _Closing()
-        return self._web()
+    def _protocol(self) -> asyncio.Protocol:
+        if len(self._open) >= self._max_connections:
+            if not self._waiting:
+                return _Closing()  # every connection has a request in hand
+            oldest = next(iter(self._waiting))
+            self._waiting.pop(oldest)
+            self.evictions += 1
+            oldest.force_close()
+        return _Connection(self, self._web, loop=asyncio.get_running_loop(), **self._web_options)
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._open)
+
+    # -- connections: the request head's timer and the waiting order (see _Connection) --------
+
+    def _opened(self, connection: "_Connection") -> None:
+        self._open.add(connection)
+        self._waiting[connection] = None
+        connection.time_head(self._head_timeout_s)
+
+    def _head_came(self, connection: "_Connection") -> None:
+        self._waiting.pop(connection, None)
+        connection.untime_head()
+
+    def _answered(self, connection: "_Connection") -> None:
+        if connection in self._open:
+            self._waiting[connection] = None
+
+    def _head_began(self, connection: "_Connection") -> None:
+        connection.time_head(self._head_timeout_s)
+
+    def _lost(self, connection: "_Connection") -> None:
+        self._open.discard(connection)
+        self._waiting.pop(connection, None)
+        connection.untime_head()
 
     def _make_request(self, message, payload, protocol, writer, task) -> web.BaseRequest:
         return web.BaseRequest(message, payload, protocol, writer, task, asyncio.get_running_loop(),
@@ -162,6 +221,7 @@ class RestPort:
     # -- every request -----------------------------------------------------------------------
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        self._head_came(request.protocol)
         path = request.path
         try:
             if self._token is not None and not path.startswith(OPEN_PATH_PREFIXES) and not self._authorized(request):
@@ -202,20 +262,45 @@ class RestPort:
                 admission.started(ticket)
             admission.finished()
 
-    async def _body(self, request: web.BaseRequest) -> bytes:
+    async def _body(self, request: web.BaseRequest, held: "_Held") -> bytes:
+        """The request's body, inflated, read a chunk at a time: `held` takes from the memory
+        budget what it holds as it grows (MemoryExhausted, 429, once the budget is spent)."""
         if request.content_length is not None and request.content_length > self._max_body_bytes:
             raise BodyTooLarge(f"the request body has {request.content_length:,} bytes, over the "
                                f"{self._max_body_bytes:,}-byte limit (--max-message-bytes)")
+        if request.content_length is not None:  # inflated it is larger still: refused unread if this cannot fit
+            held.check_fits(RECEIVE_FACTOR * request.content_length)
+        chunks, size = [], 0
         try:
             async with asyncio.timeout(BODY_TIMEOUT_S):
-                return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise BodyTooLarge(f"the request body is over the {self._max_body_bytes:,}-byte limit "
-                               "(--max-message-bytes; inflated, when it came compressed)") from None
+                while chunk := await request.content.readany():
+                    size += len(chunk)
+                    if size > self._max_body_bytes:
+                        raise BodyTooLarge(f"the request body is over the {self._max_body_bytes:,}-byte limit "
+                                           "(--max-message-bytes; inflated, when it came compressed)")
+                    if RECEIVE_FACTOR * size > held.nbytes:
+                        ahead = min(max(size, _RECEIVE_STEP), self._max_body_bytes - size)  # doubling
+                        held.grow_to(RECEIVE_FACTOR * size, RECEIVE_FACTOR * ahead)
+                    chunks.append(chunk)
         except (HttpProcessingError, RequestPayloadError) as err:  # a corrupt gzip or deflate body, among others
             raise ValueError(f"the request body cannot be read: {getattr(err, 'message', None) or err}") from None
+        except ConnectionError:
+            raise ClientGone("the client went away while its request body was being received") from None
         except TimeoutError:
             raise ValueError(f"the request body did not arrive within {BODY_TIMEOUT_S:.0f}s") from None
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _json_body(self, request: web.BaseRequest, default: object) -> object:
+        """A small JSON body (the repository API's), parsed within the memory budget."""
+        if not request.can_read_body:
+            return default
+        held = _Held(self._budget, "this request's body")
+        try:
+            body = await self._body(request, held)
+            held.grow_to(held.nbytes + json_parse_bytes(body))
+            return parse_json(body) if body else default
+        finally:
+            held.release()
 
     # -- endpoints ---------------------------------------------------------------------------
 
@@ -247,7 +332,7 @@ class RestPort:
     async def _repository_index(self, request: web.BaseRequest) -> web.Response:
         ready_only = False
         if request.method == "POST" and request.can_read_body:
-            document = json.loads(await self._body(request) or b"{}")
+            document = await self._json_body(request, {})
             if not isinstance(document, dict) or not isinstance(document.get("ready", False), bool):
                 raise ValueError('the index request body must be {"ready": true|false}')
             ready_only = document.get("ready", False)
@@ -268,8 +353,7 @@ class RestPort:
         return _json_response({})
 
     async def _parameters(self, request: web.BaseRequest, what: str, allowed: tuple[str, ...]) -> None:
-        body = await self._body(request) if request.can_read_body else b""
-        document = json.loads(body or b"{}")
+        document = await self._json_body(request, {})
         parameters = document.get("parameters", {}) if isinstance(document, dict) else None
         if not isinstance(parameters, dict) or set(parameters) - set(allowed):
             raise ValueError(f"{what} takes {'only ' + ', '.join(allowed) if allowed else 'no parameters'} here; "
@@ -278,14 +362,19 @@ class RestPort:
     async def _infer(self, request: web.BaseRequest, start: Callable[[], None], model: str,
                      version: str | None) -> web.StreamResponse:
         began = time.monotonic()
+        held = _Held(self._budget, "this request's body")
         try:
             header_length = request.headers.get(HEADER_LENGTH)
             try:
                 length = None if header_length is None else int(header_length)
             except ValueError:
                 raise ValueError(f"{HEADER_LENGTH} must be an integer, got {header_length[:40]!r}") from None
-            body = await self._body(request)
+            body = await self._body(request, held)
+            json_bytes = len(body) if length is None else min(max(length, 0), len(body))
+            if self._max_json_bytes is None or json_bytes <= self._max_json_bytes:  # over it: refused unparsed
+                held.grow_to(held.nbytes + json_parse_bytes(body if json_bytes == len(body) else body[:json_bytes]))
             message, binary_outputs = parse_infer(body, length, model, version or "", self._max_json_bytes)
+            del body  # what is left is the message, which the batcher's reservation counts
             if self._max_json_bytes is not None:
                 check_json_answer(message, self._answers.spec(model, version or ""), binary_outputs,
                                   self._max_json_bytes)
@@ -293,6 +382,8 @@ class RestPort:
             status = status_for(err)
             self._answers.request_done(model, status, began)
             return error_response(status)
+        finally:
+            held.release()
         start()  # no await from here to the batcher's queue (lifecycle.Arrivals)
         answer, status = await self._answers.infer(message, None)
         if answer is None:
@@ -341,3 +432,143 @@ class _Closing(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport.close()
+
+
+class _Held:
+    """What one request's body takes from the memory budget while it is received and parsed,
+    given back at once when it is parsed (the batcher's reservation counts the request from
+    then on) or refused."""
+
+    def __init__(self, budget: MemoryBudget | None, what: str) -> None:
+        self._budget = budget
+        self._what = what
+        self._parts: list[Reservation] = []
+        self.nbytes = 0
+
+    def check_fits(self, nbytes: int) -> None:
+        if self._budget is not None:
+            self._budget.check_fits(nbytes, self._what)
+
+    def grow_to(self, nbytes: int, ahead: int = 0) -> None:
+        """Hold `nbytes` in all, `nbytes + ahead` where that fits now (so that a growing body is
+        reserved a few times, not per chunk): MemoryTooLarge (400) if `nbytes` could never fit,
+        MemoryExhausted (429) if it does not fit now (a body never waits for memory: it would
+        hold its connection and what it has received while it waits)."""
+        if self._budget is None or nbytes <= self.nbytes:
+            return
+        self._budget.check_fits(nbytes, self._what)
+        for target in (nbytes + ahead, nbytes) if ahead > 0 else (nbytes,):
+            reservation = self._budget.try_reserve(target - self.nbytes)
+            if reservation is not None:
+                self._parts.append(reservation)
+                self.nbytes = target
+                return
+        self._budget.shed += 1
+        raise MemoryExhausted(f"memory budget: {self._budget.used_bytes:,} of {self._budget.limit_bytes:,} bytes "
+                              f"in use (--memory-limit-bytes); receiving and parsing {self._what} needs "
+                              f"{nbytes:,}; retry later")
+
+    def release(self) -> None:
+        for reservation in self._parts:
+            reservation.release()
+        self._parts.clear()
+        self.nbytes = 0
+
+
+def _refusal_text(status: int, exc: BaseException | None, message: str | None) -> tuple[int, str]:
+    """aiohttp's own refusal (the request did not parse as HTTP) as our status and message."""
+    if isinstance(exc, ContentEncodingError):
+        return 415, ("the request's Content-Encoding is not supported: send the body as it is, or with gzip or "
+                     "deflate")
+    if isinstance(exc, LineTooLong) or (message and "Too many headers" in message):
+        return 431, (f"the request line or a header field is over {MAX_FIELD_BYTES:,} bytes, or it has more "
+                     f"than {MAX_HEADERS} headers")
+    if status >= 500:
+        return status, "internal error; the server log has the details"
+    detail = (message or getattr(exc, "message", None) or str(exc or "") or "malformed").strip()
+    detail = detail.splitlines()[0].rstrip(":")  # aiohttp adds the line and a caret under it
+    return status, f"the request is not valid HTTP/1.1: {detail[:200]}"
+
+
+class _Connection(web.RequestHandler):
+    """One HTTP connection: aiohttp's, with two changes. Its refusals (a request that is not
+    valid HTTP) are `{"error": ...}` JSON and log one rate-limited line, not a traceback. And its
+    request head is timed: a new connection, and one that has begun a request after an idle
+    keep-alive spell, must send the whole head within the timeout (else 408 and closed), and
+    while it waits for a head it is in RestPort's waiting order, whose oldest is closed when a
+    new connection comes at the cap (docs/rest-hardening.md)."""
+
+    def __init__(self, port: RestPort, manager: web.Server, **kwargs) -> None:
+        super().__init__(manager, **kwargs)
+        self._port = port
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._idle = False  # between requests: the next byte starts a head
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._port._opened(self)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._port._lost(self)
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._idle and data:
+            self._idle = False
+            self._port._head_began(self)
+        super().data_received(data)
+
+    async def finish_response(self, request, resp, start_time):
+        result = await super().finish_response(request, resp, start_time)
+        if self.transport is not None:
+            self._idle = True
+            self._port._answered(self)
+        return result
+
+    def time_head(self, timeout_s: float) -> None:
+        self.untime_head()
+        self._head_timer = asyncio.get_running_loop().call_later(timeout_s, self._head_late, timeout_s)
+
+    def untime_head(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self, timeout_s: float) -> None:
+        self._head_timer = None
+        transport = self.transport
+        if transport is None:
+            return
+        self._port.head_timeouts += 1
+        body = json.dumps({"error": f"the request head did not arrive within {timeout_s:g}s "
+                                    "(--http-header-timeout-s)"}).encode()
+        transport.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        self.force_close()  # the transport sends what it was given, then closes
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        self._port._head_came(self)
+        status, text = _refusal_text(status, exc, message)
+        if status >= 500:
+            CLIENT_ERRORS.log(logger, logging.ERROR, "error answering an HTTP request from %s: %r", request.remote,
+                              exc, exc_info=exc)
+        else:
+            CLIENT_ERRORS.log(logger, logging.INFO, "refused an HTTP request from %s (%d): %s", request.remote,
+                              status, text)
+        if request.writer.output_size > 0:
+            raise ConnectionError("the answer was being sent already; nothing more can be")
+        response = _json_response({"error": text}, status)
+        response.force_close()
+        return response
+
+    def log_exception(self, message: str, *args, exc_info: BaseException | None = None, **kwargs) -> None:
+        if isinstance(exc_info, (HttpProcessingError, RequestPayloadError, ConnectionError)):  # the client's fault
+            CLIENT_ERRORS.log(self.logger, logging.INFO, "%s: %s", message % args, _first_line(exc_info))
+        else:
+            CLIENT_ERRORS.log(self.logger, logging.ERROR, message, *args, exc_info=exc_info)
+
+
+def _first_line(err: BaseException) -> str:
+    text = (getattr(err, "message", None) or str(err)).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"[:300]

@@ -35,6 +35,10 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 _DTYPES = {"FP32": np.dtype("<f4"), "BOOL": np.dtype("?")}
 _KINDS = {"FP32": "fiu", "BOOL": "b"}  # numpy kinds JSON `data` may have: numbers; true/false
 _WHAT = {"FP32": "numbers", "BOOL": "true/false"}
+_FP32_MAX = float(np.finfo(np.float32).max)
+# What a non-finite output value is written as in JSON `data`: the strings of protobuf's JSON
+# mapping (bare NaN tokens are not JSON); numpy and tritonclient's as_numpy read them back.
+NON_FINITE_JSON = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 
 
 def _object(value: Any, what: str) -> dict:
@@ -56,25 +60,64 @@ def _flag(parameters: dict, key: str, what: str) -> bool:
     return value
 
 
-def _json(text: bytes | memoryview) -> Any:
+def parse_json(text: bytes | memoryview) -> Any:
     try:
         return json.loads(bytes(text))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"the request's JSON does not parse: {err}") from None
+    except RecursionError:  # json's scanner recurses once per level
+        raise ValueError("the request's JSON is nested too deeply to parse") from None
+
+
+def json_parse_bytes(text: bytes) -> int:
+    """An upper bound of the memory that parsing `text` (a request's JSON) and converting its
+    `data` takes at its peak, from its length and the containers and strings it holds:
+    json's Python objects cost up to ~11 bytes a byte of numbers, ~100 a list or object, ~70 a
+    string (measured, docs/rest-hardening.md)."""
+    containers = text.count(b"[") + text.count(b"{")
+    return 12 * len(text) + 100 * containers + 36 * text.count(b'"')
+
+
+def _offending(array: np.ndarray, datatype: str) -> Any:
+    """The first value of `array` (JSON `data` that is not all of one allowed kind) that `datatype` does not take."""
+    for value in array.ravel():
+        value = value.item() if isinstance(value, np.generic) else value
+        if datatype == "BOOL" and isinstance(value, bool):
+            continue
+        if datatype == "FP32" and isinstance(value, float):
+            continue
+        if datatype == "FP32" and isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**64:
+            continue
+        return value
+    return array.ravel()[0]
 
 
 def _json_bytes(data: Any, name: str, datatype: str, count: int) -> bytes:
-    """JSON `data` (flat or nested, row-major) as the tensor's little-endian bytes."""
+    """JSON `data` (flat or nested, row-major) as the tensor's little-endian bytes. FP32 data must
+    be finite numbers within float32's range: JSON has no NaN or Infinity (json reads them, and
+    1e999 as inf), and a larger number would silently become inf."""
+    if not isinstance(data, list):
+        raise ValueError(f"input {name!r}: data must be a JSON array of {_WHAT[datatype]}, got {echo(data)}")
     try:
         array = np.asarray(data)
-    except ValueError:  # ragged nesting
+    except (ValueError, RecursionError):  # ragged nesting
         raise ValueError(f"input {name!r}: data is not a regular array (ragged nested lists)") from None
     if array.size and array.dtype.kind not in _KINDS[datatype]:
-        raise ValueError(f"input {name!r}: {datatype} data must be {_WHAT[datatype]}, got {array.dtype.kind!r} values "
-                         f"(first: {echo(array.ravel()[0].item())})")
+        value = _offending(array, datatype)
+        if datatype == "FP32" and isinstance(value, int) and not isinstance(value, bool):  # beyond 64 bits: numpy keeps it an object
+            raise ValueError(f"input {name!r}: FP32 data must be numbers within float32's range, got the integer "
+                             f"{echo(value, 40)}")
+        raise ValueError(f"input {name!r}: {datatype} data must be {_WHAT[datatype]}, got {echo(value)}")
     if array.size != count:
         raise ValueError(f"input {name!r}: its shape needs {count} values in data, got {array.size}")
-    return np.ascontiguousarray(array, dtype=_DTYPES[datatype]).tobytes()
+    with np.errstate(over="ignore"):  # too large for float32: inf, refused just below
+        tensor = np.ascontiguousarray(array, dtype=_DTYPES[datatype])
+    if datatype == "FP32" and not np.isfinite(tensor).all():
+        index = int(np.flatnonzero(~np.isfinite(tensor.ravel()))[0])
+        raise ValueError(f"input {name!r}: FP32 data must be finite numbers within float32's range "
+                         f"(|x| <= {_FP32_MAX:.7g}), got {array.ravel()[index].item()!r} at index {index} "
+                         "(NaN and Infinity are not JSON: send non-finite values as binary data)")
+    return tensor.tobytes()
 
 
 def _shape(value: Any, name: str) -> list[int]:
@@ -100,7 +143,7 @@ def parse_infer(body: bytes, header_length: int | None, model_name: str, model_v
         raise ValueError(f"the request has {header_length:,} bytes of JSON, over the {max_json_bytes:,}-byte limit "
                          "(--max-json-bytes); send large tensors as binary data (parameters.binary_data_size, "
                          "the bytes after the JSON)")
-    document = _object(_json(view[:header_length]), "the request")
+    document = _object(parse_json(view[:header_length]), "the request")
     binary = view[header_length:]
 
     request = pb.ModelInferRequest(model_name=model_name, model_version=model_version)
@@ -195,13 +238,22 @@ def encode_infer(answer: InferResponse, binary_outputs: dict[str, bool]) -> tupl
             entry["parameters"] = {"binary_data_size": memoryview(raw).nbytes}
             tail.append(raw)
         else:
-            entry["data"] = np.frombuffer(raw, dtype=_DTYPES[tensor.datatype]).tolist()
+            entry["data"] = _json_data(np.frombuffer(raw, dtype=_DTYPES[tensor.datatype]))
         outputs.append(entry)
     document["outputs"] = outputs
     head = json.dumps(document, separators=(",", ":")).encode()
     if not tail:
         return head, None
     return b"".join([head, *tail]), len(head)
+
+
+def _json_data(array: np.ndarray) -> list:
+    """An output's values for JSON `data`; non-finite ones as NON_FINITE_JSON's strings."""
+    values = array.tolist()
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        for index in np.flatnonzero(~np.isfinite(array)).tolist():
+            values[index] = NON_FINITE_JSON[repr(values[index])]
+    return values
 
 
 def as_json(message: Message) -> dict[str, Any]:

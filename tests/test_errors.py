@@ -11,10 +11,18 @@ import pytest
 from attnserve.server.batcher import BatcherClosed, BatchFailed, DeadlineExpired, QueueFull
 from attnserve.server.errors import (
     _STATUS, BodyTooLarge, MalformedMessage, NoSuchEndpoint, ShuttingDown, Status, Unauthenticated, status_for)
+from attnserve.server import errors
 from attnserve.server.models import ModelNotFound, ModelUnavailable
+from attnserve.server.ratelimit import RateLimitedLog
 from tests.server_process import REPO_ROOT
 
 Code = grpc.StatusCode
+
+
+@pytest.fixture(autouse=True)
+def fresh_log_rate(monkeypatch):
+    """INTERNAL lines are rate-limited process-wide: each test here starts with the whole burst."""
+    monkeypatch.setattr(errors, "CLIENT_ERRORS", RateLimitedLog())
 
 
 @pytest.mark.parametrize("err, code, http", [
@@ -30,6 +38,7 @@ Code = grpc.StatusCode
     (BatcherClosed("shutting down"), Code.UNAVAILABLE, 503),
     (ShuttingDown("server is shutting down; retry on another replica"), Code.UNAVAILABLE, 503),
     (Unauthenticated("missing or invalid bearer token"), Code.UNAUTHENTICATED, 401),
+    (errors.ClientGone("the client went away"), Code.CANCELLED, 499),
 ])
 def test_each_error_gets_its_status_with_its_own_message(err, code, http, caplog):
     with caplog.at_level(logging.ERROR, logger="attnserve.server.errors"):

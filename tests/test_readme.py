@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from types import SimpleNamespace
 
 from attnserve.server.config import ServerConfig, env_name
 from tests.server_process import REPO_ROOT
@@ -30,6 +31,7 @@ def test_metric_names_match_the_code():
     metrics = Metrics()
     metrics.watch_budget(MemoryBudget(1))
     metrics.watch_receiving(ReceiveSlots(1))
+    metrics.watch_http(SimpleNamespace(open_connections=0, head_timeouts=0, evictions=0))  # a RestPort's figures
     # prometheus_client names counters without their _total suffix
     families = {f"{m.name}_total" if m.type == "counter" else m.name for m in metrics.registry.collect()}
     documented = set(re.findall(r"`(attnserve_[a-z_]+)`", README))
