@@ -5,27 +5,16 @@ server.answers (the request path the gRPC servicer uses), on the gRPC server's e
     port = await rest.start(host, port, ssl_context)   # OSError if it cannot listen
     await rest.close(timeout_s)                        # after the drain: listeners, then connections
 
-Every request meets, in order: the token (all paths but /v2/health/*, unknown ones included),
-the route (unknown: 404, another method: 405), and for inference the drain: refused with 503
-(never read, never computed) once the server refuses new calls, else counted by
-lifecycle.Admission from its headers until it is answered, as the gRPC gate counts a call. The
-body is bounded by --max-message-bytes after inflating (gzip, deflate: aiohttp inflates it a
-chunk at a time, so a bomb is refused at the bound, not held), read within BODY_TIMEOUT_S, then
-rest_codec turns it into the pb.ModelInferRequest that Answers.infer decodes, batches and
-encodes like a gRPC one. Every error is `{"error": "..."}` with the HTTP column of
-server.errors' table.
+Every request meets, in order: the token (all paths but /v2/health/*), the route (404, 405),
+the drain (503 once the server refuses new calls, else counted by lifecycle.Admission until
+answered), then a body bounded by --max-message-bytes after inflating, read within
+BODY_TIMEOUT_S and holding its share of the memory budget (_Held) until parsed. rest_codec turns
+it into the pb.ModelInferRequest that Answers.infer handles like a gRPC one. Every error is
+`{"error": "..."}` with the HTTP column of server.errors' table, aiohttp's own refusals too.
 
-While a body is received and parsed it holds a share of the server's memory budget (_Held),
-given back once it is parsed: the batcher's reservation counts the request from then on.
-
-aiohttp's low-level server (aiohttp.web.Server): no Application, router or middleware chain per
-request; the routes are a table of our own, and each connection is a _Connection (aiohttp's, its
-refusals in JSON and its request head timed). Bounds: --max-http-connections open at once (at
-the cap the one that has waited longest for a request head is closed for the new one), a request
-head within --http-header-timeout-s, request line and header fields of MAX_FIELD_BYTES,
-MAX_HEADERS headers, idle keep-alive connections closed after KEEPALIVE_S. Why and what was
-measured: docs/rest-hardening.md. Why aiohttp and not uvicorn with
-starlette: bench/http_library.py (docs/performance.md has the figures).
+aiohttp's low-level server, no router or middleware chain per request; each connection is a
+_Connection that times its request head and, at --max-http-connections, is closed first if it
+has waited longest for one. Bounds and why: docs/rest-hardening.md, docs/performance.md.
 """
 
 from __future__ import annotations
