@@ -8,7 +8,7 @@ PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
 PRESETS := self_attention cross_attention
 
-.PHONY: install test test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-sweep bench-tools clean nginx
+.PHONY: install test test-ray test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-sweep bench-tools clean nginx
 
 install: $(STAMP)
 
@@ -20,7 +20,17 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP) nginx
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --ignore=tests/ray
+
+# tests/ray/ against a local Ray cluster each test module starts and stops (loopback, fractional
+# CPUs): the ray extra goes into .venv (quicker than a virtualenv of its own: docs/ray.md).
+RAY_STAMP := $(VENV)/.installed-ray
+test-ray: $(RAY_STAMP)
+	$(PY) -m pytest tests/ray
+
+$(RAY_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev,ray]'
+	touch $@
 
 # Every image built and docker-compose.yml run for real, with Debian's podman (needs root; a few
 # minutes): stand-in base images from Debian's packages (no registry here), the serve, export and
