@@ -233,7 +233,7 @@ def run_ray_job(job: RayJob, address: str | None = None) -> RaySummary:
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # the summary line says how it went
     context.print_on_execution_start = False
-    ds = ray.data.read_parquet(str(job.input_path), ray_remote_args={"num_cpus": READ_CPUS})
+    ds = ray.data.read_parquet(str(job.input_path), num_cpus=READ_CPUS)
     if job.model_dir is not None:
         actor, kwargs = PredictorActor, {"model_dir": str(job.model_dir), "output_dir": str(job.output_dir),
                                          "outputs": job.outputs, "skip": skip,
