@@ -76,9 +76,7 @@ def _ids(shards: list[Shard], first_item: int) -> np.ndarray:
     """Each item's id: its table's id column where the input has one, else its global number."""
     ids = []
     for shard in shards:
-        column = None
-        if shard.is_table:
-            column = tables.read_parquet(shard.path, columns=None).get(tables.ITEM_ID)
+        column = tables.read_ids(shard.path) if shard.is_table else None
         if column is None:
             ids.append(np.arange(first_item + shard.offset, first_item + shard.offset + shard.count, dtype=np.int64))
         else:

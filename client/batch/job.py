@@ -1,7 +1,8 @@
 """`run_batch`: the job from start to end, each step in its own module.
 
-    discover shards -> fingerprint -> this share (--shard) -> complete already? -> lock the work directory -> manifest and
-    finished parts -> plan what is left -> preflight -> compute -> assemble -> remove the directory
+    discover shards -> fingerprint -> this share (--shard) -> complete already? -> lock the work
+    directory -> manifest and finished parts -> plan what is left -> preflight -> compute ->
+    assemble -> remove the directory
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ PART_PREFIX = "part-"
 # pool held every CPU and the read tasks feeding it waited for one (docs/ray.md).
 ACTOR_CPUS = 0.5
 READ_CPUS = 0.25
+BLOCKS_PER_ACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -233,7 +234,8 @@ def run_ray_job(job: RayJob, address: str | None = None) -> RaySummary:
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # the summary line says how it went
     context.print_on_execution_start = False
-    ds = ray.data.read_parquet(str(job.input_path), num_cpus=READ_CPUS)
+    # Blocks for every actor: one file is otherwise one block, and one block feeds one actor.
+    ds = ray.data.read_parquet(str(job.input_path), num_cpus=READ_CPUS, override_num_blocks=BLOCKS_PER_ACTOR * job.actors)
     if job.model_dir is not None:
         actor, kwargs = PredictorActor, {"model_dir": str(job.model_dir), "output_dir": str(job.output_dir),
                                          "outputs": job.outputs, "skip": skip,

@@ -125,7 +125,9 @@ def read_job_key(path: Path) -> bytes | None:
     return metadata.get(JOB_KEY)
 
 
-def item_ids(columns: dict[str, np.ndarray], first: int, count: int) -> np.ndarray:
-    """The items' ids: the input's id column where it has one, else their global numbers."""
-    ids = columns.get(ITEM_ID)
-    return np.arange(first, first + count, dtype=np.int64) if ids is None else ids
+def read_ids(path: Path) -> np.ndarray | None:
+    """A table's id column alone, or None when it has none."""
+    pa = pyarrow()
+    if ITEM_ID not in pa.parquet.read_schema(path).names:
+        return None
+    return read_parquet(path, columns=(ITEM_ID,))[ITEM_ID]

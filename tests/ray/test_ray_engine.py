@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from attnserve.client.batch import tables
-from attnserve.client.batch.ray_job import RayJob, part_paths, read_output, run_ray_job
+from attnserve.client.batch.ray_job import RayJob, part_paths, read_output, run_ray_job, written_ids
 from tests.gated_proxy import GatedProxy
 from tests.server_process import REPO_ROOT, ServerProcess
 from tests.test_batch_job import inference_count
@@ -44,7 +44,7 @@ def test_in_process_equals_the_seed(ray_cluster, model_repository, seeds, eager_
                  model_dir=model_repository / "self_attention", outputs=("output", "attn_probs"), batch_size=8)
     summary = run_ray_job(job)
     assert (summary.items, summary.computed, summary.resumed) == (40, 40, 0)
-    assert len(part_paths(tmp_path / "out")) == 5  # one part per batch of 8
+    assert len(part_paths(tmp_path / "out")) >= 5  # one part per batch of at most 8
     got = read_output(tmp_path / "out")
     assert got["id"].tolist() == list(range(100, 140))
     assert_close({"output": got["output"], "attn_probs": got["attn_probs"]},
@@ -89,35 +89,37 @@ def test_client_fleet_round_robin_equals_the_seed(ray_cluster, model_repository,
 
 def test_a_killed_fleet_job_resumes_sending_only_what_no_part_holds(ray_cluster, model_repository, seeds,  # noqa: F811
                                                                      eager_modules, tmp_path):
-    """The first run's calls pass a gated proxy that forwards 4 requests (of 4 items) and holds
-    the 5th: 4 parts exist, the driver is killed (SIGKILL), the held call is refused. The rerun,
-    straight to the server, sends the 24 items no part holds: the server saw 40, not 56."""
+    """The first run's calls pass a gated proxy that forwards 8 requests (of at most 4 items) and
+    holds the 9th: 8 parts exist, the driver is killed (SIGKILL), the held call is refused. The
+    rerun, straight to the server, sends only the items no part holds: the server saw 48 in all."""
     server = ServerProcess(model_repository)
-    proxy = GatedProxy(server.address, infer_budget=4)
+    proxy = GatedProxy(server.address, infer_budget=8)
     try:
-        x = items("cross_attention", np.random.default_rng(54), 40, 3, 5, "b_q_k")
+        x = items("cross_attention", np.random.default_rng(54), 48, 3, 5, "b_q_k")
         table(tmp_path / "in.parquet", x)
         out = tmp_path / "out"
         args = ("--model", "cross_attention", "--input", str(tmp_path / "in.parquet"), "--output", str(out),
                 "--batch-size", "4", "--actors", "1", "--concurrency", "1")
         doomed = ray_cli(ray_cluster, *args, "--url", proxy.address, "--retries", "0", wait=False)
         deadline = time.monotonic() + 240
-        while not (len(part_paths(out)) == 4 and proxy.held >= 1):  # a state, not a guess of how long
+        while not (len(part_paths(out)) == 8 and proxy.held >= 1):  # a state, not a guess of how long
             assert doomed.poll() is None, doomed.communicate()
             assert time.monotonic() < deadline, (len(part_paths(out)), proxy.held)
             time.sleep(0.01)
         doomed.send_signal(signal.SIGKILL)
         doomed.wait(timeout=30)
         proxy.close()  # the held call fails and never reaches the server
-        assert inference_count(server.address, "cross_attention") == 16
-        assert len(part_paths(out)) == 4
+        written = len(written_ids(out))  # what the 8 answered requests held (Ray cuts the batches)
+        assert 8 <= written <= 32 and inference_count(server.address, "cross_attention") == written
+        assert len(part_paths(out)) == 8
 
         done = ray_cli(ray_cluster, *args, "--url", server.address)
         assert done.returncode == 0, done.stderr[-3000:]
-        assert "batch (ray): 40 items (24 computed, 16 resumed)" in done.stdout
-        assert inference_count(server.address, "cross_attention") == 40  # nothing sent twice
+        assert f"batch (ray): 48 items ({48 - written} computed, {written} resumed)" in done.stdout
+        assert inference_count(server.address, "cross_attention") == 48  # nothing sent twice
+        assert 48 - written < 48 / 2  # the rerun sent well under the whole input
         got = read_output(out)
-        assert got["id"].tolist() == list(range(40))
+        assert got["id"].tolist() == list(range(48))
         assert_close({"output": got["output"]}, {"output": seed_answer("cross_attention", seeds, eager_modules, x)["output"]})
     finally:
         proxy.stop()
