@@ -107,6 +107,12 @@ class AttentionPredictor:
                                  f"mask and {ITEM_ID}, got {sorted(batch)}")
         mask = batch.get("mask")
         want_probs = "attn_probs" in self.outputs
+        result = {ITEM_ID: np.asarray(batch[ITEM_ID])} if ITEM_ID in batch else {}
+        if all(_regular(column) for column in (batch["query"], batch["key"], batch["value"], mask)):
+            # Items of one shape (n, ...) each: one predict, no copies per item.
+            output, attn_probs = self.predict(batch["query"], batch["key"], batch["value"], mask, want_probs)
+            answers = {"output": output, "attn_probs": attn_probs}
+            return {**result, **{name: answers[name] for name in self.outputs}}
         columns = {name: _items(batch[name]) for name in ("query", "key", "value")}
         masks = None if mask is None else _items(mask)
         n = len(columns["query"])
@@ -116,7 +122,9 @@ class AttentionPredictor:
             groups.setdefault(shape, []).append(i)
         got: dict[str, list] = {name: [None] * n for name in self.outputs}
         for rows in groups.values():
-            pick = lambda items: np.stack([np.asarray(items[i]) for i in rows])  # noqa: E731
+            def pick(items: list[np.ndarray]) -> np.ndarray:
+                return np.stack([items[i] for i in rows])  # (len(rows), ...): one shape
+
             output, attn_probs = self.predict(pick(columns["query"]), pick(columns["key"]), pick(columns["value"]),
                                               None if masks is None else pick(masks), want_probs)
             for j, i in enumerate(rows):
@@ -124,9 +132,6 @@ class AttentionPredictor:
                     got["output"][i] = output[j]
                 if want_probs:
                     got["attn_probs"][i] = attn_probs[j]
-        result = {}
-        if ITEM_ID in batch:
-            result[ITEM_ID] = np.asarray(batch[ITEM_ID])
         for name, items in got.items():
             result[name] = _column(items)
         return result
@@ -154,6 +159,11 @@ class AttentionPredictor:
                     raise ValueError(f"mask: expected bool or 0/1 integers (True = attend), got {mask.dtype}")
                 mask = mask.astype(np.bool_)
         return query, key, value, mask
+
+
+def _regular(column) -> bool:
+    """None, or an (n, ...) array of numbers (not an object column of items of several shapes)."""
+    return column is None or (isinstance(column, np.ndarray) and column.dtype != object)
 
 
 def _items(column) -> list[np.ndarray]:

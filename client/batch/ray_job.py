@@ -38,8 +38,8 @@ from attnserve.files import remove_temporaries
 logger = logging.getLogger(__name__)
 
 PART_PREFIX = "part-"
-# Ray's default of one CPU per task and actor deadlocked a pipeline on a 2-core machine: the actor
-# pool held every CPU and the read tasks feeding it waited for one (docs/ray.md).
+# Fractions of a CPU: with Ray's default of one per task and actor, an actor pool can hold every
+# CPU while the read tasks feeding it wait for one, a deadlock (docs/ray.md).
 ACTOR_CPUS = 0.5
 READ_CPUS = 0.25
 BLOCKS_PER_ACTOR = 4
