@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -234,8 +235,10 @@ def run_ray_job(job: RayJob, address: str | None = None) -> RaySummary:
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # the summary line says how it went
     context.print_on_execution_start = False
+    context.raise_original_map_exception = True  # an actor's own error, not Ray's "UDF failed"
     # Blocks for every actor: one file is otherwise one block, and one block feeds one actor.
-    ds = ray.data.read_parquet(str(job.input_path), num_cpus=READ_CPUS, override_num_blocks=BLOCKS_PER_ACTOR * job.actors)
+    ds = ray.data.read_parquet(str(job.input_path), num_cpus=READ_CPUS,
+                               override_num_blocks=BLOCKS_PER_ACTOR * job.actors)
     if job.model_dir is not None:
         actor, kwargs = PredictorActor, {"model_dir": str(job.model_dir), "output_dir": str(job.output_dir),
                                          "outputs": job.outputs, "skip": skip,
@@ -247,10 +250,31 @@ def run_ray_job(job: RayJob, address: str | None = None) -> RaySummary:
                                      "timeout_s": job.timeout_s, "retries": job.retries}
     counts = ds.map_batches(actor, fn_constructor_kwargs=kwargs, batch_size=job.batch_size, batch_format="pyarrow",
                             compute=ray.data.ActorPoolStrategy(size=job.actors), num_cpus=job.actor_cpus)
-    for row in counts.iter_rows():
-        summary.computed += int(row["computed"])
+    try:
+        for row in counts.iter_rows():
+            summary.computed += int(row["computed"])
+    except Exception as err:  # Ray wraps what an actor raised (RayTaskError): one message, parts kept
+        raise BatchError(f"the Ray job failed: {_cause(err)}; the parts written are kept in {job.output_dir}: "
+                         "rerun the same command to resume") from None
     summary.resumed = len(skip)
     summary.items = summary.computed + summary.resumed
     summary.parts = [p.name for p in part_paths(job.output_dir)]
     summary.seconds = time.monotonic() - started
     return summary
+
+
+def _cause(err: BaseException) -> str:
+    """What an actor raised, without Ray's wrapping (its traceback stays in the worker's log): the
+    first exception of our own or the standard library's down the chain, else the remote
+    traceback's last line naming an error."""
+    seen, chain = set(), []
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        chain.append(err)
+        err = getattr(err, "cause", None) or err.__cause__ or err.__context__
+    for e in chain:
+        if not type(e).__module__.startswith("ray"):
+            text = str(e).strip()  # Ray appends lines of its own (how to configure retries)
+            return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+    lines = [line.strip() for line in str(chain[0]).splitlines() if re.match(r"^[\w.]+(Error|Exception): ", line.strip())]
+    return lines[-1] if lines else f"{type(chain[0]).__name__}: {str(chain[0]).strip()[:500]}"

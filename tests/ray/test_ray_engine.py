@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from attnserve.client.batch import tables
+from attnserve.client.batch import BatchError, tables
 from attnserve.client.batch.ray_job import RayJob, part_paths, read_output, run_ray_job, written_ids
 from tests.gated_proxy import GatedProxy
 from tests.server_process import REPO_ROOT, ServerProcess
@@ -124,3 +125,15 @@ def test_a_killed_fleet_job_resumes_sending_only_what_no_part_holds(ray_cluster,
     finally:
         proxy.stop()
         server.stop()
+
+
+def test_an_input_without_ids_fails_saying_why(ray_cluster, model_repository, tmp_path):
+    """The actor's error reaches the caller as one BatchError naming the missing column."""
+    x = items("cross_attention", np.random.default_rng(55), 4, 3, 5, None)
+    tables.write_parquet(tmp_path / "in.parquet", x)
+    job = RayJob(tmp_path / "in.parquet", tmp_path / "out", "cross_attention",
+                 model_dir=model_repository / "cross_attention", actors=1)
+    with pytest.raises(BatchError) as exc:
+        run_ray_job(job)
+    assert "the input has no 'id' column" in str(exc.value) and "rerun the same command" in str(exc.value)
+    assert part_paths(tmp_path / "out") == []
