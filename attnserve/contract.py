@@ -37,6 +37,7 @@ INPUT_NAMES = ("query", "key", "value", "mask")  # the order of the graphs' inpu
 REQUIRED_INPUTS = ("query", "key", "value")
 OPTIONAL_INPUTS = ("mask",)
 OUTPUT_NAMES = ("output", "attn_probs")
+ITEM_ID = "id"  # a batch table's item id column (client.batch.tables, attnserve.runtime)
 DATATYPES = {"query": "FP32", "key": "FP32", "value": "FP32", "mask": "BOOL",
              "output": "FP32", "attn_probs": "FP32"}
 

@@ -6,6 +6,9 @@
         --output out.npz --plot heads.png
     attnserve batch --url 127.0.0.1:8001,127.0.0.1:8002 --model self_attention \\
         --input in.npz --output out.npz --concurrency 4 --batch-size 16
+    attnserve batch ... --input in.parquet --output part1.parquet --shard 1/3   # then --merge
+    attnserve batch --engine ray --address 127.0.0.1:6379 --model self_attention \\
+        --input in.parquet --output out/ [--model-repository models]         # docs/ray.md
 
 The connection flags (--url, --timeout, TLS, token) follow the command. --url
 defaults to $ATTNSERVE_URL, else localhost:8001. Exit status: 0 done, 1 the server refused or
@@ -120,13 +123,29 @@ def _parser(prog: str = "attnserve") -> argparse.ArgumentParser:
     infer.add_argument("--plot-item", type=int, default=0, metavar="I", help="item to plot (default 0)")
 
     batch = command("batch", "a resumable job over many items: bounded concurrency, outputs in input order")
-    batch.add_argument("--model", required=True, metavar="NAME")
+    batch.add_argument("--model", metavar="NAME", help="required, except with --merge")
     batch.add_argument("--model-version", default="", metavar="VERSION",
                        help="default: the version that answers first, pinned for the rest of the job")
-    batch.add_argument("--input", type=Path, required=True, metavar="IN.npz|DIR",
+    batch.add_argument("--input", type=Path, metavar="IN.npz|IN.parquet|DIR",
                        help="query (N, lq, q_dim), key/value (N, lk, kv_dim), optional mask (N, lq, lk); "
-                            "or a directory of such .npz shards, in sorted order")
-    batch.add_argument("--output", type=Path, required=True, metavar="OUT.npz")
+                            "or a Parquet table of such items (an optional id column); or a directory of "
+                            "such shards, in sorted order. Required, except with --merge")
+    batch.add_argument("--output", type=Path, required=True, metavar="OUT.npz|OUT.parquet|DIR",
+                       help="an .npz or .parquet (with an id column); with --engine ray, a directory of parts")
+    batch.add_argument("--shard", metavar="I/N",
+                       help="compute only share I of N (0 <= I < N, contiguous items) into --output; "
+                            "join the N outputs with --merge")
+    batch.add_argument("--merge", type=Path, nargs="+", metavar="PART",
+                       help="join these outputs of --shard 0/N .. N-1/N, in that order, into --output")
+    batch.add_argument("--engine", choices=("client", "ray"), default="client",
+                       help="client: this process calls --url (default); ray: Ray Data over a Parquet "
+                            "input (pip install 'attnserve[ray]'; docs/ray.md)")
+    batch.add_argument("--address", metavar="RAY_ADDRESS",
+                       help="--engine ray: the Ray cluster (default: $RAY_ADDRESS, else a local one)")
+    batch.add_argument("--model-repository", type=Path, metavar="DIR",
+                       help="--engine ray: run the exported model in each actor (DIR/MODEL); without it the "
+                            "actors call the servers of --url")
+    batch.add_argument("--actors", type=int, default=2, metavar="N", help="--engine ray: actors (default 2)")
     batch.add_argument("--outputs", default="output", metavar="NAMES",
                        help="output[,attn_probs] (default: output)")
     batch.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="N",
@@ -323,11 +342,64 @@ def _infer(args: argparse.Namespace, options: ClientOptions) -> int:
     return 0
 
 
+def _shard(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit()):
+        raise UsageError(f"--shard must be I/N (0 <= I < N), got {text!r}")
+    return int(index), int(count)
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from attnserve.client.batch.assemble import merge_outputs
+
+    if args.input is not None or args.shard is not None:
+        raise UsageError("--merge joins finished outputs: give it no --input or --shard")
+    try:
+        items = merge_outputs(args.merge, args.output)
+    except (BatchError, ImportError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"merged {len(args.merge)} outputs, {items} items, into {args.output}", flush=True)
+    return 0
+
+
+def _batch_on_ray(args: argparse.Namespace, options: ClientOptions) -> int:
+    from attnserve.client.batch.ray_job import RayJob, run_ray_job
+
+    if args.shard is not None:
+        raise UsageError("--shard is for --engine client: Ray splits the input itself")
+    try:
+        job = RayJob(input_path=args.input, output_dir=args.output, model=args.model,
+                     model_dir=None if args.model_repository is None else args.model_repository / args.model,
+                     urls=() if args.model_repository is not None else tuple(options.url.split(",")),
+                     outputs=_names(args.outputs), batch_size=args.batch_size, actors=args.actors,
+                     concurrency=args.concurrency, model_version=args.model_version, timeout_s=options.timeout_s,
+                     retries=options.retry.max_attempts - 1)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    try:
+        summary = run_ray_job(job, address=args.address)
+    except BatchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    print(summary.line(), flush=True)
+    return 0
+
+
 def _batch(args: argparse.Namespace, options: ClientOptions) -> int:
+    if args.merge:
+        return _merge(args)
+    missing = [flag for flag, value in (("--model", args.model), ("--input", args.input)) if value is None]
+    if missing:
+        raise UsageError(f"batch needs {' and '.join(missing)} (or --merge PART...)")
+    if args.engine == "ray":
+        return _batch_on_ray(args, options)
     try:
         job = BatchJob(model=args.model, input_path=args.input, output_path=args.output,
                        outputs=_names(args.outputs), batch_size=args.batch_size, concurrency=args.concurrency,
-                       model_version=args.model_version, timeout_s=args.timeout)
+                       model_version=args.model_version, timeout_s=args.timeout, shard=_shard(args.shard))
     except ValueError as err:
         raise UsageError(str(err)) from None
     if not args.progress_every_s >= 0:

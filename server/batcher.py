@@ -508,10 +508,10 @@ class Batcher:
             loop = asyncio.get_running_loop()
             shape = _solo_shape(works[0]) if solo else None
             if solo and self._solo_seconds.get(shape, math.inf) <= INLINE_SOLO_MAX_S:
-                results, padding_ratio, timings = _compute(self._run_solo, works)  # on the loop ("Solo runs")
+                results, padding_ratio, timings = compute_batch(self._run_solo, works)  # on the loop ("Solo runs")
             else:
                 results, padding_ratio, timings = await loop.run_in_executor(
-                    self._executor, _compute, self._run_solo if solo else self._run_batch, works)
+                    self._executor, compute_batch, self._run_solo if solo else self._run_batch, works)
             if solo:
                 self._time_solo_run(shape, sum(timings))
             compute_s = time.monotonic() - started
@@ -561,9 +561,9 @@ def _solo_shape(work: Work) -> tuple:
     return work.rows, work.q_len, work.k_len, work.masking, work.want_probs
 
 
-def _compute(run_batch: RunBatch, works: list[Work]
-             ) -> tuple[list[tuple[np.ndarray, np.ndarray | None]], float, tuple[float, float, float]]:
-    """On a worker thread: pad and merge, run, check, split. Returns per-request outputs, the
+def compute_batch(run_batch: RunBatch, works: list[Work]
+                  ) -> tuple[list[tuple[np.ndarray, np.ndarray | None]], float, tuple[float, float, float]]:
+    """On a worker thread: pad and merge, run, check, split (attnserve.runtime runs it too). Returns per-request outputs, the
     batch's padding ratio, and the seconds spent merging, running and splitting."""
     t0 = time.perf_counter()
     feeds, padding_ratio = merge(works)

@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, HEAD_MASK_KINDS, OUTPUT_ONLY
+from attnserve.runtime import AttentionPredictor
 from attnserve.server import priority
 from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch, Solitude, Work
 from attnserve.server.codec import Limits
 from attnserve.server.config import ServerConfig
 from attnserve.server.echo import echo
-from attnserve.server.engine import DeviceChoice, Engine
+from attnserve.server.engine import DeviceChoice
 from attnserve.server.graphs import UNFUSED, GraphSet
 from attnserve.server.lifecycle import MemoryBudget
 from attnserve.server.memory import AttentionDims, Cost, request_cost, run_working_set
@@ -397,10 +398,11 @@ class ModelRegistry:
         if device is None:
             raise RuntimeError("ModelRegistry has no device to open models on")
         # Opened on a thread of the compute priority: ONNX Runtime's pool threads inherit it.
-        engine = priority.run_lowered(self.config.compute_nice, lambda: Engine(
+        # The same loader and run as the batch adapters' (attnserve.runtime).
+        predictor = priority.run_lowered(self.config.compute_nice, lambda: AttentionPredictor.from_spec(
             spec, device, self.config.intra_op_threads, solo=self.config.spin_when_alone))
-        run_solo = engine.run_solo if engine.has_solo_sessions else None
-        return engine.run, ",".join(engine.providers), fingerprint, engine.graphs, run_solo
+        engine = predictor.engine
+        return predictor.run_feeds, ",".join(engine.providers), fingerprint, engine.graphs, predictor.run_solo
 
     def _install(self, name: str, specs: tuple[ModelSpec, ...], keep: dict[int, LoadedVersion],
                  built: dict[int, tuple], failures: dict[int, str]) -> _Model:

@@ -77,6 +77,7 @@ class Fingerprint:
     outputs: tuple[str, ...]
     inputs: tuple[InputFile, ...]
     format: str = FORMAT
+    shard: str = ""  # "i/n" for one share of `--shard`; "" (every item) keeps older jobs' keys
 
     @property
     def key(self) -> str:
@@ -84,8 +85,11 @@ class Fingerprint:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": self.format, "model": self.model, "model_version": self.model_version,
+        data = {"format": self.format, "model": self.model, "model_version": self.model_version,
                 "outputs": list(self.outputs), "inputs": [f.to_json() for f in self.inputs]}
+        if self.shard:
+            data["shard"] = self.shard
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Fingerprint:
@@ -94,12 +98,15 @@ class Fingerprint:
             raise ValueError(f"fields 'outputs' and 'inputs': expected names and objects, got {outputs!r}, {inputs!r}")
         return cls(model=field_of(data, "model", str), model_version=field_of(data, "model_version", str),
                    outputs=tuple(outputs), inputs=tuple(InputFile.from_json(f) for f in inputs),
-                   format=field_of(data, "format", str))
+                   format=field_of(data, "format", str),
+                   shard=field_of(data, "shard", str) if "shard" in data else "")
 
 
 def fingerprint(job: BatchJob, shards: list[Shard]) -> Fingerprint:
+    """shards: every shard of the input (a share of `--shard` is named by job.shard)."""
     base = job.input_path if job.input_path.is_dir() else job.input_path.parent
     return Fingerprint(
+        shard="" if job.shard is None else f"{job.shard[0]}/{job.shard[1]}",
         model=job.model,
         model_version=job.model_version,
         outputs=job.outputs,

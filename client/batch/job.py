@@ -1,7 +1,8 @@
 """`run_batch`: the job from start to end, each step in its own module.
 
-    discover shards -> fingerprint -> complete already? -> lock the work directory -> manifest and
-    finished parts -> plan what is left -> preflight -> compute -> assemble -> remove the directory
+    discover shards -> fingerprint -> this share (--shard) -> complete already? -> lock the work
+    directory -> manifest and finished parts -> plan what is left -> preflight -> compute ->
+    assemble -> remove the directory
 """
 
 from __future__ import annotations
@@ -11,15 +12,14 @@ import logging
 import time
 from typing import IO
 
-from attnserve.client import npzio
-from attnserve.client.batch.assemble import assemble
+from attnserve.client.batch.assemble import assemble, finished_key
 from attnserve.client.batch.fingerprint import Fingerprint, fingerprint
 from attnserve.client.batch.manifest import Manifest
 from attnserve.client.batch.plan import Chunk, check_parts, plan_chunks
 from attnserve.client.batch.preflight import preflight
 from attnserve.client.batch.progress import DEFAULT_EVERY_S, Progress
 from attnserve.client.batch.runner import Runner
-from attnserve.client.batch.shards import ItemShape, Shard, discover_shards, total_items
+from attnserve.client.batch.shards import ItemShape, Shard, discover_shards, take_share, total_items
 from attnserve.client.batch.spec import BatchError, BatchJob, BatchSummary
 from attnserve.client.batch.workdir import WorkDir
 from attnserve.client.options import ClientOptions
@@ -49,14 +49,17 @@ def run_batch(job: BatchJob, options: ClientOptions, progress_stream: IO[str] | 
 def _run(job: BatchJob, options: ClientOptions, progress_to: tuple[IO[str] | None, float],
          summary: BatchSummary) -> None:
     shards, item = discover_shards(job.input_path)
-    summary.items = total = total_items(shards)
     output = job.output_path.resolve()
     if any(s.path.resolve() == output for s in shards):
         raise BatchError(f"output {job.output_path} is one of the input shards; write it elsewhere")
     identity = fingerprint(job, shards)
+    first_item = 0  # the global number of this job's first item
+    if job.shard is not None:
+        shards, first_item = take_share(shards, *job.shard)
+    summary.items = total = total_items(shards)
     workdir = WorkDir(job.parts_dir)
 
-    if npzio.read_comment(job.output_path) == identity.key.encode():
+    if finished_key(job.output_path) == identity.key.encode():
         logger.info("%s already holds this job's complete output", job.output_path)
         summary.resumed = total
         if workdir.exists():  # killed while cleaning up
@@ -78,7 +81,7 @@ def _run(job: BatchJob, options: ClientOptions, progress_to: tuple[IO[str] | Non
         logger.info("batch job: %d items, %d already done, %d chunks to compute", total, summary.resumed, len(chunks))
         _compute(job, options, shards, workdir, manifest, chunks, progress_to, summary)
         assemble_started = time.monotonic()
-        assemble(job, workdir, total, identity.key)
+        assemble(job, workdir, total, identity.key, shards, first_item)
         workdir.remove()
         logger.info("assembled %s in %.2f s", job.output_path, time.monotonic() - assemble_started)
     finally:

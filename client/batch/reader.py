@@ -13,6 +13,7 @@ from collections import Counter
 import numpy as np
 
 from attnserve.client import npzio
+from attnserve.client.batch import tables
 from attnserve.client.batch.plan import Chunk
 from attnserve.client.batch.shards import Shard
 
@@ -32,7 +33,8 @@ class ShardReader:
         shard = self._shards[chunk.shard_index]
         try:
             arrays = await self._arrays(chunk.shard_index)
-            lo, hi = chunk.start - shard.offset, chunk.stop - shard.offset
+            lo = chunk.start - shard.offset + shard.first_row
+            hi = lo + chunk.count
             names = ("query", "key", "value", "mask") if shard.has_mask else ("query", "key", "value")
             # Copy the rows out of the memory map in a worker thread: this is where the disk is read.
             return await asyncio.to_thread(lambda: {name: np.ascontiguousarray(arrays[name][lo:hi]) for name in names})
@@ -42,7 +44,10 @@ class ShardReader:
     async def _arrays(self, index: int) -> dict[str, np.ndarray]:
         async with self._opening.setdefault(index, asyncio.Lock()):
             if index not in self._open:
-                self._open[index] = await asyncio.to_thread(npzio.open_npz, self._shards[index].path)
+                shard = self._shards[index]
+                # A Parquet shard is read whole (its columns decoded), as a compressed .npz is.
+                read = tables.read_parquet if shard.is_table else npzio.open_npz
+                self._open[index] = await asyncio.to_thread(read, shard.path)
         return self._open[index]
 
     def _release(self, index: int) -> None:

@@ -1,7 +1,9 @@
-"""The input: one .npz, or a directory of .npz shards in sorted name order, items numbered
+"""The input: one .npz or .parquet, or a directory of them in sorted name order, items numbered
 globally across them, each shard checked from its headers alone (no array is read here).
 
-Per item: query (lq, query_dim), key and value (lk, kv_dim), optionally mask (lq, lk).
+Per item: query (lq, query_dim), key and value (lk, kv_dim), optionally mask (lq, lk); a
+Parquet shard's rows are items (client.batch.tables), with an optional `id` column.
+`take_share` cuts the items to one process's share of `--shard i/n`.
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnserve.client import npzio
+from attnserve.client.batch import tables
 from attnserve.client.batch.spec import BatchError
+
+SUFFIXES = (".npz", tables.SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -19,6 +24,11 @@ class Shard:
     offset: int  # global index of its first item
     count: int
     has_mask: bool
+    first_row: int = 0  # its first item's row in the file (a share of `--shard` may start mid-file)
+
+    @property
+    def is_table(self) -> bool:
+        return tables.is_table(self.path)
 
 
 @dataclass(frozen=True)
@@ -34,17 +44,39 @@ class ItemShape:
 def _shard_paths(input_path: Path) -> list[Path]:
     if input_path.is_dir():
         paths = sorted(p for p in input_path.iterdir()
-                       if p.suffix == ".npz" and p.is_file() and not p.name.startswith("."))
+                       if p.suffix in SUFFIXES and p.is_file() and not p.name.startswith("."))
         if not paths:
-            raise BatchError(f"input directory {input_path} holds no .npz shards")
+            raise BatchError(f"input directory {input_path} holds no .npz or .parquet shards")
         return paths
     if not input_path.is_file():
         raise BatchError(f"input {input_path} does not exist")
     return [input_path]
 
 
+def _describe_table(path: Path) -> tuple[int, ItemShape, bool]:
+    """A Parquet shard's item count and item shape, from its schema (and first row)."""
+    n, shapes, names = tables.describe_parquet(path)
+    missing = [name for name in ("query", "key", "value") if name not in names]
+    if missing:
+        raise BatchError(f"{path}: missing columns {missing}; expected query, key, value and optionally mask "
+                         f"and id, got {names}")
+    for name in ("query", "key", "value"):
+        if len(shapes[name]) != 2:
+            raise BatchError(f"{path}: each item's {name} must be (length, width), got shape {shapes[name]}")
+    if shapes["key"] != shapes["value"]:
+        raise BatchError(f"{path}: expected key and value of one shape (lk, kv_dim), got {shapes['key']} "
+                         f"and {shapes['value']}")
+    (lq, query_dim), (lk, kv_dim) = shapes["query"], shapes["key"]
+    shape = ItemShape(lq=lq, lk=lk, query_dim=query_dim, kv_dim=kv_dim)
+    if "mask" in shapes and shapes["mask"] != (lq, lk):
+        raise BatchError(f"{path}: each item's mask must be (lq, lk)={(lq, lk)}, got {shapes['mask']}")
+    return n, shape, "mask" in shapes
+
+
 def _describe(path: Path) -> tuple[int, ItemShape, bool]:
     """A shard's item count and item shape, checked from its headers alone."""
+    if tables.is_table(path):
+        return _describe_table(path)
     headers = npzio.read_headers(path)
     missing = [name for name in ("query", "key", "value") if name not in headers]
     if missing:
@@ -80,8 +112,10 @@ def discover_shards(input_path: Path) -> tuple[list[Shard], ItemShape]:
             count, shape, has_mask = _describe(path)
         except BatchError:
             raise
+        except ImportError as err:  # a .parquet without pyarrow
+            raise BatchError(f"{path}: {err}") from None
         except Exception as err:  # zipfile.BadZipFile, a truncated .npy header, ...: name the file
-            raise BatchError(f"{path}: not a readable .npz ({type(err).__name__}: {err})") from None
+            raise BatchError(f"{path}: not a readable {path.suffix} ({type(err).__name__}: {err})") from None
         if item_shape is None:
             item_shape = shape
         elif shape != item_shape:
@@ -97,3 +131,21 @@ def discover_shards(input_path: Path) -> tuple[list[Shard], ItemShape]:
 
 def total_items(shards: list[Shard]) -> int:
     return shards[-1].offset + shards[-1].count
+
+
+def take_share(shards: list[Shard], index: int, count: int) -> tuple[list[Shard], int]:
+    """Share `index` of `count` (`--shard index/count`): the contiguous items
+    [total*index//count, total*(index+1)//count), renumbered from 0, and the global number of the
+    first. n processes given 0/n .. n-1/n cover the input once, in order."""
+    total = total_items(shards)
+    lo, hi = total * index // count, total * (index + 1) // count
+    share: list[Shard] = []
+    for shard in shards:
+        start, stop = max(lo, shard.offset), min(hi, shard.offset + shard.count)
+        if start < stop:
+            share.append(Shard(shard.path, start - lo, stop - start, shard.has_mask,
+                               shard.first_row + start - shard.offset))
+    if not share:
+        raise BatchError(f"--shard {index}/{count}: the input's {total} items leave this share empty; "
+                         f"use at most {total} shards")
+    return share, lo

@@ -56,6 +56,9 @@ class BatchJob:
     concurrency: int = DEFAULT_CONCURRENCY  # requests in flight
     model_version: str = ""  # empty: the server's default, pinned after the first response
     timeout_s: float | None = None  # per request, retries included; None: the client's default
+    # (index, count): this process computes share `index` of `count` (`--shard index/count`,
+    # shards.take_share) and writes it alone to output_path; None: every item.
+    shard: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_path", Path(self.input_path))
@@ -67,6 +70,10 @@ class BatchJob:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.shard is not None:
+            index, count = self.shard
+            if not (count >= 1 and 0 <= index < count):
+                raise ValueError(f"shard must be i/n with 0 <= i < n, got {index}/{count}")
         unknown = [name for name in self.outputs if name not in OUTPUT_NAMES]
         if not self.outputs or unknown or len(set(self.outputs)) != len(self.outputs):
             raise ValueError(f"outputs must be distinct names from {list(OUTPUT_NAMES)}, got {list(self.outputs)}")
