@@ -40,7 +40,7 @@ from grpc_health.v1 import health_pb2
 from attnserve.server.errors import MalformedMessage, ShuttingDown, Unauthenticated, abort
 from attnserve.server.handover import CoreCalls
 from attnserve.server.lifecycle import Admission, Draining
-from attnserve.server.parsing import tolerant_handler
+from attnserve.server.parsing import bounded_infer_request, tolerant_handler
 from attnserve.server.security import REFUSAL, BearerToken
 
 logger = logging.getLogger(__name__)
@@ -160,7 +160,9 @@ class CallGate(grpc.GenericRpcHandler):
         receive_slots: unary inference messages received at once (ReceiveSlots); None: any.
         on_receive_idle: ReceiveSlots' on_idle."""
         self.receive = ReceiveSlots(receive_slots, on_receive_idle)
-        self._handlers = {method: tolerant_handler(method, h) for method, h in method_handlers.items()}
+        # The inference methods' messages have their `parameters` bounded before they are parsed.
+        self._handlers = {method: tolerant_handler(method, h, bounded_infer_request if method in counted_methods else None)
+                          for method, h in method_handlers.items()}
         self.calls_seen = 0  # every call gRPC has handed to the event loop (server.handover)
         self.last_call_at = float("-inf")  # time.monotonic() of the latest call's headers
         self._watches: dict[asyncio.Task, _WatchContext] = {}  # the handler tasks of open Watch streams
