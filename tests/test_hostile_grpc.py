@@ -87,3 +87,60 @@ def test_too_many_parameters_are_invalid_argument_naming_the_bound_large_or_smal
             assert "`parameters`" in exc.value.details()
         fine = _with_parameters(infer_request("self_attention", **x), parsing.MAX_PARAMETERS)
         assert stub.ModelInfer(fine, timeout=60).outputs[0].name == "output"
+
+
+# -- cancelled calls and the receive slots (defect 1) --------------------------------------------
+
+
+def test_cancelled_calls_give_their_receive_slots_back_at_once(model_repository, monkeypatch):
+    """--memory-limit-bytes 512 MiB: 2 receive slots. Two ModelInfer calls send all of a 393 KB
+    message but its last 16 bytes (their slots held) and are cancelled (RST_STREAM). A third call
+    is answered, and nothing is left arriving, so a stop does not wait on them. The slots' and
+    arrivals' staleness timers are set to an hour: only the cancellation can free them."""
+    from attnserve.server.app import Server
+    from attnserve.server.config import ServerConfig
+    from attnserve.server.gate import ReceiveSlots
+    from attnserve.server.lifecycle import Arrivals
+    from tests.h2_client import RawGrpcClient, grpc_frame
+
+    monkeypatch.setattr(ReceiveSlots, "STALE_S", 3600.0)
+    monkeypatch.setattr(Arrivals, "TIMEOUT_S", 3600.0)
+    config = ServerConfig(model_repository=model_repository, host="127.0.0.1", port=0, http_port=-1,
+                          metrics_port=-1, memory_limit_bytes=512 * MIB, drain_delay_s=0, grace_period_s=5)
+    rng = np.random.default_rng(1)
+    big = grpc_frame(infer_request("self_attention", **random_inputs(rng, 1, 96, 96, 512, 512)).SerializeToString())
+    assert len(big) > 390_000
+    small = infer_request("self_attention", **random_inputs(rng, 1, 4, 4, 512, 512))
+
+    async def until(condition, what: str, bound_s: float = 60.0) -> None:
+        deadline = asyncio.get_running_loop().time() + bound_s
+        while not condition():
+            assert asyncio.get_running_loop().time() < deadline, what
+            await asyncio.sleep(0.01)
+
+    async def main() -> tuple[int, int]:
+        server = Server(config)
+        port = await server.start()
+        gate, admission = server._gate, server._admission
+        assert gate.receive.slots == 2
+        client = await asyncio.to_thread(RawGrpcClient, port)
+        try:
+            sids = []
+            for _ in range(2):
+                sids.append(client.start_call(INFER, None))
+                client.send_bytes(sids[-1], big[:-16])
+            await until(lambda: client.pump(0.01) >= 0 and gate.receive.receiving == 2,
+                        "the two calls did not take the receive slots")
+            for sid in sids:
+                client.cancel(sid)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                answer = await pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(small, timeout=60)
+            assert answer.outputs[0].name == "output"
+            await until(lambda: admission.in_flight == 0 and gate.receive.receiving == 0,
+                        "the cancelled calls are still counted")
+            return gate.receive.receiving, admission.in_flight
+        finally:
+            client.close()
+            await server.stop(5)
+
+    assert asyncio.run(main()) == (0, 0)
