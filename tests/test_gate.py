@@ -208,10 +208,10 @@ def test_one_draining_state_for_gate_and_servicer():
 
     assert asyncio.run(ready())
     admitted = call(infer)
-    assert admitted.unary_unary is not None and arrivals.arriving == 1
+    assert admitted.request_deserializer is not None and arrivals.arriving == 1  # admitted: it will be parsed
     draining.begin()  # the drain delay: not ready, but calls are still admitted
     assert not asyncio.run(ready())
-    assert call(infer).unary_unary is not None and arrivals.arriving == 2
+    assert call(infer).request_deserializer is not None and arrivals.arriving == 2
     draining.refuse()  # the delay is over
     refused = call(infer)
     assert refused.stream_unary is not None and refused.request_deserializer is None  # never parsed
