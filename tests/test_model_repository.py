@@ -460,3 +460,32 @@ def test_empty_repository_is_an_error_unless_models_can_come_later(tmp_path):
             assert list(stub.RepositoryIndex(pb.RepositoryIndexRequest()).models) == []
     finally:
         proc.stop()
+
+
+def test_graphs_that_do_not_match_config_json_make_the_version_unavailable_with_the_reason(model_repository,
+                                                                                           tmp_path):
+    """self_attention's config.json over cross_attention's ONNX files (another preset's widths):
+    the version is UNAVAILABLE from the start with the mismatch in the index, and a call is
+    UNAVAILABLE naming it; never READY with every call INTERNAL. The other model serves."""
+    root = _repository(tmp_path, model_repository, "self_attention", "cross_attention")
+    for graph in (root / "self_attention" / "1").glob("*.onnx"):
+        graph.unlink()
+    for graph in (root / "cross_attention" / "1").glob("*.onnx"):
+        shutil.copy(graph, root / "self_attention" / "1" / graph.name)
+    proc = ServerProcess(root)
+    try:
+        with proc.channel() as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            index = {(m.name, m.version): m for m in stub.RepositoryIndex(pb.RepositoryIndexRequest()).models}
+            entry = index[("self_attention", "1")]
+            assert entry.state == "UNAVAILABLE", index
+            assert "does not match config.json" in entry.reason and "512" in entry.reason, entry.reason
+            assert index[("cross_attention", "1")].state == "READY", index
+            assert not stub.ModelReady(pb.ModelReadyRequest(name="self_attention")).ready
+            x = random_inputs(np.random.default_rng(0), 1, 4, 4, 512, 512)
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.ModelInfer(infer_request("self_attention", **x), timeout=60)
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, exc.value.details()
+            assert "does not match config.json" in exc.value.details()
+    finally:
+        proc.stop()
