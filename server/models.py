@@ -40,7 +40,7 @@ from attnserve.contract import (
     Q_LEN,
     SYMBOLIC_SHAPES,
 )
-from attnserve.server import priority
+from attnserve.server import heap, priority
 from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch, Solitude, Work
 from attnserve.server.codec import Limits
 from attnserve.server.config import ServerConfig
@@ -165,6 +165,7 @@ class ModelRegistry:
         self._retiring: set[LoadedVersion] = set()  # replaced or unloaded, finishing their calls
         self._retire_tasks: set[asyncio.Task] = set()
         self._poll_task: asyncio.Task | None = None
+        self.reclaimed = 0  # versions retired and their memory given back (trimmed)
         self._started = False
         self._closed = False
 
@@ -466,13 +467,20 @@ class ModelRegistry:
         """Close lv's batcher in the background: what is queued and running on it finishes."""
         self._retiring.add(lv)
 
+        name, version = lv.spec.name, lv.spec.version
+
         async def finish() -> None:
+            nonlocal lv
             await lv.batcher.close()
             self._retiring.discard(lv)
-            logger.info("model %s version %d retired: its last call is done, its sessions released",
-                        lv.spec.name, lv.spec.version)
+            lv = None  # the last reference: its sessions and their arenas are freed now
+            # ONNX Runtime's freed arenas and weights stay in the process's heaps until trimmed:
+            # without this, every reload kept its whole working set (docs/hardening-grpc-workers.md).
+            await asyncio.to_thread(heap.reclaim)
+            self.reclaimed += 1
+            logger.info("model %s version %d retired: its last call is done, its sessions released", name, version)
 
-        task = asyncio.get_running_loop().create_task(finish(), name=f"retire-{lv.spec.name}-{lv.spec.version}")
+        task = asyncio.get_running_loop().create_task(finish(), name=f"retire-{name}-{version}")
         self._retire_tasks.add(task)
         task.add_done_callback(self._retire_tasks.discard)
 
