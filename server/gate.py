@@ -162,8 +162,9 @@ class CallGate(grpc.GenericRpcHandler):
         on_receive_idle: ReceiveSlots' on_idle."""
         self.receive = ReceiveSlots(receive_slots, on_receive_idle)
         # The inference methods' messages have their `parameters` bounded before they are parsed.
-        self._handlers = {method: tolerant_handler(method, h, bounded_infer_request if method in counted_methods else None)
-                          for method, h in method_handlers.items()}
+        self._handlers = {
+            method: tolerant_handler(method, h, bounded_infer_request if method in counted_methods else None)
+            for method, h in method_handlers.items()}
         self.calls_seen = 0  # every call gRPC has handed to the event loop (server.handover)
         self.last_call_at = float("-inf")  # time.monotonic() of the latest call's headers
         self._watches: dict[asyncio.Task, _WatchContext] = {}  # the handler tasks of open Watch streams

@@ -59,7 +59,8 @@ PRESCAN_MIN_BYTES = 1 << 20
 
 def _check_parameters(parameters, where: str) -> None:
     if len(parameters) > MAX_PARAMETERS:
-        raise FieldsOverLimit(f"{where}: {len(parameters):,} `parameters` entries, over the limit of {MAX_PARAMETERS:,}")
+        raise FieldsOverLimit(
+            f"{where}: {len(parameters):,} `parameters` entries, over the limit of {MAX_PARAMETERS:,}")
 
 
 def bounded_infer_request(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
