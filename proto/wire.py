@@ -10,19 +10,28 @@ in any order) and leave every other field to protobuf:
     message, views = parse_with_raw(pb.ModelInferRequest, data, "raw_input_contents")
     data = serialize_with_raw(response_without_raw, "raw_output_contents", arrays)
 
+and a third bounds a message's fields before anyone parses them (check_fields).
+
 A leaf: protobuf's public API only. Used by the server's codec (its ModelInfer and
 ModelStreamInfer messages) and the benchmark's client.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 _LENGTH_DELIMITED = 2
 
 
 class WireError(ValueError):
     """Bytes that are not a well-formed protobuf message."""
+
+
+class FieldsOverLimit(WireError):
+    """A message with more records, or more bytes in a field, than check_fields allows: refused
+    before protobuf (or parse_with_raw's own scan) spends time on them."""
+
+    refused_before_parsing = True  # its message says why itself (server.errors.MalformedMessage)
 
 
 def _varint(data: memoryview, at: int) -> tuple[int, int]:
@@ -88,6 +97,39 @@ def parse_with_raw(message_type, data: bytes, field_name: str, check_rest: Calla
         check_rest(sum(part.nbytes for part in rest))
     message = message_type.FromString(data if not raw else b"".join(rest))
     return message, raw
+
+
+def check_fields(message_type, data: bytes, bounds: Mapping[str, tuple[int, int]], max_records: int,
+                 what: str = "the message") -> None:
+    """Raise FieldsOverLimit, before anything is parsed, if `data` (a `message_type` on the wire)
+    has more than max_records top-level records, or a field named in `bounds` with more than
+    (entries, bytes) of them; WireError for malformed bytes. Stops at the first bound crossed:
+    its cost is bounded by the bounds, not by the message (a map field's entries are each a
+    record, so a million `parameters` would otherwise be a million steps of this loop)."""
+    by_number = {message_type.DESCRIPTOR.fields_by_name[name].number: (name, *bound) for name, bound in bounds.items()}
+    counts: dict[int, list[int]] = {number: [0, 0] for number in by_number}
+    view = memoryview(data)
+    at = records = 0
+    while at < len(view):
+        records += 1
+        if records > max_records:
+            raise FieldsOverLimit(f"{what} has more than {max_records:,} top-level fields (the limit); "
+                                  "an inference request has a few")
+        start = at
+        tag, at = _varint(view, at)
+        at = _skip(view, at, tag & 7)
+        if at > len(view):
+            raise WireError(f"field {tag >> 3} runs past the end of the message")
+        count = counts.get(tag >> 3)
+        if count is None:
+            continue
+        name, max_entries, max_bytes = by_number[tag >> 3]
+        count[0] += 1
+        count[1] += at - start
+        if count[0] > max_entries:
+            raise FieldsOverLimit(f"{what}: more than {max_entries:,} `{name}` entries (the limit is {max_entries:,})")
+        if count[1] > max_bytes:
+            raise FieldsOverLimit(f"{what}: `{name}` holds more than {max_bytes:,} bytes (the limit is {max_bytes:,})")
 
 
 def serialize_with_raw(message, field_name: str, buffers: Sequence) -> bytes:

@@ -33,7 +33,8 @@ async def serve(config: ServerConfig, run_batch: RunBatchFactory | None = None) 
 
     from attnserve.server.workers import WorkerContext
 
-    server = Server(config, run_batch, worker=WorkerContext.from_env())
+    worker = WorkerContext.from_env()
+    server = Server(config, run_batch, worker=worker)
     # Handlers first: a signal that comes while the server starts (its ready file may already
     # be written, telling a supervisor it may stop it) drains once the start is done, instead of
     # killing the process (a test under load caught a SIGTERM between the two).
@@ -41,6 +42,8 @@ async def serve(config: ServerConfig, run_batch: RunBatchFactory | None = None) 
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, signals.put_nowait, sig)
+    if worker is not None:
+        worker.answer_heartbeats(loop)  # the supervisor's watchdog (server.workers)
     try:
         await server.start()
     except (DeviceUnavailable, ModelLoadError, RuntimeError, OSError) as err:

@@ -86,6 +86,11 @@ class ServerConfig:
     # Processes serving the same ports (server.workers); None: one per two CPUs this process may
     # use (affinity and cgroup quota; server.workers.default_workers), one in explicit mode.
     workers: int | None = None
+    # The supervisor's liveness watchdog (server.workers): each worker's event loop must echo a
+    # heartbeat sent every worker_heartbeat_s within worker_heartbeat_timeout_s, or it is killed
+    # and replaced. Generous: a worker's loop is never meant to block that long.
+    worker_heartbeat_s: float = 5.0
+    worker_heartbeat_timeout_s: float = 20.0
     access_log: bool = False
     # Security (server/security.py). TLS when both cert and key are given; mutual TLS (client
     # certificates required) when a client CA is given too; bearer tokens when a token file is.
@@ -134,6 +139,9 @@ class ServerConfig:
             raise ValueError("--workers above 1 cannot be combined with --model-control-mode explicit: a model "
                              "loaded or unloaded through one worker would not change the others' (use --workers 1, "
                              "or --model-control-mode poll, where every worker rescans the repository)")
+        for name in ("worker_heartbeat_s", "worker_heartbeat_timeout_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.compute_nice <= 19:
             raise ValueError(f"compute_nice must be in 0..19, got {self.compute_nice}")
         if self.intra_op_threads < 0:
@@ -204,6 +212,9 @@ _HELP: dict[str, str] = {
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "workers": "processes serving the same ports, each its own event loop and ONNX Runtime sessions "
                "(default: one per two CPUs the process may use; 1 in explicit model control mode)",
+    "worker_heartbeat_s": "seconds between the supervisor's heartbeats to each worker (--workers above 1)",
+    "worker_heartbeat_timeout_s": "seconds a worker's event loop has to answer a heartbeat before it is killed "
+                                  "and replaced",
     "access_log": "log every RPC (a switch; or true/false)",
     "tls_cert": "PEM certificate chain: serve TLS (with --tls-key)",
     "tls_key": "PEM private key of --tls-cert",

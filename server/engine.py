@@ -175,6 +175,11 @@ class Engine:
         return self.graphs.graph_for(masking_of(feeds), want_probs, feeds["query"].shape[1], feeds["key"].shape[1])
 
     @property
+    def sessions(self) -> dict[str, ort.InferenceSession]:
+        """Graph kind -> its session (the regular ones): what the registry checks before serving."""
+        return dict(self._sessions)
+
+    @property
     def has_solo_sessions(self) -> bool:
         return bool(self._solo_sessions)
 

@@ -14,10 +14,11 @@ headers arrive and before its message is read. It answers with
   lifecycle.Arrivals) that requests are on their way.
 - A ModelInfer call's message is received only while fewer than `receive_slots` are being
   received (ReceiveSlots: each may be up to --max-message-bytes, and none is in the memory
-  budget until its handler runs). Beyond them the call is handed a request-streaming handler
-  that reads its one message once a slot is free: until then gRPC's core holds only what HTTP/2
-  flow control lets in (the server runs without BDP probing, which would open the window to the
-  whole message; server.app).
+  budget until its handler runs). Its handler is request-streaming, run at the headers: it reads
+  the one message once it holds a slot (until then gRPC's core holds only what HTTP/2 flow
+  control lets in: the server runs without BDP probing, which would open the window to the whole
+  message; server.app), and gives the slot back the moment the call is cancelled or its peer
+  goes away (gRPC cancels the handler), not when the slot goes stale.
 Every refusal is answered through server.errors, like any other error.
 
 Why not grpc.aio interceptors: they run as a chain of coroutines on every call, on the event
@@ -38,7 +39,7 @@ from grpc_health.v1 import health_pb2
 from attnserve.server.errors import MalformedMessage, ShuttingDown, Unauthenticated, abort
 from attnserve.server.handover import CoreCalls
 from attnserve.server.lifecycle import Admission, Draining
-from attnserve.server.parsing import tolerant_handler
+from attnserve.server.parsing import bounded_infer_request, tolerant_handler
 from attnserve.server.security import REFUSAL, BearerToken
 
 logger = logging.getLogger(__name__)
@@ -83,9 +84,9 @@ class ReceiveSlots:
     """Unary inference messages being received at once: at most `slots` (None: unbounded).
 
     A slot is taken when a call's headers arrive (take_now) or once one is free (take), and
-    given back when its handler starts. gRPC never runs the handler of a call whose message does
-    not arrive (client gone, deadline hit, message over the limit), so a slot is forgotten
-    STALE_S after it was taken (as lifecycle.Arrivals forgets such calls)."""
+    given back once its message is read or its call is cancelled (CallGate). A call whose client
+    sends headers and then nothing, yet stays connected, is forgotten STALE_S after its slot was
+    taken (as lifecycle.Arrivals forgets such calls), so it cannot hold a slot for ever."""
 
     STALE_S = 10.0
 
@@ -158,7 +159,10 @@ class CallGate(grpc.GenericRpcHandler):
         receive_slots: unary inference messages received at once (ReceiveSlots); None: any.
         on_receive_idle: ReceiveSlots' on_idle."""
         self.receive = ReceiveSlots(receive_slots, on_receive_idle)
-        self._handlers = {method: tolerant_handler(method, h) for method, h in method_handlers.items()}
+        # The inference methods' messages have their `parameters` bounded before they are parsed.
+        self._handlers = {
+            method: tolerant_handler(method, h, bounded_infer_request if method in counted_methods else None)
+            for method, h in method_handlers.items()}
         self.calls_seen = 0  # every call gRPC has handed to the event loop (server.handover)
         self.last_call_at = float("-inf")  # time.monotonic() of the latest call's headers
         self._watches: dict[asyncio.Task, _WatchContext] = {}  # the handler tasks of open Watch streams
@@ -250,38 +254,37 @@ class CallGate(grpc.GenericRpcHandler):
             ticket = admission.arrived(unary=True)
             inner_unary = handler.unary_unary
             receive = self.receive
-            slot = receive.take_now()
-            if slot is not None:  # gRPC reads the message at once; the slot is its until then
+            slot = receive.take_now()  # None: every slot is taken, the message is read once one is free
 
-                async def unary(request, context):
-                    receive.give_back(slot)
-                    admission.started(ticket)
-                    try:
-                        return await inner_unary(request, context)
-                    finally:
-                        admission.finished()
-
-                return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
-                                                           response_serializer=handler.response_serializer)
-
-            async def deferred(request_iterator, context):
-                """The same call, its one message read once a receive slot is free."""
-                slot = await receive.take()
+            # Request-streaming even though the call is unary: gRPC runs this as soon as the
+            # headers arrive and cancels it the moment the call is cancelled or its peer goes, so
+            # the slot and the call's place in Admission are given back then (a unary handler
+            # never runs for a call whose message does not arrive).
+            async def unary(request_iterator, context):
+                taken = slot
                 try:
+                    if taken is None:
+                        taken = await receive.take()
                     request = await anext(aiter(request_iterator), None)
+                except BaseException:  # cancelled, or the peer went away, before the message came
+                    admission.started(ticket)
+                    admission.finished()
+                    raise
                 finally:
-                    receive.give_back(slot)
-                if request is None:
-                    await abort(context, MalformedMessage(ValueError("the call sent no request message")))
+                    if taken is not None:
+                        receive.give_back(taken)
                 admission.started(ticket)
                 try:
+                    if request is None:
+                        await abort(context, MalformedMessage(ValueError("the call sent no request message")))
                     return await inner_unary(request, context)
                 finally:
                     del request  # before the reclaim below: a refused call's frames outlive it
                     admission.finished()
-                    receive.call_done()
+                    if slot is None:
+                        receive.call_done()
 
-            return grpc.stream_unary_rpc_method_handler(deferred, request_deserializer=handler.request_deserializer,
+            return grpc.stream_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
                                                         response_serializer=handler.response_serializer)
         ticket = admission.arrived(unary=False)
         inner_stream = handler.stream_stream

@@ -21,13 +21,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
+
+import numpy as np
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, HEAD_MASK_KINDS, OUTPUT_ONLY
+from attnserve.contract import (
+    ALL_OUTPUTS,
+    BATCH,
+    FUSED_KINDS,
+    HEAD_MASK,
+    HEAD_MASK_KINDS,
+    HEAD_MASK_SHAPE,
+    K_LEN,
+    KEY_PADDING_MASK,
+    OUTPUT_ONLY,
+    Q_LEN,
+    SYMBOLIC_SHAPES,
+)
+from attnserve.server import heap, priority
 from attnserve.runtime import AttentionPredictor
-from attnserve.server import priority
 from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch, Solitude, Work
 from attnserve.server.codec import Limits
 from attnserve.server.config import ServerConfig
@@ -149,6 +163,7 @@ class ModelRegistry:
         self._retiring: set[LoadedVersion] = set()  # replaced or unloaded, finishing their calls
         self._retire_tasks: set[asyncio.Task] = set()
         self._poll_task: asyncio.Task | None = None
+        self.reclaimed = 0  # versions retired and their memory given back (trimmed)
         self._started = False
         self._closed = False
 
@@ -402,6 +417,7 @@ class ModelRegistry:
         predictor = priority.run_lowered(self.config.compute_nice, lambda: AttentionPredictor.from_spec(
             spec, device, self.config.intra_op_threads, solo=self.config.spin_when_alone))
         engine = predictor.engine
+        check_servable(spec, engine.sessions)  # READY means servable: never READY, then INTERNAL on every call
         return predictor.run_feeds, ",".join(engine.providers), fingerprint, engine.graphs, predictor.run_solo
 
     def _install(self, name: str, specs: tuple[ModelSpec, ...], keep: dict[int, LoadedVersion],
@@ -450,13 +466,20 @@ class ModelRegistry:
         """Close lv's batcher in the background: what is queued and running on it finishes."""
         self._retiring.add(lv)
 
+        name, version = lv.spec.name, lv.spec.version
+
         async def finish() -> None:
+            nonlocal lv
             await lv.batcher.close()
             self._retiring.discard(lv)
-            logger.info("model %s version %d retired: its last call is done, its sessions released",
-                        lv.spec.name, lv.spec.version)
+            lv = None  # the last reference: its sessions and their arenas are freed now
+            # ONNX Runtime's freed arenas and weights stay in the process's heaps until trimmed:
+            # without this, every reload kept its whole working set (docs/hardening-grpc-workers.md).
+            await asyncio.to_thread(heap.reclaim)
+            self.reclaimed += 1
+            logger.info("model %s version %d retired: its last call is done, its sessions released", name, version)
 
-        task = asyncio.get_running_loop().create_task(finish(), name=f"retire-{lv.spec.name}-{lv.spec.version}")
+        task = asyncio.get_running_loop().create_task(finish(), name=f"retire-{name}-{version}")
         self._retire_tasks.add(task)
         task.add_done_callback(self._retire_tasks.discard)
 
@@ -496,6 +519,58 @@ class ModelRegistry:
                 await batcher.close(abandon_queued)
             if self._retire_tasks:
                 await asyncio.gather(*self._retire_tasks, return_exceptions=True)
+
+
+# The warm-up's sizes: distinct, so that a graph that swaps two of them answers the wrong shape.
+_WARM_UP_DIMS = {BATCH: 1, Q_LEN: 2, K_LEN: 3}
+_SHAPES = {**SYMBOLIC_SHAPES, KEY_PADDING_MASK: (BATCH, K_LEN), HEAD_MASK: HEAD_MASK_SHAPE}
+_ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bool)": np.bool_,
+              "tensor(int32)": np.int32, "tensor(int64)": np.int64}
+
+
+def check_servable(spec: ModelSpec, sessions: dict) -> None:
+    """Raise ModelLoadError, naming the graph, the tensor and both shapes, unless every graph
+    (kind -> onnxruntime session) takes and gives the tensors config.json declares, with its
+    widths, and a warm-up run (zeros, every mask open) answers the shapes those widths make."""
+    widths = {"query_dim": spec.query_dim, "kv_dim": spec.kv_dim, "out_dim": spec.out_dim,
+              "num_heads": spec.num_heads}
+
+    def concrete(name: str) -> tuple[int, ...]:
+        return tuple(_WARM_UP_DIMS.get(d, widths.get(d, -1)) for d in _SHAPES[name])
+
+    declared = {t.name for t in (*spec.inputs, *spec.outputs)}
+    for kind, session in sorted(sessions.items()):
+        where = f"version {spec.version}: graph {spec.graph_path(kind).name} does not match config.json"
+        feeds = {}
+        for role, args in (("input", session.get_inputs()), ("output", session.get_outputs())):
+            for arg in args:
+                if arg.name not in _SHAPES or (arg.name not in declared
+                                                              and arg.name not in (HEAD_MASK, KEY_PADDING_MASK)):
+                    raise ModelLoadError(f"{where}: it has an {role} {arg.name!r} that config.json does not "
+                                         f"declare (declared: {', '.join(sorted(declared))})")
+                want = concrete(arg.name)
+                got = tuple(arg.shape)
+                fixed = [(i, w, g) for i, (w, g) in enumerate(zip(want, got))
+                         if isinstance(g, int) and _SHAPES[arg.name][i] not in _WARM_UP_DIMS and g != w]
+                if len(got) != len(want) or fixed:
+                    raise ModelLoadError(f"{where}: {role} {arg.name!r} has shape {list(got)}, config.json's widths "
+                                         f"make it {_symbolic(arg.name, widths)}")
+                if role == "input":
+                    dtype = _ORT_TYPES.get(arg.type, np.float32)
+                    feeds[arg.name] = np.ones(want, dtype) if dtype in (np.bool_, np.int32, np.int64) else np.zeros(
+                        want, dtype)
+        try:
+            answers = session.run(None, feeds)
+        except Exception as err:  # onnxruntime's own exception types
+            raise ModelLoadError(f"{where}: a warm-up run failed: {type(err).__name__}: {err}") from None
+        for arg, answer in zip(session.get_outputs(), answers):
+            if tuple(answer.shape) != concrete(arg.name):
+                raise ModelLoadError(f"{where}: a warm-up run answered {arg.name!r} of shape {list(answer.shape)} "
+                                     f"for {_WARM_UP_DIMS}; config.json's widths make it {list(concrete(arg.name))}")
+
+
+def _symbolic(name: str, widths: dict[str, int]) -> list:
+    return [widths.get(d, d) for d in _SHAPES[name]]
 
 
 def _reason(err: Exception) -> str:

@@ -13,6 +13,10 @@ coroutine unary-unary (the inference service, Health/Check), coroutine unary-str
 (Health/Watch, which writes with context.write) and async-generator stream-stream
 (ModelStreamInfer, reflection). Any other kind is refused at startup, naming the method.
 Handlers are rebuilt with grpc's public *_rpc_method_handler constructors.
+
+An inference request's `parameters` are bounded before they are parsed (bounded_infer_request):
+each entry of a map is its own record on the wire, so a message of a million of them costs
+seconds of the event loop to scan or parse, every other client waiting (docs/hardening-grpc-workers.md).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 
+from attnserve.proto import inference_pb2 as pb
+from attnserve.proto.wire import FieldsOverLimit, check_fields
 from attnserve.server.errors import MalformedMessage, abort
 
 UNARY_UNARY, UNARY_STREAM, STREAM_STREAM = "unary_unary", "unary_stream", "stream_stream"
@@ -38,6 +44,45 @@ def handler_kind(handler: grpc.RpcMethodHandler) -> tuple[str, str]:
                 return kind, "async generator"
             return kind, "coroutine" if inspect.iscoroutinefunction(behaviour) else "function"
     return "none", "none"
+
+
+# Entries of one `parameters` map of an inference request (the request's, an input's, an
+# output's), and the wire bytes of the request's own: the protocol's parameters are a few flags.
+MAX_PARAMETERS = 64
+MAX_PARAMETERS_BYTES = 16 << 10
+# Top-level fields of one inference request message: a few scalars, inputs, outputs, raw contents.
+MAX_REQUEST_FIELDS = 4096
+# Below this a message is parsed by protobuf in C at once (bounded by the size, the scan in Python
+# would cost more than it saves); its parameters are counted after (codec.WIRE_MIN_BYTES too).
+PRESCAN_MIN_BYTES = 1 << 20
+
+
+def _check_parameters(parameters, where: str) -> None:
+    if len(parameters) > MAX_PARAMETERS:
+        raise FieldsOverLimit(
+            f"{where}: {len(parameters):,} `parameters` entries, over the limit of {MAX_PARAMETERS:,}")
+
+
+def bounded_infer_request(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """The deserializer of ModelInfer / ModelStreamInfer, refusing a request whose `parameters`
+    are over MAX_PARAMETERS entries (or MAX_PARAMETERS_BYTES, or MAX_REQUEST_FIELDS fields in
+    all) with FieldsOverLimit: a large message before it is parsed, a small one (bounded by its
+    size) right after protobuf's parse."""
+
+    def parse(data: bytes) -> Any:
+        if len(data) >= PRESCAN_MIN_BYTES:
+            check_fields(pb.ModelInferRequest, data, {"parameters": (MAX_PARAMETERS, MAX_PARAMETERS_BYTES)},
+                         MAX_REQUEST_FIELDS, "the inference request")
+        request = deserializer(data)
+        message = getattr(request, "message", request)  # codec.InferRequest holds its protobuf part
+        _check_parameters(message.parameters, "the inference request")
+        for tensor in message.inputs:
+            _check_parameters(tensor.parameters, f"input {tensor.name[:64]!r}")
+        for tensor in message.outputs:
+            _check_parameters(tensor.parameters, f"output {tensor.name[:64]!r}")
+        return request
+
+    return parse
 
 
 class _Malformed:
@@ -64,13 +109,17 @@ async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield request
 
 
-def tolerant_handler(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """The same handler, parsing its own messages. Raises TypeError for a kind it does not wrap."""
+def tolerant_handler(method: str, handler: grpc.RpcMethodHandler,
+                     bound: Callable[[Callable[[bytes], Any]], Callable[[bytes], Any]] | None = None
+                     ) -> grpc.RpcMethodHandler:
+    """The same handler, parsing its own messages. Raises TypeError for a kind it does not wrap.
+    bound: wraps the deserializer (bounded_infer_request for the inference methods)."""
     kind = handler_kind(handler)
     if kind not in SUPPORTED_KINDS:
         raise TypeError(f"{method}: a {kind[1]} {kind[0]} handler; the gate serves "
                         f"{', '.join(sorted(f'{f} {k}' for k, f in SUPPORTED_KINDS))} handlers")
-    parse = _tolerant(handler.request_deserializer)
+    deserializer = handler.request_deserializer or (lambda data: data)
+    parse = _tolerant(deserializer if bound is None else bound(deserializer))
     serialize = handler.response_serializer
     if kind[0] == UNARY_UNARY:
         inner_unary = handler.unary_unary

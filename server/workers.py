@@ -37,6 +37,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ BACKOFF_MAX_S = 30.0
 STABLE_S = 30.0  # a worker that served this long before it died is restarted without delay growth
 _PR_SET_PDEATHSIG = 1
 RESTARTS_METRIC = "attnserve_worker_restarts"  # the supervisor's own series on /metrics (_total)
+HUNG_METRIC = "attnserve_worker_hung"  # workers killed for missing a heartbeat (_total)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class WorkerContext:
     directory: Path  # the supervisor's private directory: metrics and statistics files
     workers: int  # how many workers share the ports and the budget
     index: int
+    heartbeat_fd: int | None = None  # the worker's end of its heartbeat socket (answer_heartbeats)
 
     @classmethod
     def from_env(cls, environ=os.environ) -> WorkerContext | None:
@@ -70,10 +73,37 @@ class WorkerContext:
         if not text:
             return None
         data = json.loads(text)
-        return cls(Path(data["directory"]), int(data["workers"]), int(data["index"]))
+        return cls(Path(data["directory"]), int(data["workers"]), int(data["index"]), data.get("heartbeat_fd"))
 
     def to_env(self) -> str:
-        return json.dumps({"directory": str(self.directory), "workers": self.workers, "index": self.index})
+        return json.dumps({"directory": str(self.directory), "workers": self.workers, "index": self.index,
+                           "heartbeat_fd": self.heartbeat_fd})
+
+    def answer_heartbeats(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Echo every heartbeat the supervisor sends, from `loop`: an answer proves the event loop
+        that serves the calls runs, not merely that the process exists."""
+        if self.heartbeat_fd is None:
+            return
+        sock = socket.socket(fileno=self.heartbeat_fd)
+        sock.setblocking(False)
+        _heartbeat_sockets.append(sock)  # held for the process's life
+
+        def answer() -> None:
+            try:
+                data = sock.recv(64)
+                if data:
+                    sock.send(data)
+                    return
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                pass
+            loop.remove_reader(sock.fileno())  # the supervisor is gone (PR_SET_PDEATHSIG stops us)
+
+        loop.add_reader(sock.fileno(), answer)
+
+
+_heartbeat_sockets: list[socket.socket] = []
 
 
 # -- how many ------------------------------------------------------------------------------------
@@ -104,6 +134,26 @@ def _cgroup_quota(root: Path) -> float | None:
 
 
 CPUS_PER_WORKER = 2  # one event loop keeps a core or two busy (docs/server.md, Worker processes)
+# Workers per CPU at most: each is a whole server (its event loop, its own ONNX Runtime sessions
+# and memory); beyond this many they only share the same cores, and starting them takes minutes.
+MAX_WORKERS_PER_CPU = 4
+EXIT_BAD_FLAG = 2  # argparse's status for a bad flag
+
+
+def max_workers(cpus: int | None = None) -> int:
+    """The ceiling on --workers: MAX_WORKERS_PER_CPU per CPU this process may use."""
+    return MAX_WORKERS_PER_CPU * (available_cpus() if cpus is None else cpus)
+
+
+def workers_over_ceiling(workers: int, cpus: int | None = None) -> str | None:
+    """The refusal of a worker count over the ceiling (None: within it)."""
+    cpus = available_cpus() if cpus is None else cpus
+    ceiling = max_workers(cpus)
+    if workers <= ceiling:
+        return None
+    return (f"--workers (ATTNSERVE_WORKERS) {workers} is over the ceiling of {ceiling}: {MAX_WORKERS_PER_CPU} per CPU "
+            f"this process may use ({cpus}, its affinity and cgroup quota); each worker is a whole server with its "
+            f"own sessions and memory, and more than that only share the same cores")
 
 
 def default_workers(config: ServerConfig, cpus: int | None = None) -> int:
@@ -170,6 +220,8 @@ class _Worker:
         self.generation = 0
         self.ready_at: float | None = None
         self.quick_deaths = 0  # exits in a row before serving STABLE_S
+        self.heartbeat: socket.socket | None = None  # the supervisor's end of its heartbeat socket
+        self.hung = False  # killed by the watchdog (its exit is logged as such)
 
 
 def _die_with_parent() -> None:
@@ -190,6 +242,7 @@ class Supervisor:
         self.draining = False
         self.hurried = False
         self.restarts = None  # prometheus Counter, once the metrics are set up
+        self.hung = None  # prometheus Counter: workers the watchdog killed
         self._changed = asyncio.Event()
         self._held: list[socket.socket] = []
         self._endpoint = None
@@ -221,6 +274,8 @@ class Supervisor:
         MultiProcessCollector(registry, path=str(self.directory / "prometheus"))
         self.restarts = Counter(RESTARTS_METRIC, "Worker processes restarted after an unexpected exit.",
                                 registry=registry)
+        self.hung = Counter(HUNG_METRIC, "Worker processes killed (then replaced) for missing a heartbeat: "
+                            "their event loop stopped answering.", registry=registry)
         self._endpoint = MetricsEndpoint(registry)
 
     async def start_ports(self) -> None:
@@ -245,11 +300,20 @@ class Supervisor:
     async def _spawn(self, worker: _Worker) -> None:
         worker.generation += 1
         worker.ready_at = None
-        context = WorkerContext(self.directory, self.count, worker.index)
+        worker.hung = False
+        if worker.heartbeat is not None:
+            worker.heartbeat.close()
+        worker.heartbeat, theirs = socket.socketpair()
+        worker.heartbeat.setblocking(False)
+        context = WorkerContext(self.directory, self.count, worker.index, theirs.fileno())
         env = {**os.environ, WORKER_ENV: context.to_env(),
                "PROMETHEUS_MULTIPROC_DIR": str(self.directory / "prometheus")}
-        worker.proc = await asyncio.create_subprocess_exec(
-            *self.command, *self._worker_args(worker), env=env, preexec_fn=_die_with_parent)
+        try:
+            worker.proc = await asyncio.create_subprocess_exec(
+                *self.command, *self._worker_args(worker), env=env, preexec_fn=_die_with_parent,
+                pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
         logger.info("worker %d starting (pid %d)", worker.index, worker.proc.pid)
         if self.draining:  # the stop signal came while it was being started
             worker.proc.send_signal(signal.SIGTERM)
@@ -287,7 +351,11 @@ class Supervisor:
         from prometheus_client import multiprocess
 
         while True:
-            code = await worker.proc.wait()
+            watchdog = asyncio.ensure_future(self._watch(worker))
+            try:
+                code = await worker.proc.wait()
+            finally:
+                watchdog.cancel()
             multiprocess.mark_process_dead(worker.proc.pid, str(self.directory / "prometheus"))
             if self.draining:
                 return code
@@ -296,6 +364,8 @@ class Supervisor:
             delay = restart_delay(worker.quick_deaths)
             self.restarts.inc()
             how = f"signal {_signal_name(-code)}" if code < 0 else f"status {code}"
+            if worker.hung:
+                how += ", killed by the watchdog: it missed a heartbeat"
             logger.error("worker %d (pid %d) exited unexpectedly (%s) after %.1fs serving; restarting it in %.1fs",
                          worker.index, worker.proc.pid, how, served, delay)
             if await self._wait_drain(delay):
@@ -307,6 +377,40 @@ class Supervisor:
             if status is None:
                 self._write_ready_file()  # before the log line, which tests wait for
                 logger.info("worker %d replaced: pid %d ready", worker.index, worker.proc.pid)
+
+    async def _watch(self, worker: _Worker) -> None:
+        """The liveness watchdog of a ready worker: every worker_heartbeat_s a byte on its
+        heartbeat socket, which its event loop must echo within worker_heartbeat_timeout_s; one
+        that does not (stopped, hung, its loop blocked) is killed (SIGKILL) and, its exit seen by
+        _keep, replaced. Not while the server drains: a draining worker is waited for."""
+        loop = asyncio.get_running_loop()
+        sock, proc = worker.heartbeat, worker.proc
+        beat = 0
+        while True:
+            await asyncio.sleep(self.config.worker_heartbeat_s)
+            if self.draining or proc.returncode is not None:
+                return
+            beat = (beat + 1) % 256
+            try:
+                await loop.sock_sendall(sock, bytes([beat]))
+                deadline = loop.time() + self.config.worker_heartbeat_timeout_s
+                while True:  # an answer to an earlier beat may come first, late
+                    answer = await asyncio.wait_for(loop.sock_recv(sock, 64), max(deadline - loop.time(), 0))
+                    if not answer or answer[-1] == beat:
+                        break
+            except (TimeoutError, OSError):
+                answer = None
+            if answer or self.draining or proc.returncode is not None:
+                continue
+            worker.hung = True
+            self.hung.inc()
+            logger.error("worker %d (pid %d) missed its heartbeat (no answer within %.1fs): killing it",
+                         worker.index, proc.pid, self.config.worker_heartbeat_timeout_s)
+            try:
+                proc.kill()
+            except ProcessLookupError:
+                pass
+            return
 
     async def _wait_drain(self, delay_s: float) -> bool:
         """Sleep delay_s; True (at once) if the drain begins meanwhile."""
@@ -349,16 +453,24 @@ class Supervisor:
         if self.draining:
             return 0
         for worker in self.workers:
+            if self.draining:  # a stop signal while they start: start no more
+                break
             await self._spawn(worker)
-        statuses = await asyncio.gather(*(self._until_ready(w) for w in self.workers))
-        failed = [(w, s) for w, s in zip(self.workers, statuses) if s is not None]
+        started = [w for w in self.workers if w.proc is not None]
+        statuses = await asyncio.gather(*(self._until_ready(w) for w in started))
+        failed = [(w, s) for w, s in zip(started, statuses) if s is not None]
         if failed and not self.draining:
             worker, status = failed[0]
             logger.error("cannot start: worker %d exited with status %d before it was ready", worker.index, status)
             self.draining = self.hurried = True
             self._forward(signal.SIGTERM)
-            await asyncio.gather(*(w.proc.wait() for w in self.workers))
+            await asyncio.gather(*(w.proc.wait() for w in started))
             return EXIT_CANNOT_START
+        if self.draining:
+            codes = await asyncio.gather(*(w.proc.wait() for w in started))
+            logger.info("stopped while starting: %d of %d workers had been started (exit statuses %s)",
+                        len(started), self.count, codes)
+            return 0
         if not self.draining:
             self._write_ready_file()
             logger.info("serving with %d workers (pids %s) on %s:%d (REST %s, metrics %s)", self.count,
@@ -369,6 +481,9 @@ class Supervisor:
         return 0 if all(c == 0 for c in codes) else 1
 
     async def close(self) -> None:
+        for worker in self.workers:
+            if worker.heartbeat is not None:
+                worker.heartbeat.close()
         if self._endpoint is not None:
             await self._endpoint.close()
         for sock in self._held:
@@ -378,7 +493,12 @@ class Supervisor:
 
 async def supervise(config: ServerConfig, argv: list[str], command: list[str], workers: int) -> int:
     """Run `command argv` as `workers` worker processes (see the module's docstring); the exit
-    status: 0 after every worker drained, 3 if the server cannot start."""
+    status: 0 after every worker drained, 2 for a worker count over the ceiling
+    (workers_over_ceiling), 3 if the server cannot start."""
+    refusal = workers_over_ceiling(workers)
+    if refusal is not None:
+        print(f"attnserve serve: error: {refusal}", file=sys.stderr)
+        return EXIT_BAD_FLAG
     supervisor = Supervisor(config, argv, command, workers)
     try:
         return await supervisor.run()
@@ -386,4 +506,4 @@ async def supervise(config: ServerConfig, argv: list[str], command: list[str], w
         await supervisor.close()
 
 
-__all__ = ["WorkerContext", "available_cpus", "default_workers", "reserve_port", "supervise"]
+__all__ = ["WorkerContext", "available_cpus", "default_workers", "max_workers", "reserve_port", "supervise"]

@@ -108,6 +108,12 @@ class RawGrpcClient:
         self._send_pending()
         self._flush()
 
+    def cancel(self, sid: int) -> None:
+        """Cancel the call (RST_STREAM CANCEL, what a client's cancel() sends), whatever it has sent."""
+        self.calls[sid].outgoing.clear()
+        self.conn.reset_stream(sid, error_code=h2.errors.ErrorCodes.CANCEL)
+        self._flush()
+
     def window_blocked(self, sid: int) -> bool:
         """Bytes are queued on the call and the server's flow control for the call itself (not the
         connection's, which the other calls share) lets none of them go."""

@@ -175,13 +175,13 @@ def test_a_call_whose_message_waited_for_a_receive_slot_leaves_admission_when_do
         admission.finished()
         first = gate.service(_CallDetails(infer, ()))  # takes the one slot
         second = gate.service(_CallDetails(infer, ()))  # its message waits for a slot
-        assert first.unary_unary is not None and second.stream_unary is not None
+        assert first.stream_unary is not None and second.stream_unary is not None
         assert admission.in_flight == 2
 
-        async def one_message():
-            yield b"second"
+        async def one_message(text=b"second"):
+            yield text
 
-        assert await first.unary_unary(b"first", None) == b"FIRST"  # gives its slot back
+        assert await first.stream_unary(one_message(b"first"), None) == b"FIRST"  # gives its slot back
         assert await asyncio.wait_for(second.stream_unary(one_message(), None), 5) == b"SECOND"
         return admission.in_flight, arrivals.calls, gate.receive.receiving
 
@@ -208,10 +208,10 @@ def test_one_draining_state_for_gate_and_servicer():
 
     assert asyncio.run(ready())
     admitted = call(infer)
-    assert admitted.unary_unary is not None and arrivals.arriving == 1
+    assert admitted.request_deserializer is not None and arrivals.arriving == 1  # admitted: it will be parsed
     draining.begin()  # the drain delay: not ready, but calls are still admitted
     assert not asyncio.run(ready())
-    assert call(infer).unary_unary is not None and arrivals.arriving == 2
+    assert call(infer).request_deserializer is not None and arrivals.arriving == 2
     draining.refuse()  # the delay is over
     refused = call(infer)
     assert refused.stream_unary is not None and refused.request_deserializer is None  # never parsed

@@ -345,3 +345,84 @@ def test_the_scaling_benchmark_reports_each_workers_share(model_repository, tmp_
     assert 0 < row["loadgen_cpus"] <= os.cpu_count() + 0.5
     answered = round(row["requests_per_s"] * 0.5)
     assert sum(row["requests_per_worker"]) >= answered  # the worker counts include the calls still in the window's end
+
+
+# -- hung workers, the ceiling, a stop while starting (issue 27) --------------------------------
+
+
+def test_a_stopped_worker_misses_its_heartbeat_and_is_killed_replaced_and_counted(model_repository):
+    """SIGSTOP one of two workers (its event loop can answer nothing: what a hung worker does):
+    the supervisor's watchdog kills and replaces it, counts it in attnserve_worker_hung_total,
+    and every new connection is served again (before, about half of them went to the stopped
+    worker and hung)."""
+    proc = ServerProcess(model_repository, "--workers", "2", "--worker-heartbeat-s", "0.2",
+                         "--worker-heartbeat-timeout-s", "10")
+    try:
+        pids = _ready(proc)["workers"]
+        victim = pids[0]
+        os.kill(victim, signal.SIGSTOP)
+        proc.wait_for_log(f"(pid {victim}) missed its heartbeat", timeout_s=120)
+        proc.wait_for_log("replaced: pid", timeout_s=120)
+        assert victim not in _ready(proc)["workers"] and pids[1] in _ready(proc)["workers"]
+        text = _metrics(proc)
+        assert "attnserve_worker_hung_total 1.0" in text and "attnserve_worker_restarts_total 1.0" in text, text
+        rng = np.random.default_rng(3)
+        for _ in range(8):  # each its own connection: the kernel spreads them over both listeners
+            with _own_connection(proc) as channel:
+                assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                 timeout=30).status == SERVING
+                x = random_inputs(rng, 1, 4, 3, 512, 512)
+                answer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
+                    infer_request("self_attention", outputs=("output",), **x), timeout=30)
+                assert answer.outputs[0].name == "output"
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.log()
+    finally:
+        try:
+            os.kill(victim, signal.SIGKILL)  # never left stopped, whatever failed
+        except ProcessLookupError:
+            pass
+        proc.stop()
+
+
+def test_a_worker_count_over_the_ceiling_is_a_flag_error_naming_it():
+    from attnserve.server.workers import max_workers
+
+    ceiling = max_workers()
+    for args, env in ((["--workers", str(ceiling + 1)], {}), ([], {"ATTNSERVE_WORKERS": "100000"})):
+        done = _serve("--model-repository", "nowhere", *args, env=env)
+        assert done.returncode == 2, done.stderr
+        assert f"over the ceiling of {ceiling}" in done.stderr and "per CPU" in done.stderr, done.stderr
+        assert "starting" not in done.stderr  # refused before any worker started
+
+
+def test_a_stop_signal_while_workers_start_starts_no_more_and_exits(tmp_path):
+    """SIGTERM (the supervisor's handler, as the signal calls it) right after the first of 8
+    workers is started: no other is started, the first is stopped, and the supervisor returns.
+    The workers are stand-ins that would sleep for two minutes."""
+    import asyncio
+
+    from attnserve.server.workers import Supervisor
+
+    config = ServerConfig(model_repository=tmp_path, host="127.0.0.1", port=0, http_port=-1, metrics_port=-1)
+    supervisor = Supervisor(config, [], [sys.executable, "-c", "import time; time.sleep(120)"], 8)
+    spawned = []
+    real_spawn = supervisor._spawn
+
+    async def spawn_then_signal(worker):
+        await real_spawn(worker)
+        spawned.append(worker.proc)
+        supervisor.signal(signal.SIGTERM)  # the signal arrives while the workers are being started
+
+    supervisor._spawn = spawn_then_signal
+
+    async def main():
+        try:
+            return await asyncio.wait_for(supervisor.run(), 60)
+        finally:
+            await supervisor.close()
+
+    code = asyncio.run(main())
+    assert len(spawned) == 1, len(spawned)
+    assert all(p.returncode is not None for p in spawned)
+    assert code == 0
