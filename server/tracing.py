@@ -314,6 +314,8 @@ class Call:
                 if status.code.name != "OK":
                     span.set_status(trace.Status(trace.StatusCode.ERROR, status.details[:200]))
             span.end()
+        elif self._parent is not None:  # not traced here: the caller's trace id, when it sent one
+            trace_id = _trace_id_of(self._parent.get(TRACEPARENT))
         if self._calls.access_log:
             self._write_access_line(status, duration_s, trace_id, http_status or status.http)
 
@@ -349,6 +351,19 @@ def _text_value(value: object) -> str:
     if isinstance(value, str) and (not value.isprintable() or any(c in value for c in ' "=')):
         return json.dumps(value)
     return str(value)
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _trace_id_of(traceparent: object) -> str:
+    """The trace id of a W3C traceparent ("00-<32 hex>-<16 hex>-<2 hex>"), or "" if it is not one."""
+    if not isinstance(traceparent, str) or len(traceparent) < 55 or traceparent[2:3] != "-":
+        return ""
+    trace_id = traceparent[3:35]
+    if traceparent[35:36] != "-" or not set(trace_id) <= _HEX or trace_id == "0" * 32:
+        return ""
+    return trace_id
 
 
 def carrier_of(metadata: Iterable[tuple[str, Any]] | None) -> dict[str, str]:

@@ -305,3 +305,108 @@ def test_which_variables_ask_for_traces():
     assert wanted({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"})
     assert not wanted({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"})
     assert not wanted({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp"})
+
+
+# -- access lines ------------------------------------------------------------------------------
+
+
+def _access_lines(proc: ServerProcess, count: int) -> list[dict]:
+    """The first `count` access lines of a --log-format json server, once it has written them;
+    every line of its log parses as JSON."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        lines = [line for line in proc.log().splitlines() if line.strip()]
+        documents = [json.loads(line) for line in lines]  # every line, not only the access ones
+        access = [d for d in documents if d["logger"] == "attnserve.access"]
+        if len(access) >= count:
+            return access
+        assert time.monotonic() < deadline, f"{len(access)} access lines, expected {count}:\n{proc.log()}"
+        time.sleep(0.01)
+
+
+FIELDS = {"time", "level", "logger", "transport", "peer", "method", "model", "version", "request_id", "status",
+          "http_status", "duration_ms", "queue_ms", "run_ms", "bytes_in", "bytes_out", "trace_id"}
+
+
+def test_one_json_access_line_per_call_with_its_fields_for_ok_and_each_error_class(model_repository):
+    header, trace_id, _span = traceparent()
+    long_name = "m" * 5000
+    with GatedServer(model_repository, "--access-log", "--log-format", "json", "--max-queue-size", "1") as proc, \
+            proc.channel() as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        proc.gate.release()
+        stub.ModelInfer(infer_request("self_attention", request_id="ok-1", **_inputs(1, 4)),
+                        metadata=(("traceparent", header),), timeout=WAIT_S)
+        bad = _inputs(1, 4)
+        bad["query"] = bad["query"][:, :, :100]
+        for request in (infer_request("self_attention", request_id="bad-1", **bad),
+                        infer_request(long_name, request_id="x" * 5000, **_inputs(1, 4))):
+            with pytest.raises(grpc.RpcError):
+                stub.ModelInfer(request, timeout=WAIT_S)
+        # A full queue: one batch held at the gate, one request queued, the third refused.
+        pool = futures.ThreadPoolExecutor(max_workers=2)
+        held = pool.submit(stub.ModelInfer, infer_request("self_attention", request_id="held", **_inputs(1, 4)),
+                           timeout=WAIT_S)
+        proc.gate.wait_started()
+        queued = pool.submit(stub.ModelInfer, infer_request("self_attention", request_id="queued", **_inputs(1, 4)),
+                             timeout=WAIT_S)
+        _wait_queue_depth(proc, "self_attention", 1)
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.ModelInfer(infer_request("self_attention", request_id="shed", **_inputs(1, 4)), timeout=WAIT_S)
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        proc.gate.release(3)  # the held batch, the queued one, the REST call's below
+        held.result(), queued.result()
+        # REST: OK, a bad body, an unknown model, an unknown path.
+        assert _rest(proc, "/v2/models/self_attention/infer", _rest_body(_inputs(1, 4), "rest-ok"),
+                     {"traceparent": header}) == 200
+        assert _rest(proc, "/v2/models/self_attention/infer", b"{not json") == 400
+        assert _rest(proc, "/v2/models/nope/infer", _rest_body(_inputs(1, 4))) == 404
+        assert _rest(proc, "/v3/nothing", None) == 404
+        lines = _access_lines(proc, 10)
+    by_id = {line["request_id"]: line for line in lines if line["request_id"]}
+    for line in lines:
+        assert FIELDS <= set(line), sorted(FIELDS - set(line))
+        assert line["level"] == "INFO" and line["duration_ms"] >= 0
+    ok = by_id["ok-1"]
+    assert (ok["transport"], ok["method"], ok["model"], ok["version"], ok["status"], ok["http_status"]) == (
+        "grpc", "ModelInfer", "self_attention", "1", "OK", 200)
+    assert ok["trace_id"] == trace_id.hex() and ok["peer"].startswith("ipv4:127.0.0.1:")
+    assert ok["queue_ms"] >= 0 and ok["run_ms"] > 0 and ok["bytes_in"] > 3 * 4 * 512 * 4 and ok["bytes_out"] > 4 * 512 * 4
+    assert (by_id["bad-1"]["status"], by_id["bad-1"]["http_status"], by_id["bad-1"]["run_ms"]) == (
+        "INVALID_ARGUMENT", 400, None)
+    shed = by_id["shed"]
+    assert (shed["status"], shed["http_status"]) == ("RESOURCE_EXHAUSTED", 429)
+    unknown = next(line for line in lines if line["status"] == "NOT_FOUND" and line["transport"] == "grpc")
+    assert len(unknown["model"]) < 200 and len(unknown["request_id"]) < 200  # the client's text, bounded
+    rest_ok = by_id["rest-ok"]
+    assert (rest_ok["transport"], rest_ok["status"], rest_ok["http_status"], rest_ok["trace_id"]) == (
+        "http", "OK", 200, trace_id.hex())
+    assert rest_ok["method"] == "POST /v2/models/self_attention/infer" and rest_ok["bytes_out"] > 0
+    rest = [line for line in lines if line["transport"] == "http"]
+    assert sorted(line["http_status"] for line in rest) == [200, 400, 404, 404]
+    assert {line["status"] for line in rest} == {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNIMPLEMENTED"}
+    assert all(line["trace_id"] == "" for line in lines if line["request_id"] not in ("ok-1", "rest-ok"))
+
+
+def test_text_access_lines_and_refusals_at_the_gate(model_repository, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    proc = ServerProcess(model_repository, "--access-log", "--auth-token-file", str(token))
+    try:
+        channel = proc.channel()
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.ModelInfer(infer_request("self_attention", **_inputs(1, 4)), timeout=WAIT_S)
+        assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        stub.ModelInfer(infer_request("self_attention", request_id='a "quoted" id', **_inputs(1, 4)),
+                        metadata=(("authorization", "Bearer s3cret"),), timeout=WAIT_S)
+        assert _rest(proc, "/v2/models/self_attention/infer", _rest_body(_inputs(1, 4))) == 401
+        log = proc.wait_for_log("attnserve.access", 3)
+        channel.close()
+    finally:
+        proc.stop()
+    lines = [line for line in log.splitlines() if "attnserve.access" in line]
+    assert re.search(r"transport=grpc peer=ipv4:127\.0\.0\.1:\d+ method=ModelInfer model=- .*status=UNAUTHENTICATED "
+                     r"http_status=401", lines[0]), lines[0]
+    assert 'request_id="a \\"quoted\\" id" status=OK http_status=200' in lines[1], lines[1]
+    assert "transport=http" in lines[2] and "status=UNAUTHENTICATED http_status=401" in lines[2], lines[2]
