@@ -410,3 +410,37 @@ def test_text_access_lines_and_refusals_at_the_gate(model_repository, tmp_path):
                      r"http_status=401", lines[0]), lines[0]
     assert 'request_id="a \\"quoted\\" id" status=OK http_status=200' in lines[1], lines[1]
     assert "transport=http" in lines[2] and "status=UNAUTHENTICATED http_status=401" in lines[2], lines[2]
+
+
+# -- the batch CLI -----------------------------------------------------------------------------
+
+
+def test_a_batch_jobs_calls_are_one_trace_each_call_a_span_of_its_own(model_repository, receiver, tmp_path,
+                                                                      monkeypatch):
+    from attnserve.client.batch import BatchJob, run_batch
+    from attnserve.client.options import ClientOptions
+    from tests.test_batch_job import make_input
+
+    make_input(tmp_path / "in.npz", "cross_attention", 40, 4, 6, seed=1)
+    proc = ServerProcess(model_repository, env=otel_env(receiver))
+    try:
+        caller_trace = secrets.token_hex(16)  # run inside the caller's trace, as $TRACEPARENT says
+        monkeypatch.setenv("TRACEPARENT", f"00-{caller_trace}-{secrets.token_hex(8)}-01")
+        joined = run_batch(BatchJob(model="cross_attention", input_path=tmp_path / "in.npz",
+                                    output_path=tmp_path / "joined.npz", batch_size=10, concurrency=2),
+                           ClientOptions(url=proc.address))
+        monkeypatch.delenv("TRACEPARENT")
+        summary = run_batch(BatchJob(model="cross_attention", input_path=tmp_path / "in.npz",
+                                     output_path=tmp_path / "out.npz", batch_size=10, concurrency=2),
+                            ClientOptions(url=proc.address))
+        trace_id = bytes.fromhex(summary.trace_id)
+        spans = receiver.wait_for(
+            lambda s: len([x for x in s if x.trace_id == trace_id and x.name.startswith("infer ")]) == 4
+            and len([x for x in s if x.trace_id == bytes.fromhex(caller_trace) and x.name.startswith("infer ")]) == 4,
+            "four request spans in each job's trace")
+    finally:
+        proc.stop()
+    assert joined.trace_id == caller_trace and summary.trace_id != caller_trace
+    requests = [s for s in spans if s.trace_id == trace_id and s.name.startswith("infer ")]
+    assert len({s.parent_span_id for s in requests}) == 4  # each call its own span id
+    assert f"trace {summary.trace_id}" in summary.line()
