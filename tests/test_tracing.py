@@ -401,7 +401,11 @@ def test_text_access_lines_and_refusals_at_the_gate(model_repository, tmp_path):
         stub.ModelInfer(infer_request("self_attention", request_id='a "quoted" id', **_inputs(1, 4)),
                         metadata=(("authorization", "Bearer s3cret"),), timeout=WAIT_S)
         assert _rest(proc, "/v2/models/self_attention/infer", _rest_body(_inputs(1, 4))) == 401
-        log = proc.wait_for_log("attnserve.access", 3)
+        stream = [infer_request("self_attention", request_id=f"s-{i}", **_inputs(1, 4)) for i in range(2)]
+        answers = list(stub.ModelStreamInfer(iter(stream), metadata=(("authorization", "Bearer s3cret"),),
+                                             timeout=WAIT_S))
+        assert [a.infer_response.id for a in answers] == ["s-0", "s-1"]
+        log = proc.wait_for_log("attnserve.access", 5)
         channel.close()
     finally:
         proc.stop()
@@ -410,6 +414,8 @@ def test_text_access_lines_and_refusals_at_the_gate(model_repository, tmp_path):
                      r"http_status=401", lines[0]), lines[0]
     assert 'request_id="a \\"quoted\\" id" status=OK http_status=200' in lines[1], lines[1]
     assert "transport=http" in lines[2] and "status=UNAUTHENTICATED http_status=401" in lines[2], lines[2]
+    for i, line in enumerate(lines[3:5]):  # each request of a stream has its own line
+        assert f"method=ModelStreamInfer model=self_attention version=1 request_id=s-{i} status=OK" in line, line
 
 
 # -- the batch CLI -----------------------------------------------------------------------------
