@@ -306,6 +306,8 @@ class Call:
             context = span.get_span_context()
             if context.trace_flags.sampled:
                 trace_id = format(context.trace_id, "032x")
+            elif self._parent is not None:  # not sampled: the caller's trace id, if it sent one
+                trace_id = _trace_id_of(self._parent.get(TRACEPARENT))
             if span.is_recording():
                 trace = self._calls.tracing._trace
                 span.set_attributes({"attnserve.model_version": self.version, "attnserve.status": status.code.name,
