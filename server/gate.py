@@ -201,9 +201,9 @@ class CallGate(grpc.GenericRpcHandler):
         handler = self._handlers.get(method)
         if handler is None:
             return None  # gRPC answers UNIMPLEMENTED
+        if self._access_log:  # the call's headers are in; its access line comes once answered (server.tracing)
+            logger.info("rpc %s", method)
         if method not in self._counted:
-            if self._access_log:  # inference calls get theirs once answered (server.tracing)
-                logger.info("rpc %s", method)
             return handler
         if self._draining.refusing:
             if self._refusals is not None:

@@ -173,6 +173,8 @@ class RestPort:
                 self._token.note_refusal(f"{request.method} {path}", str(request.remote))
                 raise Unauthenticated(_HTTP_REFUSAL)
             route, params = _route(request.method, path)
+            if self._access_log:
+                logger.info("http %s %s", request.method, path[:200])  # the client's text, bounded
             handler = getattr(self, route.handler)
             response = await (self._counted(handler, request, params) if route.infer else handler(request, **params))
         except Exception as err:
