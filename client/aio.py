@@ -51,7 +51,8 @@ class AsyncInferenceClient:
         """How many times a call was sent again (after UNAVAILABLE or CANCELLED), over this client's life."""
         return self._retries
 
-    async def _call(self, rpc: Any, request: Any, timeout_s: float | None, *, retry: bool = True) -> Any:
+    async def _call(self, rpc: Any, request: Any, timeout_s: float | None, *, retry: bool = True,
+                    metadata: tuple[tuple[str, str], ...] = ()) -> Any:
         budget_s = self.options.timeout_s if timeout_s is None else timeout_s
         if not budget_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {budget_s}")
@@ -59,7 +60,8 @@ class AsyncInferenceClient:
         retries_done = 0
         while True:
             try:
-                return await rpc(request, timeout=remaining_or_expired(deadline, budget_s), metadata=self._metadata)
+                return await rpc(request, timeout=remaining_or_expired(deadline, budget_s),
+                                 metadata=self._metadata + metadata if metadata else self._metadata)
             except grpc.RpcError as err:  # grpc.aio.AioRpcError
                 error = InferenceError.from_rpc_error(err)
             delay = (self.options.retry.delay_before_retry(error, retries_done, deadline - time.monotonic())
@@ -133,11 +135,13 @@ class AsyncInferenceClient:
         *,
         model_version: str = "",
         timeout_s: float | None = None,
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> codec.InferResult:
+        """metadata: sent with this call besides the client's own (a `traceparent`: client.tracecontext)."""
         outputs = tuple(outputs)
         inputs = codec.validate_inputs(query, key, value, mask)
         request = codec.build_infer_request(model, inputs, outputs, model_version=model_version)
-        response = await self._call(self._stub.ModelInfer, request, timeout_s)
+        response = await self._call(self._stub.ModelInfer, request, timeout_s, metadata=tuple(metadata))
         result = codec.parse_infer_response(response, outputs)
         codec.check_output_shapes(result.outputs, inputs)
         return result

@@ -71,6 +71,13 @@ def configure_logging(config: ServerConfig) -> None:
 
     # A worker's lines say which (server.workers): they share the supervisor's log.
     worker = WorkerContext.from_env()
+    if config.log_format == "json":
+        from attnserve.server.tracing import JsonFormatter
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(JsonFormatter(worker.index if worker is not None else None))
+        logging.basicConfig(level=config.log_level.upper(), handlers=[handler])
+        return
     who = f"[worker {worker.index} pid {os.getpid()}] " if worker is not None else ""
     logging.basicConfig(level=config.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s")
@@ -107,6 +114,15 @@ def main(argv: list[str] | None = None, prog: str = "attnserve serve") -> int:
     config = load_config(argv, prog=prog)
     start_on_huge_pages()
     configure_logging(config)
+    import os
+
+    from attnserve.server.tracing import TracingUnavailable, check_environ
+
+    try:  # before any worker starts: asked for traces that cannot be sent is a clear refusal
+        check_environ(os.environ)
+    except TracingUnavailable as err:
+        logger.error("cannot start: %s", err)
+        return EXIT_CANNOT_START
     return run(config, argv, [sys.executable, "-m", "attnserve", "serve"])
 
 

@@ -26,6 +26,7 @@ from attnserve.server.lifecycle import Draining
 from attnserve.server.metrics import Metrics
 from attnserve.server.models import ModelNotFound, ModelRegistry
 from attnserve.server.repository import ModelSpec
+from attnserve.server.tracing import Call, Calls
 
 SERVER_NAME = "attnserve"
 # "model_repository" also means load/unload; binary_tensor_data is the REST port's.
@@ -42,11 +43,14 @@ def _duration(d) -> pb.StatisticDuration:
 
 
 class Answers:
-    def __init__(self, registry: ModelRegistry, metrics: Metrics, draining: Draining) -> None:
-        """draining: the server's (shared with the gates): not ready from SIGTERM on."""
+    def __init__(self, registry: ModelRegistry, metrics: Metrics, draining: Draining,
+                 calls: Calls | None = None) -> None:
+        """draining: the server's (shared with the gates): not ready from SIGTERM on.
+        calls: what each call records (spans, access lines: server.tracing); None: nothing."""
         self._registry = registry
         self._metrics = metrics
         self._draining = draining
+        self.calls = calls if calls is not None and calls.on else None
 
     # -- health and metadata -----------------------------------------------------------------
 
@@ -121,18 +125,28 @@ class Answers:
 
     # -- inference ---------------------------------------------------------------------------
 
-    async def _infer(self, request: codec.InferRequest | pb.ModelInferRequest, time_remaining: float | None
-                     ) -> codec.InferResponse:
+    async def _infer(self, request: codec.InferRequest | pb.ModelInferRequest, time_remaining: float | None,
+                     call: Call | None = None) -> codec.InferResponse:
         # Draining is decided per call when its headers arrive (server.gate, server.rest), not
         # here: a call admitted before SIGTERM is served even if its message arrives after. No
         # await before submit: lifecycle.Arrivals counts a request as on its way until its
         # handler starts, and the batcher must find it queued from then on.
+        if call is not None:
+            call.request(request.model_name, request.model_version, request.id)
         model = self._registry.get(request.model_name, request.model_version)
         decoded = codec.decode(request, model.spec, model.limits)
         deadline = None if time_remaining is None else time.monotonic() + time_remaining
-        result = await model.batcher.submit(decoded.work, deadline)
+        if call is None:
+            result = await model.batcher.submit(decoded.work, deadline)
+        else:
+            call.decoded(decoded.work)
+            result = await model.batcher.submit(decoded.work, deadline, call.span)
+            call.computed(result.queue_s, result.compute_s, result.batch_requests, model.spec.version)
         try:
-            return codec.encode(request, decoded, result, model.spec.version)
+            response = codec.encode(request, decoded, result, model.spec.version)
+            if call is not None:
+                call.encoded()
+            return response
         except BaseException:
             result.release()  # its memory reservation: no answer will carry it
             raise
@@ -141,27 +155,34 @@ class Answers:
         # Only known names become label values: a client must not grow the metrics without bound.
         return model_name if self._registry.known(model_name) else "_unknown"
 
-    async def infer(self, request: codec.InferRequest | pb.ModelInferRequest, time_remaining: float | None
-                    ) -> tuple[codec.InferResponse | None, Status]:
+    async def infer(self, request: codec.InferRequest | pb.ModelInferRequest, time_remaining: float | None,
+                    call: Call | None = None) -> tuple[codec.InferResponse | None, Status]:
         """One inference request: its response and OK, or None and the status for what was
         raised. Its outcome is counted in the metrics either way; cancelled (the client went
         away), it is counted as CANCELLED and the cancellation goes on. The caller calls the
-        response's `release()` once it is sent: until then it is counted in the memory budget."""
+        response's `release()` once it is sent: until then it is counted in the memory budget.
+        call (from self.calls.begin): recorded; finished here unless OK (then the transport
+        finishes it once the answer is sent, with its size)."""
         started = time.monotonic()
         status = CANCELLED
         try:
-            response = await self._infer(request, time_remaining)
+            response = await self._infer(request, time_remaining, call)
             status = OK
             return response, status
         except Exception as err:
             status = status_for(err)
             return None, status
         finally:
-            self.request_done(request.model_name, status, started)
+            self.request_done(request.model_name, status, started, call if status is not OK else None)
 
-    def request_done(self, model_name: str, status: Status, started: float) -> None:
-        """Count one inference request's outcome (also a REST one refused before it parsed)."""
+    def request_done(self, model_name: str, status: Status, started: float, call: Call | None = None) -> None:
+        """Count one inference request's outcome (also a REST one refused before it parsed);
+        `call`, if given, is over: finished with this status."""
         self._metrics.request_done(self._metric_label(model_name), status.code.name, time.monotonic() - started)
+        if call is not None:
+            if not call.model:
+                call.model = model_name
+            call.finish(status)
 
 
 def _check_repository(name: str) -> None:

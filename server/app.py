@@ -42,6 +42,7 @@ from attnserve.server.repository import ModelLoadError
 from attnserve.server.rest import RestPort
 from attnserve.server.security import bearer_token, server_credentials, server_ssl_context
 from attnserve.server.service import InferenceServicer
+from attnserve.server.tracing import Calls, Tracing
 from attnserve.server.workers import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class Server:
         self._arrivals = Arrivals()
         self._admission = Admission(self._arrivals)
         self.budget: MemoryBudget | None = None
+        self.tracing: Tracing | None = None  # OpenTelemetry, when OTEL_* variables ask (server.tracing)
         self._settled = False  # server.heap.settle() since the start, and no model change since
 
     async def start(self) -> int:
@@ -144,6 +146,8 @@ class Server:
         credentials = server_credentials(cfg)
         ssl_context = server_ssl_context(cfg)
         token = bearer_token(cfg)
+        # Every worker exports its own spans (tracing.TracingUnavailable: asked, cannot be served).
+        self.tracing = Tracing.from_environ(os.environ, self.worker.index if self.worker is not None else None)
         device = choose_device(cfg.device)
         if device.why_not_cuda:
             logger.warning("device auto: serving on CPU because %s", device.why_not_cuda)
@@ -182,14 +186,14 @@ class Server:
         self.metrics.watch_budget(self.budget)
         self.registry = ModelRegistry.from_repository(cfg, device, self.metrics, arrivals=self._arrivals,
                                                       run_batch=self._run_batch, budget=self.budget,
-                                                      solitude=self._admission)
+                                                      solitude=self._admission, tracing=self.tracing)
         if not self.registry.known_names() and cfg.model_control_mode == "none":
             raise ModelLoadError(f"the model repository {cfg.model_repository} holds no model (no <name>/config.json): "
                                  "export one (attnserve export), or start with --model-control-mode explicit or "
                                  "poll to load models later")
         self.registry.listener = self._model_changed
         self.registry.start()
-        answers = Answers(self.registry, self.metrics, self._draining)
+        answers = Answers(self.registry, self.metrics, self._draining, Calls(self.tracing, cfg.access_log))
         servicer = InferenceServicer(answers, self.budget)
 
         options = [
@@ -349,6 +353,9 @@ class Server:
             # is answered by now, refusals take a moment).
             await self._rest.close(_RUNNING_MARGIN_S)
         await self._metrics_endpoint.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # the last spans exported (the exporter's timeout bounds it)
+            self.tracing = None
         logger.info("stopped after %.2fs (%d call(s) in flight when new calls were refused, %d watch stream(s) "
                     "ended)", time.monotonic() - started, in_flight, watches)
 

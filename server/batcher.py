@@ -232,6 +232,12 @@ class Solitude(Protocol):
     def alone(self) -> bool: ...
 
 
+class BatchTracer(Protocol):
+    """Told of each batch run with the spans its requests' calls handed in (server.tracing)."""
+
+    def batch_done(self, stats: BatchStats, served: list[tuple[Work, object]]) -> None: ...
+
+
 class Costing(Protocol):
     """What requests and merged batches of one model version cost in memory (server.memory, on
     the graph each run takes: models.GraphCosting)."""
@@ -248,6 +254,7 @@ class _Pending:
     enqueued_at: float
     reservation: Reservation | None = None
     run_share: int = 0  # the run of this request alone, reserved in `reservation`
+    trace: object = None  # its call's span, for the batch's (BatchTracer); None: untraced
 
     def drop(self) -> None:
         """It will not be answered with a Result: its memory goes back."""
@@ -267,8 +274,10 @@ class Batcher:
                  observer: BatchObserver | None = None, arrivals: ArrivalSignal | None = None,
                  scores_of: ScoresOf | None = None, budget: MemoryBudget | None = None,
                  costing: Costing | None = None, run_solo: RunBatch | None = None,
-                 solitude: Solitude | None = None, compute_nice: int = 0) -> None:
+                 solitude: Solitude | None = None, compute_nice: int = 0,
+                 tracer: BatchTracer | None = None) -> None:
         self.name = name
+        self._tracer = tracer
         self._run_batch = run_batch
         self._run_solo = run_solo if solitude is not None else None  # see _runs_solo
         self._solitude = solitude
@@ -320,9 +329,10 @@ class Batcher:
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._collect_forever(), name=f"batcher-{self.name}")
 
-    async def submit(self, work: Work, deadline: float | None = None) -> Result:
+    async def submit(self, work: Work, deadline: float | None = None, trace: object = None) -> Result:
         """Queue one request and wait for its own result. Raises QueueFull, DeadlineExpired,
-        BatcherClosed or BatchFailed; cancelling the caller drops the request if not yet run."""
+        BatcherClosed or BatchFailed; cancelling the caller drops the request if not yet run.
+        trace: its call's span, handed to the tracer with its batch's (server.tracing)."""
         if self._closing:
             raise BatcherClosed(f"model {self.name} is shutting down")
         if len(self._pending) >= self.policy.max_queue_size:
@@ -348,7 +358,7 @@ class Batcher:
                 reservation.release()
                 raise BatcherClosed(f"model {self.name} is shutting down")
         future = asyncio.get_running_loop().create_future()
-        pending = _Pending(work, deadline, future, time.monotonic(), reservation, run_share)
+        pending = _Pending(work, deadline, future, time.monotonic(), reservation, run_share, trace)
         self._pending.append(pending)
         self._queued_bytes += nbytes
         self._wakeup.set()
@@ -539,11 +549,15 @@ class Batcher:
             self._computing -= 1
             self._slots.release()
             self._wakeup.set()  # a partial batch waiting for company stops waiting once the model idles
-            if self._observer is not None:
-                self._observer.on_batch(BatchStats(
+            if self._observer is not None or self._tracer is not None:
+                stats = BatchStats(
                     requests=len(batch), rows=sum(p.work.rows for p in batch), padding_ratio=padding_ratio,
                     compute_s=time.monotonic() - started, queue_s=queue_s, failed=failed,
-                    merge_s=timings[0], run_s=timings[1], split_s=timings[2], solo=solo))
+                    merge_s=timings[0], run_s=timings[1], split_s=timings[2], solo=solo)
+                if self._observer is not None:
+                    self._observer.on_batch(stats)
+                if self._tracer is not None:
+                    self._tracer.batch_done(stats, [(p.work, p.trace) for p in batch])
 
     def _time_solo_run(self, shape: tuple, seconds: float) -> None:
         self._solo_seconds[shape] = seconds

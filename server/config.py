@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 ENV_PREFIX = "ATTNSERVE_"
 DEVICES = ("cpu", "cuda", "auto")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # any case
+LOG_FORMATS = ("text", "json")
 MODEL_CONTROL_MODES = ("none", "explicit", "poll")  # as Triton's --model-control-mode
 DATA_PLANES = ("python", "native")  # who serves ModelInfer (server.native: the C++ prototype)
 # gRPC's 4 MiB default is too small for real requests (4 x 200 x 512 float32 is 4.9 MB).
@@ -83,6 +84,7 @@ class ServerConfig:
     repository_poll_secs: float = 15.0
     ready_file: Path | None = None  # written with the bound ports once serving (tests, scripts)
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR, any case
+    log_format: str = "text"  # text | json: one JSON object per line (level, logger, message or access fields)
     # Processes serving the same ports (server.workers); None: one per two CPUs this process may
     # use (affinity and cgroup quota; server.workers.default_workers), one in explicit mode.
     workers: int | None = None
@@ -91,6 +93,7 @@ class ServerConfig:
     # and replaced. Generous: a worker's loop is never meant to block that long.
     worker_heartbeat_s: float = 5.0
     worker_heartbeat_timeout_s: float = 20.0
+    # One line per call (server.tracing: transport, peer, model, status, times, bytes, trace id).
     access_log: bool = False
     # Security (server/security.py). TLS when both cert and key are given; mutual TLS (client
     # certificates required) when a client CA is given too; bearer tokens when a token file is.
@@ -113,6 +116,8 @@ class ServerConfig:
             raise ValueError(f"repository_poll_secs must be > 0, got {self.repository_poll_secs}")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)} (any case), got {self.log_level!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         for name in ("http_port", "metrics_port"):
@@ -210,12 +215,14 @@ _HELP: dict[str, str] = {
     "repository_poll_secs": "seconds between rescans of the repository in --model-control-mode poll",
     "ready_file": "write {grpc_port, http_port, metrics_port} as JSON here once serving",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "log_format": "text, or json: the whole log as one JSON object per line (with level and logger)",
     "workers": "processes serving the same ports, each its own event loop and ONNX Runtime sessions "
                "(default: one per two CPUs the process may use; 1 in explicit model control mode)",
     "worker_heartbeat_s": "seconds between the supervisor's heartbeats to each worker (--workers above 1)",
     "worker_heartbeat_timeout_s": "seconds a worker's event loop has to answer a heartbeat before it is killed "
                                   "and replaced",
-    "access_log": "log every RPC (a switch; or true/false)",
+    "access_log": "one access line per call: transport, peer, model, status, duration, queue and run time, "
+                  "bytes, trace id (a switch; or true/false)",
     "tls_cert": "PEM certificate chain: serve TLS (with --tls-key)",
     "tls_key": "PEM private key of --tls-cert",
     "tls_client_ca": "PEM roots: require client certificates signed by them (mutual TLS)",

@@ -36,11 +36,12 @@ from typing import Callable, Mapping
 import grpc
 from grpc_health.v1 import health_pb2
 
-from attnserve.server.errors import MalformedMessage, ShuttingDown, Unauthenticated, abort
+from attnserve.server.errors import MalformedMessage, ShuttingDown, Unauthenticated, abort, status_for
 from attnserve.server.handover import CoreCalls
 from attnserve.server.lifecycle import Admission, Draining
 from attnserve.server.parsing import bounded_infer_request, tolerant_handler
 from attnserve.server.security import REFUSAL, BearerToken
+from attnserve.server.tracing import Calls
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +175,20 @@ class CallGate(grpc.GenericRpcHandler):
         self._counted = counted_methods
         self._token = token
         self._access_log = access_log
+        # Refusals here never reach the servicer: their access lines are written here.
+        self._refusals = Calls(None, access_log=True) if access_log else None
+
+    def _refused(self, error: Exception, method: str, also: Callable[[str], None] | None = None
+                 ) -> grpc.RpcMethodHandler:
+        """A refusal that writes the call's access line (and calls `also` with the peer)."""
+        refusals = self._refusals
+
+        def on_call(peer: str) -> None:
+            if also is not None:
+                also(peer)
+            refusals.begin("grpc", method.rsplit("/", 1)[-1], peer, None).finish(status_for(error))
+
+        return _refusal(error, on_call)
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         self.calls_seen += 1
@@ -182,15 +197,19 @@ class CallGate(grpc.GenericRpcHandler):
         # The token first, unknown methods included: nothing tells an outsider what exists.
         if self._token is not None and not self._token.admits(method, details.invocation_metadata):
             token = self._token
+            if self._refusals is not None:
+                return self._refused(Unauthenticated(REFUSAL), method, lambda peer: token.note_refusal(method, peer))
             return _refusal(Unauthenticated(REFUSAL), lambda peer: token.note_refusal(method, peer))
         handler = self._handlers.get(method)
         if handler is None:
             return None  # gRPC answers UNIMPLEMENTED
-        if self._access_log:
+        if self._access_log:  # the call's headers are in; its access line comes once answered (server.tracing)
             logger.info("rpc %s", method)
         if method not in self._counted:
             return handler
         if self._draining.refusing:
+            if self._refusals is not None:
+                return self._refused(ShuttingDown("server is shutting down; retry on another replica"), method)
             return _DRAINING_REFUSAL
         return self._counted_call(handler)
 

@@ -51,6 +51,7 @@ from attnserve.server.graphs import UNFUSED, GraphSet
 from attnserve.server.lifecycle import MemoryBudget
 from attnserve.server.memory import AttentionDims, Cost, request_cost, run_working_set
 from attnserve.server.metrics import Metrics
+from attnserve.server.tracing import Tracing
 from attnserve.server.repository import (
     ModelLoadError,
     ModelSpec,
@@ -143,8 +144,10 @@ class ModelRegistry:
     def __init__(self, config: ServerConfig | None = None, device: DeviceChoice | None = None,
                  metrics: Metrics | None = None, arrivals: ArrivalSignal | None = None,
                  run_batch: RunBatchFactory | None = None, listener: StateListener | None = None,
-                 budget: MemoryBudget | None = None, solitude: Solitude | None = None) -> None:
-        """arrivals: requests received but not yet submitted (each batcher's hint of company).
+                 budget: MemoryBudget | None = None, solitude: Solitude | None = None,
+                 tracing: Tracing | None = None) -> None:
+        """tracing: the process's tracer (server.tracing): each batcher's runs become spans.
+        arrivals: requests received but not yet submitted (each batcher's hint of company).
         solitude: whether a call is the only one the server holds (a lone request's batch then
         runs on the engine's solo sessions: server.batcher, "Solo runs").
         run_batch: makes each model's run instead of an ONNX Runtime Engine (bench.floor).
@@ -157,6 +160,7 @@ class ModelRegistry:
         self._solitude = solitude
         self._run_batch = run_batch
         self._budget = budget
+        self._tracing = tracing
         self.listener = listener
         self._models: dict[str, _Model] = {}
         self._lock = asyncio.Lock()  # one load or unload at a time
@@ -174,10 +178,12 @@ class ModelRegistry:
     @classmethod
     def from_repository(cls, config: ServerConfig, device: DeviceChoice, metrics: Metrics,
                         arrivals: ArrivalSignal | None = None, run_batch: RunBatchFactory | None = None,
-                        budget: MemoryBudget | None = None, solitude: Solitude | None = None) -> "ModelRegistry":
+                        budget: MemoryBudget | None = None, solitude: Solitude | None = None,
+                        tracing: Tracing | None = None) -> "ModelRegistry":
         """Load every model of the repository, before serving (blocking); a model that fails is
         logged and kept with its reason."""
-        registry = cls(config, device, metrics, arrivals, run_batch, budget=budget, solitude=solitude)
+        registry = cls(config, device, metrics, arrivals, run_batch, budget=budget, solitude=solitude,
+                       tracing=tracing)
         for name in model_names(registry.root):
             seen = repository_signature(registry.root / name)
             try:
@@ -446,7 +452,9 @@ class ModelRegistry:
             batcher = Batcher(label, run, policy, self._metrics.observer(name), self._arrivals,
                               scores_of=graphs.scores_held, budget=self._budget,
                               costing=None if self._budget is None else GraphCosting(spec, graphs),
-                              run_solo=run_solo, solitude=self._solitude, compute_nice=cfg.compute_nice)
+                              run_solo=run_solo, solitude=self._solitude, compute_nice=cfg.compute_nice,
+                              tracer=None if self._tracing is None else self._tracing.batch_tracer(
+                                  name, spec.version, graphs))
             limits = Limits(spec.max_q_len, spec.max_kv_len, cfg.max_attention_bytes,
                             max_response_bytes=cfg.max_message_bytes, max_typed_bytes=cfg.max_typed_bytes,
                             graphs=graphs)

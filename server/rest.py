@@ -34,8 +34,8 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from attnserve.server.answers import Answers
 from attnserve.server.echo import echo
-from attnserve.server.errors import (BodyTooLarge, ClientGone, NoSuchEndpoint, ShuttingDown, Status, Unauthenticated,
-                                     status_for)
+from attnserve.server.errors import (OK, BodyTooLarge, ClientGone, NoSuchEndpoint, ShuttingDown, Status,
+                                     Unauthenticated, status_for)
 from attnserve.server.lifecycle import Admission, Draining, MemoryBudget, MemoryExhausted, Reservation
 from attnserve.server.ratelimit import CLIENT_ERRORS
 from attnserve.server.listen import listen_addresses
@@ -57,6 +57,7 @@ RECEIVE_FACTOR = 2
 _RECEIVE_STEP = 64 << 10  # the first reservation of a body: one read's worth
 _HTTP_REFUSAL = "missing or invalid bearer token: send header 'Authorization: Bearer <token>'"
 _JSON = "application/json"
+_CALL = "attnserve.call"  # the request's record (server.tracing.Call), where spans and access lines are on
 
 Handler = Callable[..., Awaitable[web.StreamResponse]]
 
@@ -212,6 +213,10 @@ class RestPort:
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         self._head_came(request.protocol)
         path = request.path
+        call = status = None
+        if self._answers.calls is not None:
+            call = request[_CALL] = self._answers.calls.begin(
+                "http", f"{request.method} {path}", str(request.remote), request.headers, request.content_length or 0)
         try:
             if self._token is not None and not path.startswith(OPEN_PATH_PREFIXES) and not self._authorized(request):
                 self._token.note_refusal(f"{request.method} {path}", str(request.remote))
@@ -222,7 +227,10 @@ class RestPort:
             handler = getattr(self, route.handler)
             response = await (self._counted(handler, request, params) if route.infer else handler(request, **params))
         except Exception as err:
-            response = error_response(status_for(err))
+            status = status_for(err)
+            response = error_response(status)
+        if call is not None and not call.finished:  # not an inference call's answer (_infer's)
+            call.finish(status or OK, response.content_length or 0, http_status=response.status)
         if self._draining.active:
             response.force_close()  # a client reconnects, through its balancer, to another replica
         return response
@@ -369,12 +377,14 @@ class RestPort:
                                   self._max_json_bytes)
         except Exception as err:  # counted as an inference request's outcome, as gRPC's decode errors are
             status = status_for(err)
-            self._answers.request_done(model, status, began)
-            return error_response(status)
+            response = error_response(status)
+            self._answers.request_done(model, status, began, request.get(_CALL))
+            return response
         finally:
             held.release()
         start()  # no await from here to the batcher's queue (lifecycle.Arrivals)
-        answer, status = await self._answers.infer(message, None)
+        call = request.get(_CALL)
+        answer, status = await self._answers.infer(message, None, call)
         if answer is None:
             return error_response(status)
         try:
@@ -384,7 +394,10 @@ class RestPort:
                 response.headers[HEADER_LENGTH] = str(json_length)
             if "gzip" in request.headers.get("Accept-Encoding", "") or "deflate" in request.headers.get("Accept-Encoding", ""):
                 response.enable_compression()
-            return await self._sent(request, response)
+            response = await self._sent(request, response)
+            if call is not None:
+                call.finish(status, len(body))
+            return response
         finally:
             answer.release()  # sent (or the client is gone): its share of the memory budget goes back
 

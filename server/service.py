@@ -15,7 +15,8 @@ from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server import codec
 from attnserve.server.answers import Answers
-from attnserve.server.errors import Status, abort
+from attnserve.server.errors import CANCELLED, Status, abort
+from attnserve.server.tracing import Call, carrier_of
 from attnserve.server.lifecycle import MemoryBudget
 
 # Requests of one ModelStreamInfer stream in the server at once; reading pauses beyond it.
@@ -91,12 +92,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # -- inference ---------------------------------------------------------------------------
 
-    async def _answered(self, request: codec.InferRequest | pb.ModelInferRequest, context
+    async def _answered(self, request: codec.InferRequest | pb.ModelInferRequest, context, call: Call | None = None
                         ) -> tuple[codec.InferResponse | None, Status]:
-        return await self._answers.infer(request, context.time_remaining())
+        return await self._answers.infer(request, context.time_remaining(), call)
+
+    def _call(self, method: str, request: codec.InferRequest | pb.ModelInferRequest, context) -> Call | None:
+        """The call's record (span, access line: server.tracing), or None when nothing is recorded."""
+        calls = self._answers.calls
+        if calls is None:
+            return None
+        return calls.begin("grpc", method, context.peer(), carrier_of(context.invocation_metadata()),
+                           _request_bytes(request))
 
     async def ModelInfer(self, request, context):
-        response, status = await self._answered(request, context)
+        call = self._call("ModelInfer", request, context)
+        response, status = await self._answered(request, context, call)
         if response is None:
             # context.abort raises, and gRPC's handler keeps the exception in a reference cycle
             # with this call's frames, which hold the request, until the cyclic collector runs:
@@ -106,7 +116,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(status.code, status.details)
         # The answer stays counted in the memory budget until the call is over: sent (a client
         # that does not read holds it until its deadline or its connection ends), or cancelled.
-        context.add_done_callback(lambda _context: response.release())
+        if call is None:
+            context.add_done_callback(lambda _context: response.release())
+        else:
+            size = _response_bytes(response)
+
+            def done(context) -> None:
+                response.release()
+                call.finish(CANCELLED if context.cancelled() else status, size)
+
+            context.add_done_callback(done)
         return response
 
     async def ModelStreamInfer(self, request_iterator, context):
@@ -146,8 +165,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _stream_answer(self, request: codec.InferRequest | pb.ModelInferRequest, context, held: "_StreamHold"
                              ) -> tuple[pb.ModelStreamInferResponse, codec.InferResponse | None]:
+        call = self._call("ModelStreamInfer", request, context)
         try:
-            response, status = await self._answered(request, context)
+            response, status = await self._answered(request, context, call)
         except BaseException:
             held.answered(None)
             raise
@@ -156,7 +176,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return pb.ModelStreamInferResponse(
                 error_message=status.stream_message(),
                 infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id)), None
-        return pb.ModelStreamInferResponse(infer_response=response.as_message()), response
+        message = pb.ModelStreamInferResponse(infer_response=response.as_message())
+        if call is not None:
+            call.finish(status, message.ByteSize())
+        return message, response
+
+
+def _request_bytes(request: codec.InferRequest | pb.ModelInferRequest) -> int:
+    if isinstance(request, codec.InferRequest):
+        return request.message.ByteSize() + sum(len(raw) for raw in request.raw_input_contents)
+    return request.ByteSize()
+
+
+def _response_bytes(response: codec.InferResponse) -> int:
+    return response.message.ByteSize() + sum(array.nbytes for array in response.raw_output_contents)
 
 
 def _drop_contents(request: codec.InferRequest | pb.ModelInferRequest) -> None:

@@ -23,6 +23,7 @@ from attnserve.client.batch.shards import ItemShape, Shard, discover_shards, tak
 from attnserve.client.batch.spec import BatchError, BatchJob, BatchSummary
 from attnserve.client.batch.workdir import WorkDir
 from attnserve.client.options import ClientOptions
+from attnserve.client.tracecontext import JobTrace
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,10 @@ def _preflight(job: BatchJob, options: ClientOptions, item: ItemShape, workdir: 
 def _compute(job: BatchJob, options: ClientOptions, shards: list[Shard], workdir: WorkDir, manifest: Manifest,
              chunks: list[Chunk], progress_to: tuple[IO[str] | None, float], summary: BatchSummary) -> None:
     progress = Progress(summary.items, summary.resumed, *progress_to)
-    runner = Runner(job, options, shards, workdir, manifest, progress, summary)
+    trace = JobTrace.start()  # this run's calls are one trace (docs/tracing.md)
+    summary.trace_id = trace.trace_id
+    logger.info("batch job: calls sent in trace %s", trace.trace_id)
+    runner = Runner(job, options, shards, workdir, manifest, progress, summary, trace)
     started = time.monotonic()
     try:
         failure = asyncio.run(runner.compute(chunks)) if chunks else None

@@ -27,6 +27,7 @@ from attnserve.client.batch.spec import BatchError, BatchJob, BatchSummary
 from attnserve.client.batch.workdir import WorkDir
 from attnserve.client.errors import InferenceError
 from attnserve.client.options import ClientOptions
+from attnserve.client.tracecontext import JobTrace
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +54,9 @@ def _hint(err: Exception) -> str:
 
 class Runner:
     def __init__(self, job: BatchJob, options: ClientOptions, shards: list[Shard], workdir: WorkDir,
-                 manifest: Manifest, progress: Progress, summary: BatchSummary) -> None:
+                 manifest: Manifest, progress: Progress, summary: BatchSummary, trace: JobTrace | None = None) -> None:
         self._job = job
+        self._trace = trace or JobTrace.start()  # the job's calls are one trace (docs/tracing.md)
         self._options = options
         self._shards = shards
         self._workdir = workdir
@@ -106,6 +108,7 @@ class Runner:
         result = await client.infer_result(
             self._job.model, inputs["query"], inputs["key"], inputs["value"], inputs.get("mask"),
             self._job.outputs, model_version=self.version, timeout_s=self._job.timeout_s,
+            metadata=self._trace.call_metadata(),
         )
         if not self.manifest.pinned:  # the first chunk, run alone: pin before its part exists
             self.manifest = self.manifest.pin(result.model_version)

@@ -26,6 +26,7 @@ class BatchSummary:
     requests: int = 0
     retries: int = 0
     errors: int = 0
+    trace_id: str = ""  # the W3C trace its calls were sent in (client.tracecontext); "": none sent
 
     @property
     def items_per_s(self) -> float:
@@ -37,7 +38,8 @@ class BatchSummary:
                 else "nothing to compute")
         return (f"batch: {self.items} items ({self.computed} computed, {self.resumed} resumed) "
                 f"in {self.seconds:.2f} s, {rate}, {self.requests} requests, "
-                f"{self.retries} retries, {self.errors} errors")
+                f"{self.retries} retries, {self.errors} errors"
+                + (f", trace {self.trace_id}" if self.trace_id else ""))
 
 
 class BatchError(Exception):
