@@ -19,7 +19,7 @@ import time
 
 from attnserve.contract import TensorSpec
 from attnserve.proto import inference_pb2 as pb
-from attnserve.server import __version__, codec
+from attnserve.server import __version__, codec, shm
 from attnserve.server.echo import echo
 from attnserve.server.errors import CANCELLED, OK, Status, status_for
 from attnserve.server.lifecycle import Draining
@@ -30,6 +30,7 @@ from attnserve.server.repository import ModelSpec
 SERVER_NAME = "attnserve"
 # "model_repository" also means load/unload; binary_tensor_data is the REST port's.
 EXTENSIONS = ("model_configuration", "statistics", "model_repository", "binary_tensor_data")
+SYSTEM_SHARED_MEMORY = "system_shared_memory"  # listed only with --allow-shared-memory
 _DATA_TYPES = {"FP32": pb.TYPE_FP32, "BOOL": pb.TYPE_BOOL}
 
 
@@ -42,11 +43,14 @@ def _duration(d) -> pb.StatisticDuration:
 
 
 class Answers:
-    def __init__(self, registry: ModelRegistry, metrics: Metrics, draining: Draining) -> None:
-        """draining: the server's (shared with the gates): not ready from SIGTERM on."""
+    def __init__(self, registry: ModelRegistry, metrics: Metrics, draining: Draining,
+                 shared_memory: shm.SystemSharedMemory | None = None) -> None:
+        """draining: the server's (shared with the gates): not ready from SIGTERM on.
+        shared_memory: the registered regions (--allow-shared-memory); None: the extension is off."""
         self._registry = registry
         self._metrics = metrics
         self._draining = draining
+        self.shared_memory = shared_memory
 
     # -- health and metadata -----------------------------------------------------------------
 
@@ -58,7 +62,29 @@ class Answers:
         return self._registry.ready(name, version) and not self._draining.active
 
     def server_metadata(self) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name=SERVER_NAME, version=__version__, extensions=EXTENSIONS)
+        extensions = EXTENSIONS + ((SYSTEM_SHARED_MEMORY,) if self.shared_memory is not None else ())
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=__version__, extensions=extensions)
+
+    # -- shared memory (Triton's extension; server.shm) ----------------------------------------
+
+    def _regions(self) -> shm.SystemSharedMemory:
+        if self.shared_memory is None:
+            raise shm.SharedMemoryUnavailable(shm.WHY_OFF)
+        return self.shared_memory
+
+    def shm_status(self, name: str = "") -> list[shm.RegionStatus]:
+        return self._regions().status(name)
+
+    def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self._regions().register(name, key, offset, byte_size)
+
+    def shm_unregister(self, name: str = "") -> None:
+        self._regions().unregister(name)
+
+    @staticmethod
+    def cuda_shm() -> None:
+        """CUDA shared memory is not served by this build: always SharedMemoryUnavailable."""
+        raise shm.SharedMemoryUnavailable(shm.WHY_NO_CUDA)
 
     def model_metadata(self, name: str, version: str = "") -> pb.ModelMetadataResponse:
         spec = self._registry.get(name, version).spec
@@ -128,14 +154,23 @@ class Answers:
         # await before submit: lifecycle.Arrivals counts a request as on its way until its
         # handler starts, and the batcher must find it queued from then on.
         model = self._registry.get(request.model_name, request.model_version)
-        decoded = codec.decode(request, model.spec, model.limits)
-        deadline = None if time_remaining is None else time.monotonic() + time_remaining
-        result = await model.batcher.submit(decoded.work, deadline)
+        lease = self.shared_memory.lease() if self.shared_memory is not None else None
         try:
-            return codec.encode(request, decoded, result, model.spec.version)
-        except BaseException:
-            result.release()  # its memory reservation: no answer will carry it
-            raise
+            decoded = codec.decode(request, model.spec, model.limits, lease)
+            deadline = None if time_remaining is None else time.monotonic() + time_remaining
+            result = await model.batcher.submit(decoded.work, deadline)
+            try:
+                if decoded.shm_outputs:
+                    await shm.write_outputs([(view, result.output if name == "output" else result.attn_probs)
+                                             for name, (_, view) in decoded.shm_outputs.items()])
+                return codec.encode(request, decoded, result, model.spec.version)
+            except BaseException:
+                result.release()  # its memory reservation: no answer will carry it
+                raise
+        finally:
+            if lease is not None:
+                decoded = None  # its views of the regions go first, so that a retired one unmaps now
+                lease.release()
 
     def _metric_label(self, model_name: str) -> str:
         # Only known names become label values: a client must not grow the metrics without bound.

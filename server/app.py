@@ -42,6 +42,7 @@ from attnserve.server.repository import ModelLoadError
 from attnserve.server.rest import RestPort
 from attnserve.server.security import bearer_token, server_credentials, server_ssl_context
 from attnserve.server.service import InferenceServicer
+from attnserve.server.shm import SystemSharedMemory
 from attnserve.server.workers import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,7 @@ class Server:
         self._arrivals = Arrivals()
         self._admission = Admission(self._arrivals)
         self.budget: MemoryBudget | None = None
+        self._shared_memory: SystemSharedMemory | None = None  # --allow-shared-memory
         self._settled = False  # server.heap.settle() since the start, and no model change since
 
     async def start(self) -> int:
@@ -187,7 +189,10 @@ class Server:
                                  "poll to load models later")
         self.registry.listener = self._model_changed
         self.registry.start()
-        answers = Answers(self.registry, self.metrics, self._draining)
+        if cfg.allow_shared_memory:
+            self._shared_memory = SystemSharedMemory(cfg.shared_memory_max_regions, cfg.shared_memory_max_bytes,
+                                                     self.budget)
+        answers = Answers(self.registry, self.metrics, self._draining, self._shared_memory)
         servicer = InferenceServicer(answers, self.budget)
 
         options = [
@@ -329,6 +334,8 @@ class Server:
             # is answered by now, refusals take a moment).
             await self._rest.close(_RUNNING_MARGIN_S)
         await self._metrics_endpoint.close()
+        if self._shared_memory is not None:
+            self._shared_memory.close()
         logger.info("stopped after %.2fs (%d call(s) in flight when new calls were refused, %d watch stream(s) "
                     "ended)", time.monotonic() - started, in_flight, watches)
 
