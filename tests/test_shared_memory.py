@@ -417,3 +417,42 @@ def test_a_lease_keeps_an_unregistered_region_mapped(regions):
     assert table.mapped == 1  # only the new registration
     table.close()
     assert table.mapped == 0
+
+
+def test_the_kubernetes_example_shares_dev_shm_and_enables_the_extension():
+    yaml = pytest.importorskip("yaml")
+    from attnserve.server.config import load_config
+    from tests.server_process import REPO_ROOT
+
+    folder = REPO_ROOT / "deploy" / "k8s" / "shared-memory"
+    (deployment,) = list(yaml.safe_load_all((folder / "deployment.yaml").read_text()))
+    assert yaml.safe_load((folder / "kustomization.yaml").read_text())["resources"] == ["deployment.yaml"]
+    pod = deployment["spec"]["template"]["spec"]
+    (shm_volume,) = [v for v in pod["volumes"] if v["name"] == "shm"]
+    assert shm_volume["emptyDir"]["medium"] == "Memory"
+    server, sidecar = pod["containers"]
+    for container in (server, sidecar):
+        assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"], container["name"]
+    env = {e["name"]: e["value"] for e in server["env"]}
+    config = load_config([], env)
+    assert config.allow_shared_memory and config.workers == 1
+    assert "--shared-memory" in sidecar["command"]
+
+
+def test_the_messages_are_tritons():
+    from tritonclient.grpc import service_pb2 as triton
+
+    from attnserve.proto import inference_pb2 as pb
+
+    def fields(desc):
+        return {(f.name, f.number, f.type, f.label): fields(f.message_type) if f.message_type else None
+                for f in desc.fields}
+
+    names = [n for n in triton.DESCRIPTOR.message_types_by_name if "SharedMemory" in n]
+    assert len(names) == 12
+    for name in names:
+        assert fields(pb.DESCRIPTOR.message_types_by_name[name]) == fields(triton.DESCRIPTOR.message_types_by_name[name])
+    ours = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_name
+    for method in triton.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+        if "SharedMemory" in method.name:
+            assert ours[method.name].input_type.name == method.input_type.name
