@@ -456,3 +456,35 @@ def test_the_messages_are_tritons():
     for method in triton.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
         if "SharedMemory" in method.name:
             assert ours[method.name].input_type.name == method.input_type.name
+
+
+def test_the_batch_cli_goes_through_shared_memory_when_the_server_allows_it(shm_server, server, eager_modules,
+                                                                            tmp_path):
+    from attnserve.client.batch import BatchJob, run_batch
+    from attnserve.client.options import ClientOptions
+    from attnserve.client.shm import same_host
+    from tests.test_batch_job import assert_matches_eager, cli, make_input
+
+    assert same_host(shm_server.address) and same_host("localhost:1") and not same_host("127.0.0.1:1,127.0.0.1:2")
+    shards = [make_input(tmp_path / "in.npz", "cross_attention", 300, 4, 6, seed=4)]
+    objects = {name for name in os.listdir("/dev/shm") if name.startswith("psm_")}  # multiprocessing's
+    for where, allowed in ((shm_server, True), (server, False)):
+        for mode in ("auto", "off"):
+            out = tmp_path / f"{allowed}-{mode}.npz"
+            job = BatchJob(model="cross_attention", input_path=tmp_path / "in.npz", output_path=out,
+                           outputs=("output", "attn_probs"), batch_size=32, concurrency=3, shared_memory=mode)
+            summary = run_batch(job, ClientOptions(url=where.address))
+            assert summary.shared_memory == (allowed and mode == "auto"), (where, mode)
+            assert (summary.computed, summary.errors) == (300, 0)
+            assert_matches_eager(out, eager_modules["cross_attention"], shards, names=("output", "attn_probs"))
+    # The slots unregistered their regions and unlinked them.
+    client = grpcclient.InferenceServerClient(url=shm_server.address)
+    try:
+        assert client.get_system_shared_memory_status(as_json=True).get("regions", {}) == {}
+    finally:
+        client.close()
+    assert {name for name in os.listdir("/dev/shm") if name.startswith("psm_")} <= objects  # unlinked
+    done = cli("--url", shm_server.address, "--model", "cross_attention", "--input", str(tmp_path / "in.npz"),
+               "--output", str(tmp_path / "cli.npz"), "--outputs", "output", "--shared-memory", "auto",
+               "--concurrency", "2")
+    assert done.returncode == 0 and "tensors through shared memory" in done.stdout, done.stderr[-600:]

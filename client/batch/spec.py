@@ -12,6 +12,7 @@ from attnserve.contract import OUTPUT_NAMES
 
 DEFAULT_BATCH_SIZE = 32  # the server's default max_batch_size: one request fills one run
 DEFAULT_CONCURRENCY = 4
+SHARED_MEMORY_MODES = ("auto", "off")
 
 
 @dataclass(slots=True)
@@ -26,6 +27,7 @@ class BatchSummary:
     requests: int = 0
     retries: int = 0
     errors: int = 0
+    shared_memory: bool = False  # tensors went through system shared memory (--shared-memory auto)
 
     @property
     def items_per_s(self) -> float:
@@ -37,7 +39,8 @@ class BatchSummary:
                 else "nothing to compute")
         return (f"batch: {self.items} items ({self.computed} computed, {self.resumed} resumed) "
                 f"in {self.seconds:.2f} s, {rate}, {self.requests} requests, "
-                f"{self.retries} retries, {self.errors} errors")
+                f"{self.retries} retries, {self.errors} errors"
+                + (", tensors through shared memory" if self.shared_memory else ""))
 
 
 class BatchError(Exception):
@@ -56,6 +59,9 @@ class BatchJob:
     concurrency: int = DEFAULT_CONCURRENCY  # requests in flight
     model_version: str = ""  # empty: the server's default, pinned after the first response
     timeout_s: float | None = None  # per request, retries included; None: the client's default
+    # auto: tensors through system shared memory when the server is on this host and allows it
+    # (docs/shared-memory.md); off: always in the messages.
+    shared_memory: str = "off"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_path", Path(self.input_path))
@@ -65,6 +71,8 @@ class BatchJob:
             raise ValueError("model must not be empty")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.shared_memory not in SHARED_MEMORY_MODES:
+            raise ValueError(f"shared_memory must be one of {', '.join(SHARED_MEMORY_MODES)}, got {self.shared_memory!r}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         unknown = [name for name in self.outputs if name not in OUTPUT_NAMES]
