@@ -505,6 +505,13 @@ def print_table(results: dict) -> None:
         print(f"\nissue #16, self_attention (1, {DONE_WHEN_L}, 512), output alone: server / in-process fused: "
               f"time {t:.2f} x (goal <= 1.3: {'met' if t <= 1.3 else 'NOT met'}), "
               f"peak RSS increase {m:.2f} x (goal <= 1.5: {'met' if m <= 1.5 else 'NOT met'})")
+    shm = row.get(SHM_SIDE, {}) if row else {}
+    if "ms" in shm and "ms" in row.get("ort_fused", {}):
+        t = shm["ms"] / row["ort_fused"]["ms"]
+        m = shm["peak_rss_increase_mb"] / row["ort_fused"]["peak_rss_increase_mb"]
+        print(f"shared memory, self_attention (1, {DONE_WHEN_L}, 512), output alone: server / in-process fused: "
+              f"time {t:.2f} x (goal <= 1.15), peak RSS increase {m:.2f} x (goal <= 1.3; "
+              f"{shm.get('shm_resident_mb', 0):.0f} MB of it region pages)")
     pair = results.get("pair", {})
     if "ratio" in pair:
         t = pair["ratio"]
