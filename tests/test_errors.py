@@ -12,6 +12,7 @@ from attnserve.server.batcher import BatcherClosed, BatchFailed, DeadlineExpired
 from attnserve.server.errors import (
     _STATUS, BodyTooLarge, MalformedMessage, NoSuchEndpoint, ShuttingDown, Status, Unauthenticated, status_for)
 from attnserve.server.models import ModelNotFound, ModelUnavailable
+from attnserve.server.shm import SharedMemoryError, SharedMemoryUnavailable
 from tests.server_process import REPO_ROOT
 
 Code = grpc.StatusCode
@@ -30,6 +31,8 @@ Code = grpc.StatusCode
     (BatcherClosed("shutting down"), Code.UNAVAILABLE, 503),
     (ShuttingDown("server is shutting down; retry on another replica"), Code.UNAVAILABLE, 503),
     (Unauthenticated("missing or invalid bearer token"), Code.UNAUTHENTICATED, 401),
+    (SharedMemoryUnavailable("CUDA shared memory is not served"), Code.UNAVAILABLE, 503),
+    (SharedMemoryError("region 'r' runs past its end"), Code.INVALID_ARGUMENT, 400),  # a ValueError
 ])
 def test_each_error_gets_its_status_with_its_own_message(err, code, http, caplog):
     with caplog.at_level(logging.ERROR, logger="attnserve.server.errors"):
