@@ -484,3 +484,15 @@ def test_the_batch_cli_goes_through_shared_memory_when_the_server_allows_it(shm_
                "--output", str(tmp_path / "cli.npz"), "--outputs", "output", "--shared-memory", "auto",
                "--concurrency", "2")
     assert done.returncode == 0 and "tensors through shared memory" in done.stdout, done.stderr[-600:]
+
+
+def test_a_small_mask_in_a_large_message_is_checked_not_an_internal_error(server, references):
+    """A message of codec.WIRE_MIN_BYTES or more hands decode memoryviews (no bytes.translate): a
+    mask under the translate path's size must still be checked, not raise AttributeError (INTERNAL)."""
+    from attnserve.client import InferenceClient
+
+    x = random_inputs(np.random.default_rng(9), 1, 600, 6, 512, 512, masked=True)  # 1.2 MB; mask 3,600 bytes
+    with InferenceClient(server.address) as client:
+        got = client.infer("self_attention", x["query"], x["key"], x["value"], mask=x["mask"],
+                           outputs=("output", "attn_probs"))
+    _check(got, _want(references["self_attention"], x), "small mask, large message")
