@@ -41,6 +41,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("eager_seed", "eager_sdpa", "ort_unfused", "ort_fused", "server")
+# --shared-memory adds this side: the server with --allow-shared-memory, inputs and `output` in
+# system shared memory regions (docs/shared-memory.md); the pair then times it too.
+SHM_SIDE = "server_shm"
 LENGTHS = {"self_attention": (16, 64, 256, 1024, 2048, 4096, 8192),
            "cross_attention": (16, 64, 256, 1024, 2048, 4096, 8192)}
 CROSS_K_LEN = 77  # seed 002's keys
@@ -230,8 +233,91 @@ def _raw_call(channel, model: str, x: dict):
     return np.frombuffer(raw[0], dtype="<f4").reshape(tuple(response.outputs[0].shape))
 
 
+class _ShmCall:
+    """ModelInfer for `output` alone with the inputs in one region (written once, as data that
+    lives in shared memory) and the output written by the server into another; the message
+    carries names and shapes only. `output()` is a view of the output region (no copy)."""
+
+    def __init__(self, channel, model: str, x: dict, out_dim: int) -> None:
+        from multiprocessing import shared_memory
+
+        import numpy as np
+
+        from attnserve.proto import inference_pb2 as pb
+        from attnserve.proto import inference_pb2_grpc as pb_grpc
+
+        self._stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        b, lq, _ = x["query"].shape
+        self.out_shape = (b, lq, out_dim)
+        in_bytes, out_bytes = sum(a.nbytes for a in x.values()), b * lq * out_dim * 4
+        self._in = shared_memory.SharedMemory(create=True, size=in_bytes)
+        self._out = shared_memory.SharedMemory(create=True, size=out_bytes)
+        message = pb.ModelInferRequest(model_name=model)
+        offset = 0
+        for name, array in x.items():
+            np.frombuffer(self._in.buf, dtype="<f4", count=array.size, offset=offset)[:] = array.ravel()
+            tensor = message.inputs.add(name=name, datatype="FP32", shape=array.shape)
+            tensor.parameters["shared_memory_region"].string_param = "sweep-in"
+            tensor.parameters["shared_memory_offset"].int64_param = offset
+            tensor.parameters["shared_memory_byte_size"].int64_param = array.nbytes
+            offset += array.nbytes
+        output = message.outputs.add(name="output")
+        output.parameters["shared_memory_region"].string_param = "sweep-out"
+        output.parameters["shared_memory_byte_size"].int64_param = out_bytes
+        for name, region in (("sweep-in", self._in), ("sweep-out", self._out)):
+            self._stub.SystemSharedMemoryRegister(pb.SystemSharedMemoryRegisterRequest(
+                name=name, key="/" + region.name.lstrip("/"), byte_size=region.size))
+        self._message = message
+
+    def __call__(self, infer=None):
+        import numpy as np
+
+        self._stub.ModelInfer(self._message, timeout=600)
+        return np.frombuffer(self._out.buf, dtype="<f4").reshape(self.out_shape)
+
+    def close(self) -> None:
+        from attnserve.proto import inference_pb2 as pb
+
+        self._stub.SystemSharedMemoryUnregister(pb.SystemSharedMemoryUnregisterRequest())
+        for region in (self._in, self._out):
+            region.close()
+            region.unlink()
+
+
+def _measure_server_shm(repository: Path, model: str, spec, shape: tuple[int, int, int], budget_s: float,
+                        server_args: list[str]) -> dict:
+    """A fresh server with --allow-shared-memory, the request through regions (_ShmCall). Its
+    peak RSS increase counts the region pages the server touched (shared, resident in both
+    processes): reported beside it as shm_resident_mb."""
+    import grpc
+    import numpy as np
+
+    from bench.__main__ import _Server
+
+    keep_client_heap()
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory(prefix="attnserve-sweep-") as tmp:
+        server = _Server(repository, ["--allow-shared-memory", *server_args], Path(tmp))
+        try:
+            with grpc.insecure_channel(server.address, options=_CHANNEL_OPTIONS) as channel:
+                warm = _ShmCall(channel, model, _inputs(spec, (1, 16, 16), rng), spec.out_dim)
+                warm()
+                warm.close()
+                call = _ShmCall(channel, model, _inputs(spec, shape, rng), spec.out_dim)
+                _reset_peak(server.proc.pid)
+                before, shm_before = _status(server.proc.pid, "VmRSS"), _status(server.proc.pid, "RssShmem")
+                call()
+                peak = _status(server.proc.pid, "VmHWM") - before
+                shm_resident = _status(server.proc.pid, "RssShmem") - shm_before
+                ms, times = _timed(call, budget_s)
+                call.close()
+        finally:
+            server.stop()
+    return {"ms": ms, "peak_rss_increase_mb": peak, "shm_resident_mb": shm_resident, "runs": len(times)}
+
+
 def _measure_pair(repository: Path, model: str, spec, shape: tuple[int, int, int], rounds: int,
-                  server_args: list[str]) -> dict:
+                  server_args: list[str], shared_memory: bool = False) -> dict:
     """Time only, for the issue's ratio: in this process ONNX Runtime on model_fused.onnx with the
     server's own session options, and a fresh server's ModelInfer for the same request (the lean
     client above), alternating one of each per round, so that both see the same machine load
@@ -252,25 +338,29 @@ def _measure_pair(repository: Path, model: str, spec, shape: tuple[int, int, int
                                    providers=["CPUExecutionProvider"])
     in_process, served = [], []
     with tempfile.TemporaryDirectory(prefix="attnserve-sweep-") as tmp:
-        server = _Server(repository, server_args, Path(tmp))
+        server = _Server(repository, (["--allow-shared-memory"] if shared_memory else []) + server_args, Path(tmp))
         try:
             with grpc.insecure_channel(server.address, options=_CHANNEL_OPTIONS) as channel:
                 infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+                shm_call = _ShmCall(channel, model, x, spec.out_dim) if shared_memory else None
+                serve = shm_call if shm_call is not None else (lambda: _raw_call(infer, model, x))
                 session.run(None, x)  # the first of each: arenas grow, the connection opens
-                _raw_call(infer, model, x)
+                serve()
                 for _ in range(rounds):
                     t0 = time.perf_counter()
                     session.run(None, x)
                     t1 = time.perf_counter()
-                    _raw_call(infer, model, x)
+                    serve()
                     t2 = time.perf_counter()
                     in_process.append(t1 - t0)
                     served.append(t2 - t1)
+                if shm_call is not None:
+                    shm_call.close()
         finally:
             server.stop()
     return {"in_process_ms": statistics.median(in_process) * 1000, "server_ms": statistics.median(served) * 1000,
             "ratio": statistics.median(s / i for s, i in zip(served, in_process)), "rounds": rounds,
-            "load": os.getloadavg()[0]}
+            "load": os.getloadavg()[0], "shared_memory": shared_memory}
 
 
 def _one(args: argparse.Namespace) -> int:
@@ -281,8 +371,11 @@ def _one(args: argparse.Namespace) -> int:
     shape = (1, args.q_len, args.k_len)
     if args.one == "server":
         result = _measure_server(args.repository, args.model, spec, shape, args.budget_s, args.server_args)
+    elif args.one == SHM_SIDE:
+        result = _measure_server_shm(args.repository, args.model, spec, shape, args.budget_s, args.server_args)
     elif args.one == "pair":
-        result = _measure_pair(args.repository, args.model, spec, shape, args.pair_rounds, args.server_args)
+        result = _measure_pair(args.repository, args.model, spec, shape, args.pair_rounds, args.server_args,
+                               args.shared_memory)
     else:
         result = _measure_in_process(args.one, spec, shape, args.budget_s)
     print(json.dumps(result))
@@ -310,7 +403,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pair-rounds", type=int, default=10,
                    help=f"rounds of the paired in-process fused / server timing at self_attention (1, {DONE_WHEN_L}, "
                         "512), after the sweep (0: none)")
-    p.add_argument("--one", choices=(*SIDES, "pair"), help=argparse.SUPPRESS)
+    p.add_argument("--shared-memory", action="store_true",
+                   help=f"add the {SHM_SIDE} side (the server through system shared memory regions) and time the "
+                        "pair through them")
+    p.add_argument("--one", choices=(*SIDES, SHM_SIDE, "pair"), help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--q-len", type=int, help=argparse.SUPPRESS)
     p.add_argument("--k-len", type=int, help=argparse.SUPPRESS)
@@ -324,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         return _one(args)
     models = [m for m in args.models.split(",") if m]
-    sides = [s for s in args.sides.split(",") if s]
+    sides = [s for s in args.sides.split(",") if s] + ([SHM_SIDE] if args.shared_memory else [])
     load_before = os.getloadavg()
     print(f"sweep: {os.cpu_count()} cores, load {load_before[0]:.2f}; one fresh process per configuration",
           flush=True)
@@ -358,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         b, lq, lk = shape_of("self_attention", DONE_WHEN_L)
         command = [sys.executable, "-m", "bench.sweep", "--one", "pair", "--model", "self_attention",
                    "--q-len", str(lq), "--k-len", str(lk), "--repository", str(args.repository),
-                   "--pair-rounds", str(args.pair_rounds), "--", *args.server_args]
+                   "--pair-rounds", str(args.pair_rounds), *(["--shared-memory"] if args.shared_memory else []),
+                   "--", *args.server_args]
         done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
         results["pair"] = (json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0
                            else {"failed": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]})
@@ -391,7 +488,7 @@ def _ms(ms: float) -> str:
 
 def print_table(results: dict) -> None:
     for model, rows in results["models"].items():
-        sides = [s for s in SIDES if any(s in r for r in rows.values())]
+        sides = [s for s in (*SIDES, SHM_SIDE) if any(s in r for r in rows.values())]
         print(f"\n{model}: time per request / peak RSS increase")
         client = "server" in sides
         print("  " + f"{'shape':>14} " + " ".join(f"{s:>22}" for s in sides)
@@ -408,6 +505,13 @@ def print_table(results: dict) -> None:
         print(f"\nissue #16, self_attention (1, {DONE_WHEN_L}, 512), output alone: server / in-process fused: "
               f"time {t:.2f} x (goal <= 1.3: {'met' if t <= 1.3 else 'NOT met'}), "
               f"peak RSS increase {m:.2f} x (goal <= 1.5: {'met' if m <= 1.5 else 'NOT met'})")
+    shm = row.get(SHM_SIDE, {}) if row else {}
+    if "ms" in shm and "ms" in row.get("ort_fused", {}):
+        t = shm["ms"] / row["ort_fused"]["ms"]
+        m = shm["peak_rss_increase_mb"] / row["ort_fused"]["peak_rss_increase_mb"]
+        print(f"shared memory, self_attention (1, {DONE_WHEN_L}, 512), output alone: server / in-process fused: "
+              f"time {t:.2f} x (goal <= 1.15), peak RSS increase {m:.2f} x (goal <= 1.3; "
+              f"{shm.get('shm_resident_mb', 0):.0f} MB of it region pages)")
     pair = results.get("pair", {})
     if "ratio" in pair:
         t = pair["ratio"]

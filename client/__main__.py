@@ -30,6 +30,7 @@ import grpc
 import numpy as np
 
 from attnserve.client.batch import DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, BatchError, BatchJob, run_batch
+from attnserve.client.batch.spec import SHARED_MEMORY_MODES
 from attnserve.client.batch.progress import DEFAULT_EVERY_S
 from attnserve.client.client import InferenceClient
 from attnserve.client.codec import ModelIndexEntry
@@ -152,6 +153,9 @@ def _parser(prog: str = "attnserve") -> argparse.ArgumentParser:
                        help=f"items per request (default {DEFAULT_BATCH_SIZE})")
     batch.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY, metavar="N",
                        help=f"requests in flight (default {DEFAULT_CONCURRENCY})")
+    batch.add_argument("--shared-memory", choices=SHARED_MEMORY_MODES, default="auto",
+                       help="auto (default): tensors through system shared memory when the server is on this "
+                            "host and allows it (docs/shared-memory.md); off: always in the messages")
     batch.add_argument("--progress-every-s", type=float, default=DEFAULT_EVERY_S, metavar="S",
                        help="when stderr is not a terminal (a file, a pipe): a progress line every S seconds "
                             f"(default {DEFAULT_EVERY_S:g}; a terminal gets a bar)")
@@ -399,7 +403,8 @@ def _batch(args: argparse.Namespace, options: ClientOptions) -> int:
     try:
         job = BatchJob(model=args.model, input_path=args.input, output_path=args.output,
                        outputs=_names(args.outputs), batch_size=args.batch_size, concurrency=args.concurrency,
-                       model_version=args.model_version, timeout_s=args.timeout, shard=_shard(args.shard))
+                       model_version=args.model_version, timeout_s=args.timeout, shard=_shard(args.shard),
+                       shared_memory=args.shared_memory)
     except ValueError as err:
         raise UsageError(str(err)) from None
     if not args.progress_every_s >= 0:

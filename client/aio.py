@@ -107,6 +107,23 @@ class AsyncInferenceClient:
         request = pb.ModelStatisticsRequest(name=model, version=version)
         return codec.parse_model_statistics(await self._call(self._stub.ModelStatistics, request, timeout_s))
 
+    # -- system shared memory (Triton's extension; attnserve.client.shm) ------------------------
+
+    async def register_system_shared_memory(self, name: str, key: str, byte_size: int, offset: int = 0, *,
+                                            timeout_s: float | None = None) -> None:
+        request = pb.SystemSharedMemoryRegisterRequest(name=name, key=key, offset=offset, byte_size=byte_size)
+        await self._call(self._stub.SystemSharedMemoryRegister, request, timeout_s, retry=False)
+
+    async def unregister_system_shared_memory(self, name: str = "", *, timeout_s: float | None = None) -> None:
+        request = pb.SystemSharedMemoryUnregisterRequest(name=name)
+        await self._call(self._stub.SystemSharedMemoryUnregister, request, timeout_s, retry=False)
+
+    async def model_infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None = None,
+                          metadata: tuple[tuple[str, str], ...] = ()) -> pb.ModelInferResponse:
+        """One ModelInfer call with a request built elsewhere (attnserve.client.shm's), with the
+        same deadline, retries and errors as infer(); metadata is sent besides the client's own."""
+        return await self._call(self._stub.ModelInfer, request, timeout_s, metadata=tuple(metadata))
+
     async def infer(
         self,
         model: str,

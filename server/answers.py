@@ -19,7 +19,7 @@ import time
 
 from attnserve.contract import TensorSpec
 from attnserve.proto import inference_pb2 as pb
-from attnserve.server import __version__, codec
+from attnserve.server import __version__, codec, shm
 from attnserve.server.echo import echo
 from attnserve.server.errors import CANCELLED, OK, Status, status_for
 from attnserve.server.lifecycle import Draining
@@ -31,6 +31,7 @@ from attnserve.server.tracing import Call, Calls
 SERVER_NAME = "attnserve"
 # "model_repository" also means load/unload; binary_tensor_data is the REST port's.
 EXTENSIONS = ("model_configuration", "statistics", "model_repository", "binary_tensor_data")
+SYSTEM_SHARED_MEMORY = "system_shared_memory"  # listed only with --allow-shared-memory
 _DATA_TYPES = {"FP32": pb.TYPE_FP32, "BOOL": pb.TYPE_BOOL}
 
 
@@ -44,13 +45,15 @@ def _duration(d) -> pb.StatisticDuration:
 
 class Answers:
     def __init__(self, registry: ModelRegistry, metrics: Metrics, draining: Draining,
-                 calls: Calls | None = None) -> None:
+                 calls: Calls | None = None, shared_memory: shm.SystemSharedMemory | None = None) -> None:
         """draining: the server's (shared with the gates): not ready from SIGTERM on.
-        calls: what each call records (spans, access lines: server.tracing); None: nothing."""
+        calls: what each call records (spans, access lines: server.tracing); None: nothing.
+        shared_memory: the registered regions (--allow-shared-memory); None: the extension is off."""
         self._registry = registry
         self._metrics = metrics
         self._draining = draining
         self.calls = calls if calls is not None and calls.on else None
+        self.shared_memory = shared_memory
 
     # -- health and metadata -----------------------------------------------------------------
 
@@ -62,7 +65,29 @@ class Answers:
         return self._registry.ready(name, version) and not self._draining.active
 
     def server_metadata(self) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name=SERVER_NAME, version=__version__, extensions=EXTENSIONS)
+        extensions = EXTENSIONS + ((SYSTEM_SHARED_MEMORY,) if self.shared_memory is not None else ())
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=__version__, extensions=extensions)
+
+    # -- shared memory (Triton's extension; server.shm) ----------------------------------------
+
+    def _regions(self) -> shm.SystemSharedMemory:
+        if self.shared_memory is None:
+            raise shm.SharedMemoryUnavailable(shm.WHY_OFF)
+        return self.shared_memory
+
+    def shm_status(self, name: str = "") -> list[shm.RegionStatus]:
+        return self._regions().status(name)
+
+    def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self._regions().register(name, key, offset, byte_size)
+
+    def shm_unregister(self, name: str = "") -> None:
+        self._regions().unregister(name)
+
+    @staticmethod
+    def cuda_shm() -> None:
+        """CUDA shared memory is not served by this build: always SharedMemoryUnavailable."""
+        raise shm.SharedMemoryUnavailable(shm.WHY_NO_CUDA)
 
     def model_metadata(self, name: str, version: str = "") -> pb.ModelMetadataResponse:
         spec = self._registry.get(name, version).spec
@@ -134,22 +159,31 @@ class Answers:
         if call is not None:
             call.request(request.model_name, request.model_version, request.id)
         model = self._registry.get(request.model_name, request.model_version)
-        decoded = codec.decode(request, model.spec, model.limits)
-        deadline = None if time_remaining is None else time.monotonic() + time_remaining
-        if call is None:
-            result = await model.batcher.submit(decoded.work, deadline)
-        else:
-            call.decoded(decoded.work)
-            result = await model.batcher.submit(decoded.work, deadline, call.span)
-            call.computed(result.queue_s, result.compute_s, result.batch_requests, model.spec.version)
+        lease = self.shared_memory.lease() if self.shared_memory is not None else None
         try:
-            response = codec.encode(request, decoded, result, model.spec.version)
-            if call is not None:
-                call.encoded()
-            return response
-        except BaseException:
-            result.release()  # its memory reservation: no answer will carry it
-            raise
+            decoded = codec.decode(request, model.spec, model.limits, lease)
+            deadline = None if time_remaining is None else time.monotonic() + time_remaining
+            if call is None:
+                result = await model.batcher.submit(decoded.work, deadline)
+            else:
+                call.decoded(decoded.work)
+                result = await model.batcher.submit(decoded.work, deadline, call.span)
+                call.computed(result.queue_s, result.compute_s, result.batch_requests, model.spec.version)
+            try:
+                if decoded.shm_outputs:
+                    await shm.write_outputs([(view, result.output if name == "output" else result.attn_probs)
+                                             for name, (_, view) in decoded.shm_outputs.items()])
+                response = codec.encode(request, decoded, result, model.spec.version)
+                if call is not None:
+                    call.encoded()
+                return response
+            except BaseException:
+                result.release()  # its memory reservation: no answer will carry it
+                raise
+        finally:
+            if lease is not None:
+                decoded = None  # its views of the regions go first, so that a retired one unmaps now
+                lease.release()
 
     def _metric_label(self, model_name: str) -> str:
         # Only known names become label values: a client must not grow the metrics without bound.

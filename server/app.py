@@ -43,6 +43,7 @@ from attnserve.server.rest import RestPort
 from attnserve.server.security import bearer_token, server_credentials, server_ssl_context
 from attnserve.server.service import InferenceServicer
 from attnserve.server.tracing import Calls, Tracing
+from attnserve.server.shm import SystemSharedMemory
 from attnserve.server.workers import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,7 @@ class Server:
         self._admission = Admission(self._arrivals)
         self.budget: MemoryBudget | None = None
         self.tracing: Tracing | None = None  # OpenTelemetry, when OTEL_* variables ask (server.tracing)
+        self._shared_memory: SystemSharedMemory | None = None  # --allow-shared-memory
         self._settled = False  # server.heap.settle() since the start, and no model change since
 
     async def start(self) -> int:
@@ -193,7 +195,11 @@ class Server:
                                  "poll to load models later")
         self.registry.listener = self._model_changed
         self.registry.start()
-        answers = Answers(self.registry, self.metrics, self._draining, Calls(self.tracing, cfg.access_log))
+        if cfg.allow_shared_memory:
+            self._shared_memory = SystemSharedMemory(cfg.shared_memory_max_regions, cfg.shared_memory_max_bytes,
+                                                     self.budget)
+        answers = Answers(self.registry, self.metrics, self._draining, Calls(self.tracing, cfg.access_log),
+                          shared_memory=self._shared_memory)
         servicer = InferenceServicer(answers, self.budget)
 
         options = [
@@ -356,6 +362,8 @@ class Server:
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # the last spans exported (the exporter's timeout bounds it)
             self.tracing = None
+        if self._shared_memory is not None:
+            self._shared_memory.close()
         logger.info("stopped after %.2fs (%d call(s) in flight when new calls were refused, %d watch stream(s) "
                     "ended)", time.monotonic() - started, in_flight, watches)
 

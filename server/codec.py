@@ -17,7 +17,7 @@ InferResponse.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -37,7 +37,7 @@ from attnserve.contract import (
     OUTPUT_ONLY,
     REQUIRED_INPUTS,
 )
-from attnserve.server import heap
+from attnserve.server import heap, shm
 from attnserve.server.echo import echo
 from attnserve.server.graphs import HEADS, UNFUSED, GraphSet, attention_bytes
 from attnserve.server.lifecycle import Reservation
@@ -71,9 +71,14 @@ class Decoded:
     work: Work
     outputs: tuple[str, ...]  # requested outputs, in response order
     raw: bool  # answer in raw_output_contents
+    # Outputs the caller placed in shared memory (server.shm): name -> (placement, where to write).
+    shm_outputs: dict[str, tuple[shm.Placement, memoryview]] = field(default_factory=dict)
 
 
-def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> Decoded:
+def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits,
+           regions: shm.Lease | None = None) -> Decoded:
+    """regions: the request's lease on the registered shared memory regions (None: the
+    extension is off), for tensors whose parameters name one (server.shm)."""
     inputs = request.inputs
     names = [t.name for t in inputs]
     unknown = [n for n in names if n not in INPUT_NAMES]
@@ -86,9 +91,20 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> De
     if missing:
         raise ValueError(f"missing input {missing[0]!r}; required: {list(_REQUIRED)}, optional: ['mask']")
 
-    raw = len(request.raw_input_contents) > 0
-    if raw and len(request.raw_input_contents) != len(inputs):
-        raise ValueError(f"raw_input_contents has {len(request.raw_input_contents)} entries for {len(inputs)} inputs")
+    placements = {t.name: shm.placement(t.parameters, f"input {t.name!r}") for t in inputs}
+    out_placements = {o.name: shm.placement(o.parameters, f"output {o.name!r}") for o in request.outputs}
+    in_shm = [n for n, p in placements.items() if p is not None]
+    out_shm = {n for n, p in out_placements.items() if p is not None}
+    if (in_shm or out_shm) and regions is None:
+        raise shm.SharedMemoryError(f"{'input' if in_shm else 'output'} {(in_shm or sorted(out_shm))[0]!r} names a "
+                                    f"{shm.REGION}, but {shm.WHY_OFF}")
+    # Raw entries belong to the inputs not in shared memory, in order (Triton's rule); a request
+    # with inputs in shared memory is answered raw, as Triton answers (tritonclient reads only that).
+    plain = len(inputs) - len(in_shm)
+    raw = len(request.raw_input_contents) > 0 or (bool(in_shm) and not any(t.HasField("contents") for t in inputs))
+    if request.raw_input_contents and len(request.raw_input_contents) != plain:
+        raise ValueError(f"raw_input_contents has {len(request.raw_input_contents)} entries for {plain} inputs"
+                         + (f" (not counting {len(in_shm)} in shared memory)" if in_shm else ""))
 
     # Shapes first: every check below is arithmetic on them, nothing is allocated yet.
     shapes: dict[str, tuple[int, ...]] = {}
@@ -106,19 +122,30 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> De
         shapes[tensor.name] = shape
     _check_shapes(shapes, spec, limits)
     outputs = _requested_outputs(request, spec)
-    _check_response_size(request, shapes, outputs, spec, limits)
+    sent = tuple(name for name in outputs if name not in out_shm)  # in the answer itself
+    _check_response_size(request, shapes, sent, spec, limits)
     if not raw:
-        _check_typed_size(shapes, outputs, spec, limits)
+        _check_typed_size({n: s for n, s in shapes.items() if placements[n] is None}, sent, spec, limits)
 
     arrays: dict[str, np.ndarray] = {}
-    for index, tensor in enumerate(inputs):
+    index = 0  # into raw_input_contents
+    for tensor in inputs:
         shape = shapes[tensor.name]
         dtype = _DTYPES[tensor.datatype]
         count = math.prod(shape)
-        if raw:
+        placement = placements[tensor.name]
+        if placement is not None:
+            if tensor.HasField("contents"):
+                raise ValueError(f"input {tensor.name!r}: has typed contents and a {shm.REGION}; use one")
+            data = regions.input(placement, count * dtype.itemsize, f"input {tensor.name!r}")
+            if tensor.datatype == "BOOL":
+                _check_bool_bytes(tensor.name, data)
+            array = np.frombuffer(data, dtype=dtype).reshape(shape)  # a view of the mapping: no copy
+        elif raw:
             if tensor.HasField("contents"):
                 raise ValueError(f"input {tensor.name!r}: has typed contents and raw_input_contents; use one")
             data = request.raw_input_contents[index]
+            index += 1
             if len(data) != count * dtype.itemsize:
                 raise ValueError(f"input {tensor.name!r}: shape {list(shape)} {tensor.datatype} needs "
                                  f"{count * dtype.itemsize} bytes, raw_input_contents has {len(data)}")
@@ -141,7 +168,10 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> De
                          f"masks alike for every head: [q_len, k_len], [batch, q_len, k_len], "
                          f"[batch, 1, q_len, k_len], or [batch, {spec.num_heads}, q_len, k_len] with equal heads")
     _check_attention_bytes(work, spec, limits)
-    return Decoded(work=work, outputs=outputs, raw=raw)
+    sizes = output_bytes(shapes, spec) if out_shm else {}
+    shm_outputs = {name: (out_placements[name], regions.output(out_placements[name], sizes[name], f"output {name!r}"))
+                   for name in outputs if name in out_shm}
+    return Decoded(work=work, outputs=outputs, raw=raw, shm_outputs=shm_outputs)
 
 
 # Why a graph holds the attention matrix, for the message that refuses a request over the bound.
@@ -177,7 +207,7 @@ def _check_bool_bytes(name: str, data: bytes) -> None:
     numpy would read it as some truth value of its own, silently). A small mask is checked by
     bytes.translate (numpy's max has a reduction's fixed cost, on the event loop for every
     request); a large one by numpy (its max is the faster there)."""
-    if len(data) < _BOOL_TRANSLATE_MAX_BYTES and not data.translate(None, b"\x00\x01"):
+    if len(data) < _BOOL_TRANSLATE_MAX_BYTES and isinstance(data, bytes) and not data.translate(None, b"\x00\x01"):
         return
     octets = np.frombuffer(data, dtype=np.uint8)
     if octets.size and octets.max() > 1:
@@ -280,7 +310,15 @@ def encode(request: "InferRequest | pb.ModelInferRequest", decoded: Decoded, res
     for name in decoded.outputs:
         array = result.output if name == "output" else result.attn_probs
         tensor = response.outputs.add(name=name, datatype="FP32", shape=array.shape)
-        if decoded.raw:
+        if name in decoded.shm_outputs:  # written there already (server.answers)
+            placement = decoded.shm_outputs[name][0]
+            tensor.parameters[shm.REGION].string_param = placement.region
+            tensor.parameters[shm.BYTE_SIZE].int64_param = array.nbytes
+            if placement.offset:
+                tensor.parameters[shm.OFFSET].int64_param = placement.offset
+            if decoded.raw:
+                raw_outputs.append(_NO_BYTES)  # raw entries stay one per output (Triton's, tritonclient's indexing)
+        elif decoded.raw:
             raw_outputs.append(np.ascontiguousarray(array, dtype="<f4"))
         else:
             tensor.contents.MergeFromString(_packed("fp32_contents", np.ascontiguousarray(array, dtype="<f4")))
@@ -289,6 +327,9 @@ def encode(request: "InferRequest | pb.ModelInferRequest", decoded: Decoded, res
     if sum(a.nbytes for a in raw_outputs) < WIRE_MIN_BYTES:
         answer.as_message()  # small: protobuf's own serialization is the cheaper one
     return answer
+
+
+_NO_BYTES = np.empty(0, dtype="<f4")
 
 
 # -- the wire: raw tensor bytes without protobuf's copies (attnserve.proto.wire) -------------------

@@ -95,6 +95,11 @@ class ServerConfig:
     worker_heartbeat_timeout_s: float = 20.0
     # One line per call (server.tracing: transport, peer, model, status, times, bytes, trace id).
     access_log: bool = False
+    # Triton's system shared memory extension (server.shm, docs/shared-memory.md): off by default,
+    # since a registered region lets a caller on this host have the server read and write there.
+    allow_shared_memory: bool = False
+    shared_memory_max_regions: int = 64  # regions registered at once
+    shared_memory_max_bytes: int = 4 * 1024**3  # bytes of all registered regions together
     # Security (server/security.py). TLS when both cert and key are given; mutual TLS (client
     # certificates required) when a client CA is given too; bearer tokens when a token file is.
     tls_cert: Path | None = None  # PEM certificate chain of the server
@@ -140,6 +145,12 @@ class ServerConfig:
             raise ValueError(f"max_padding_ratio must be in [0, 1), got {self.max_padding_ratio}")
         if self.workers is not None and self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if (self.workers or 1) > 1 and self.allow_shared_memory:
+            raise ValueError("--workers above 1 cannot be combined with --allow-shared-memory: a region registered "
+                             "through one worker would be unknown to the others (use --workers 1)")
+        for name in ("shared_memory_max_regions", "shared_memory_max_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if (self.workers or 1) > 1 and self.model_control_mode == "explicit":
             raise ValueError("--workers above 1 cannot be combined with --model-control-mode explicit: a model "
                              "loaded or unloaded through one worker would not change the others' (use --workers 1, "
@@ -223,6 +234,11 @@ _HELP: dict[str, str] = {
                                   "and replaced",
     "access_log": "one access line per call: transport, peer, model, status, duration, queue and run time, "
                   "bytes, trace id (a switch; or true/false)",
+    "allow_shared_memory": "serve Triton's system shared memory extension: tensors read from and written to "
+                           "regions that callers on this host register (a switch; or true/false; implies one worker)",
+    "shared_memory_max_regions": "shared memory regions registered at once",
+    "shared_memory_max_bytes": "bytes of all registered shared memory regions together (also counted in the "
+                               "memory budget)",
     "tls_cert": "PEM certificate chain: serve TLS (with --tls-key)",
     "tls_key": "PEM private key of --tls-cert",
     "tls_client_ca": "PEM roots: require client certificates signed by them (mutual TLS)",

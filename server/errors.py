@@ -23,6 +23,7 @@ from attnserve.server.echo import capped
 from attnserve.server.lifecycle import MemoryExhausted, MemoryTooLarge
 from attnserve.server.models import ModelControlDisabled, ModelLoadFailed, ModelNotFound, ModelUnavailable
 from attnserve.server.ratelimit import CLIENT_ERRORS
+from attnserve.server.shm import SharedMemoryUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ _STATUS: dict[type[BaseException], tuple[grpc.StatusCode, int]] = {
     DeadlineExpired: (_S.DEADLINE_EXCEEDED, 504),
     BatcherClosed: (_S.UNAVAILABLE, 503),  # never computed: safe to retry elsewhere
     ShuttingDown: (_S.UNAVAILABLE, 503),  # likewise
+    SharedMemoryUnavailable: (_S.UNAVAILABLE, 503),  # an extension off here (server.shm says why)
     Unauthenticated: (_S.UNAUTHENTICATED, 401),
     ClientGone: (_S.CANCELLED, 499),  # nobody reads the answer; counted apart from server faults
     BatchFailed: (_S.INTERNAL, 500),  # details: its public message; logged by the batcher

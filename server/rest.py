@@ -40,7 +40,7 @@ from attnserve.server.lifecycle import Admission, Draining, MemoryBudget, Memory
 from attnserve.server.ratelimit import CLIENT_ERRORS
 from attnserve.server.listen import listen_addresses
 from attnserve.server.rest_codec import (HEADER_LENGTH, as_json, check_json_answer, encode_infer, json_parse_bytes,
-                                         parse_infer, parse_json)
+                                         parse_infer, parse_json, parse_shm_register)
 from attnserve.server.security import OPEN_PATH_PREFIXES, REFUSAL, BearerToken
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class _Route:
 
 
 _M = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
+_SHM = r"/v2/systemsharedmemory"
 _ROUTES = (
     _Route(re.compile(r"/v2/health/live"), "GET", "_live"),
     _Route(re.compile(r"/v2/health/ready"), "GET", "_ready"),
@@ -85,6 +86,14 @@ _ROUTES = (
     _Route(re.compile(r"/v2/repository/models/(?P<model>[^/]+)/load"), "POST", "_load"),
     _Route(re.compile(r"/v2/repository/models/(?P<model>[^/]+)/unload"), "POST", "_unload"),
     _Route(re.compile(_M), "GET", "_model_metadata"),
+    # Triton's shared memory extension (server.shm).
+    _Route(re.compile(_SHM + r"/status"), "GET", "_shm_status"),
+    _Route(re.compile(_SHM + r"/region/(?P<region>[^/]+)/status"), "GET", "_shm_status"),
+    _Route(re.compile(_SHM + r"/region/(?P<region>[^/]+)/register"), "POST", "_shm_register"),
+    _Route(re.compile(_SHM + r"/unregister"), "POST", "_shm_unregister"),
+    _Route(re.compile(_SHM + r"/region/(?P<region>[^/]+)/unregister"), "POST", "_shm_unregister"),
+    _Route(re.compile(r"/v2/cudasharedmemory(?:/.*)?"), "GET", "_cuda_shm"),
+    _Route(re.compile(r"/v2/cudasharedmemory(?:/.*)?"), "POST", "_cuda_shm"),
 )
 
 
@@ -348,6 +357,24 @@ class RestPort:
         await self._parameters(request, "unload", allowed=("unload_dependents",))
         await self._answers.unload("", model)
         return _json_response({})
+
+    async def _shm_status(self, request: web.BaseRequest, region: str = "") -> web.Response:
+        return _json_response([{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
+                               for r in self._answers.shm_status(region)])
+
+    async def _shm_register(self, request: web.BaseRequest, region: str) -> web.Response:
+        body = await self._body(request) if request.can_read_body else b""
+        document = parse_shm_register(body, region)
+        self._answers.shm_register(region, document["key"], document["offset"], document["byte_size"])
+        return _json_response({})
+
+    async def _shm_unregister(self, request: web.BaseRequest, region: str = "") -> web.Response:
+        self._answers.shm_unregister(region)
+        return _json_response({})
+
+    async def _cuda_shm(self, request: web.BaseRequest) -> web.Response:
+        self._answers.cuda_shm()
+        return _json_response({})  # not reached: cuda_shm raises
 
     async def _parameters(self, request: web.BaseRequest, what: str, allowed: tuple[str, ...]) -> None:
         document = await self._json_body(request, {})

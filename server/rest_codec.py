@@ -27,6 +27,7 @@ from google.protobuf.message import Message
 
 from attnserve.proto import inference_pb2 as pb
 from attnserve.contract import OUTPUT_NAMES
+from attnserve.server import shm
 from attnserve.server.codec import InferResponse, output_bytes
 from attnserve.server.repository import ModelSpec
 from attnserve.server.echo import echo
@@ -164,9 +165,13 @@ def parse_infer(body: bytes, header_length: int | None, model_name: str, model_v
         if not isinstance(datatype, str):
             raise ValueError(f"input {name!r}: datatype must be a string, got {echo(datatype)}")
         shape = _shape(entry.get("shape"), name)
-        request.inputs.add(name=name, datatype=datatype, shape=shape)
-        size = _object(entry.get("parameters", {}), f"input {name!r}: parameters").get("binary_data_size")
-        if size is not None:
+        tensor = request.inputs.add(name=name, datatype=datatype, shape=shape)
+        input_parameters = _object(entry.get("parameters", {}), f"input {name!r}: parameters")
+        size = input_parameters.get("binary_data_size")
+        if _shm_parameters(input_parameters, tensor.parameters, f"input {name!r}"):
+            if "data" in entry or size is not None:
+                raise ValueError(f"input {name!r}: has {shm.REGION} and data or binary_data_size; use one")
+        elif size is not None:
             if "data" in entry:
                 raise ValueError(f"input {name!r}: has data and binary_data_size; use one")
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -193,10 +198,47 @@ def parse_infer(body: bytes, header_length: int | None, model_name: str, model_v
         name = entry.get("name")
         if not isinstance(name, str):
             raise ValueError(f"each output needs a string name, got {echo(name)}")
-        request.outputs.add(name=name)
+        output = request.outputs.add(name=name)
         output_parameters = _object(entry.get("parameters", {}), f"output {name!r}: parameters")
+        _shm_parameters(output_parameters, output.parameters, f"output {name!r}")
         binary_outputs[name] = _flag(output_parameters, "binary_data", f"output {name!r}") or binary_all
     return request, binary_outputs
+
+
+def _shm_parameters(parameters: dict, into, what: str) -> bool:
+    """Copy a tensor's shared memory parameters (server.shm) from JSON into the request's
+    InferParameter map; whether it names a region. server.shm.placement checks them further."""
+    named = False
+    for key in (shm.REGION, shm.OFFSET, shm.BYTE_SIZE):
+        if key not in parameters:
+            continue
+        value = parameters[key]
+        if key == shm.REGION:
+            if not isinstance(value, str):
+                raise ValueError(f"{what}: {key} must be a string, got {echo(value)}")
+            into[key].string_param = value
+            named = True
+        else:
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
+                raise ValueError(f"{what}: {key} must be a non-negative integer, got {echo(value)}")
+            into[key].int64_param = value
+    return named
+
+
+def parse_shm_register(body: bytes, region: str) -> dict[str, Any]:
+    """A system shared memory register body: {"key": str, "offset": int, "byte_size": int}."""
+    document = _object(_json(body or b"{}"), "the register request")
+    key = document.get("key")
+    if not isinstance(key, str):
+        raise ValueError(f"shared memory region {region!r}: key must be a string, got {echo(key)}")
+    numbers = {}
+    for field, default in (("offset", 0), ("byte_size", None)):
+        value = document.get(field, default)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
+            raise ValueError(f"shared memory region {region!r}: {field} must be an unsigned 64-bit integer, "
+                             f"got {echo(value)}")
+        numbers[field] = value
+    return {"key": key, **numbers}
 
 
 # The most text json writes for one float32 value (as a double: "-1.0000000149011612e-05,").
@@ -213,7 +255,8 @@ def check_json_answer(request: pb.ModelInferRequest, spec: ModelSpec, binary_out
     if any(len(shapes.get(name, ())) != 3 for name in ("query", "key")):
         return
     sizes = output_bytes(shapes, spec)
-    names = [o.name for o in request.outputs] or list(OUTPUT_NAMES)
+    names = [o.name for o in request.outputs if shm.REGION not in o.parameters] if request.outputs else list(
+        OUTPUT_NAMES)
     text = [name for name in names if name in sizes and not binary_outputs.get(name, binary_outputs[""])]
     values = sum(sizes[name] // 4 for name in text)
     if values * JSON_VALUE_BYTES > max_json_bytes:
@@ -234,7 +277,10 @@ def encode_infer(answer: InferResponse, binary_outputs: dict[str, bool]) -> tupl
     outputs, tail = [], []
     for tensor, raw in zip(response.outputs, answer.raw_output_contents or response.raw_output_contents):
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
-        if binary_outputs.get(tensor.name, binary_outputs[""]):
+        if shm.REGION in tensor.parameters:  # its bytes are in the caller's region (server.shm)
+            entry["parameters"] = {key: getattr(p, p.WhichOneof("parameter_choice"))
+                                   for key, p in tensor.parameters.items()}
+        elif binary_outputs.get(tensor.name, binary_outputs[""]):
             entry["parameters"] = {"binary_data_size": memoryview(raw).nbytes}
             tail.append(raw)
         else:

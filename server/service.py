@@ -90,6 +90,38 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStatistics(self, request, context):
         return self._answers.model_statistics(request.name, request.version)
 
+    # -- shared memory (Triton's extension; server.shm) ----------------------------------------
+
+    @_mapped_errors
+    async def SystemSharedMemoryStatus(self, request, context):
+        response = pb.SystemSharedMemoryStatusResponse()
+        for region in self._answers.shm_status(request.name):
+            response.regions[region.name].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(
+                name=region.name, key=region.key, offset=region.offset, byte_size=region.byte_size))
+        return response
+
+    @_mapped_errors
+    async def SystemSharedMemoryRegister(self, request, context):
+        self._answers.shm_register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_mapped_errors
+    async def SystemSharedMemoryUnregister(self, request, context):
+        self._answers.shm_unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @_mapped_errors
+    async def CudaSharedMemoryStatus(self, request, context):
+        self._answers.cuda_shm()
+
+    @_mapped_errors
+    async def CudaSharedMemoryRegister(self, request, context):
+        self._answers.cuda_shm()
+
+    @_mapped_errors
+    async def CudaSharedMemoryUnregister(self, request, context):
+        self._answers.cuda_shm()
+
     # -- inference ---------------------------------------------------------------------------
 
     async def _answered(self, request: codec.InferRequest | pb.ModelInferRequest, context, call: Call | None = None

@@ -161,8 +161,8 @@ def default_workers(config: ServerConfig, cpus: int | None = None) -> int:
     (a load through one worker would not reach the others)."""
     if config.workers is not None:
         return config.workers
-    if config.model_control_mode == "explicit":
-        return 1
+    if config.model_control_mode == "explicit" or config.allow_shared_memory:
+        return 1  # loads and registered regions live in one process
     return max(1, (available_cpus() if cpus is None else cpus) // CPUS_PER_WORKER)
 
 

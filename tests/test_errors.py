@@ -14,6 +14,7 @@ from attnserve.server.errors import (
 from attnserve.server import errors
 from attnserve.server.models import ModelNotFound, ModelUnavailable
 from attnserve.server.ratelimit import RateLimitedLog
+from attnserve.server.shm import SharedMemoryError, SharedMemoryUnavailable
 from tests.server_process import REPO_ROOT
 
 Code = grpc.StatusCode
@@ -39,6 +40,8 @@ def fresh_log_rate(monkeypatch):
     (ShuttingDown("server is shutting down; retry on another replica"), Code.UNAVAILABLE, 503),
     (Unauthenticated("missing or invalid bearer token"), Code.UNAUTHENTICATED, 401),
     (errors.ClientGone("the client went away"), Code.CANCELLED, 499),
+    (SharedMemoryUnavailable("CUDA shared memory is not served"), Code.UNAVAILABLE, 503),
+    (SharedMemoryError("region 'r' runs past its end"), Code.INVALID_ARGUMENT, 400),  # a ValueError
 ])
 def test_each_error_gets_its_status_with_its_own_message(err, code, http, caplog):
     with caplog.at_level(logging.ERROR, logger="attnserve.server.errors"):

@@ -157,6 +157,8 @@ SERVICE_RPCS = {
     "RepositoryIndex": ("RepositoryIndexRequest", "RepositoryIndexResponse", False, False),
     "RepositoryModelLoad": ("RepositoryModelLoadRequest", "RepositoryModelLoadResponse", False, False),
     "RepositoryModelUnload": ("RepositoryModelUnloadRequest", "RepositoryModelUnloadResponse", False, False),
+    **{f"{kind}SharedMemory{call}": (f"{kind}SharedMemory{call}Request", f"{kind}SharedMemory{call}Response", False, False)
+       for kind in ("System", "Cuda") for call in ("Status", "Register", "Unregister")},
 }
 
 
@@ -309,6 +311,28 @@ WIRE_TABLE = [
     ("RepositoryModelLoadRequest", "model_name", 2, STR, OPTIONAL, None),
     ("RepositoryModelUnloadRequest", "repository_name", 1, STR, OPTIONAL, None),
     ("RepositoryModelUnloadRequest", "model_name", 2, STR, OPTIONAL, None),
+    # Triton's shared memory extensions (grpc_service.proto)
+    ("SystemSharedMemoryStatusRequest", "name", 1, STR, OPTIONAL, None),
+    ("SystemSharedMemoryStatusResponse", "regions", 1, MSG, REPEATED, "SystemSharedMemoryStatusResponse.RegionsEntry"),
+    ("SystemSharedMemoryStatusResponse.RegionStatus", "name", 1, STR, OPTIONAL, None),
+    ("SystemSharedMemoryStatusResponse.RegionStatus", "key", 2, STR, OPTIONAL, None),
+    ("SystemSharedMemoryStatusResponse.RegionStatus", "offset", 3, U64, OPTIONAL, None),
+    ("SystemSharedMemoryStatusResponse.RegionStatus", "byte_size", 4, U64, OPTIONAL, None),
+    ("SystemSharedMemoryRegisterRequest", "name", 1, STR, OPTIONAL, None),
+    ("SystemSharedMemoryRegisterRequest", "key", 2, STR, OPTIONAL, None),
+    ("SystemSharedMemoryRegisterRequest", "offset", 3, U64, OPTIONAL, None),
+    ("SystemSharedMemoryRegisterRequest", "byte_size", 4, U64, OPTIONAL, None),
+    ("SystemSharedMemoryUnregisterRequest", "name", 1, STR, OPTIONAL, None),
+    ("CudaSharedMemoryStatusRequest", "name", 1, STR, OPTIONAL, None),
+    ("CudaSharedMemoryStatusResponse", "regions", 1, MSG, REPEATED, "CudaSharedMemoryStatusResponse.RegionsEntry"),
+    ("CudaSharedMemoryStatusResponse.RegionStatus", "name", 1, STR, OPTIONAL, None),
+    ("CudaSharedMemoryStatusResponse.RegionStatus", "device_id", 2, U64, OPTIONAL, None),
+    ("CudaSharedMemoryStatusResponse.RegionStatus", "byte_size", 3, U64, OPTIONAL, None),
+    ("CudaSharedMemoryRegisterRequest", "name", 1, STR, OPTIONAL, None),
+    ("CudaSharedMemoryRegisterRequest", "raw_handle", 2, BYTES, OPTIONAL, None),
+    ("CudaSharedMemoryRegisterRequest", "device_id", 3, I64, OPTIONAL, None),
+    ("CudaSharedMemoryRegisterRequest", "byte_size", 4, U64, OPTIONAL, None),
+    ("CudaSharedMemoryUnregisterRequest", "name", 1, STR, OPTIONAL, None),
 ]
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 
+from attnserve.client import codec
 from attnserve.client.aio import AsyncInferenceClient
 from attnserve.client.batch.manifest import Manifest
 from attnserve.client.batch.plan import Chunk
@@ -28,6 +29,7 @@ from attnserve.client.batch.workdir import WorkDir
 from attnserve.client.errors import InferenceError
 from attnserve.client.options import ClientOptions
 from attnserve.client.tracecontext import JobTrace
+from attnserve.client.shm import EXTENSION, SharedMemorySlot, same_host
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,7 @@ class Runner:
         self._progress = progress
         self._summary = summary
         self._failure: ChunkFailure | None = None
+        self._slots: asyncio.Queue[SharedMemorySlot] | None = None  # shared memory, when used
 
     @property
     def version(self) -> str:
@@ -74,24 +77,72 @@ class Runner:
         """Run every chunk, or stop launching at the first failure and return it."""
         reader = ShardReader(self._shards, chunks)
         async with AsyncInferenceClient(self._options) as client:
-            rest = iter(chunks)
-            if not self.manifest.pinned:
-                first = next(rest, None)
-                if first is not None:
-                    await self._guarded(client, reader, first)
-            slots = asyncio.Semaphore(self._job.concurrency)
-            in_flight: set[asyncio.Task] = set()
-            for chunk in rest:
-                await slots.acquire()  # the sliding window: start a chunk only when a slot frees
-                if self._failure is not None:
-                    slots.release()
-                    break
-                task = asyncio.create_task(self._guarded(client, reader, chunk))
-                in_flight.add(task)
-                task.add_done_callback(lambda t: (in_flight.discard(t), slots.release()))
-            if in_flight:
-                await asyncio.gather(*in_flight)
-            self._summary.retries = client.retry_count
+            try:
+                await self._open_slots(client)
+                return await self._compute(client, reader, chunks)
+            finally:
+                await self._close_slots(client)
+
+    async def _open_slots(self, client: AsyncInferenceClient) -> None:
+        """--shared-memory auto: one pair of regions per request in flight, when the server is on
+        this host and lists the extension."""
+        if self._job.shared_memory != "auto" or not same_host(self._options.url):
+            return
+        if EXTENSION not in (await client.server_metadata(timeout_s=self._job.timeout_s)).extensions:
+            return
+        metadata = await client.model_metadata(self._job.model, self._job.model_version, timeout_s=self._job.timeout_s)
+        output, probs = metadata.output("output"), metadata.output("attn_probs")
+        if output is None or probs is None or output.shape[-1] < 1 or probs.shape[1] < 1:
+            return
+        self._slots = asyncio.Queue()
+        for index in range(self._job.concurrency):
+            self._slots.put_nowait(SharedMemorySlot(f"attnserve-batch-{index}", output.shape[-1], probs.shape[1]))
+        self._summary.shared_memory = True
+
+    async def _close_slots(self, client: AsyncInferenceClient) -> None:
+        slots, self._slots = self._slots, None
+        while slots is not None and not slots.empty():
+            try:
+                await slots.get_nowait().close(client)
+            except Exception:  # the server is gone: its regions went with it; ours are unlinked
+                pass
+
+    async def _infer(self, client: AsyncInferenceClient, inputs: dict) -> codec.InferResult:
+        if self._slots is None:
+            return await client.infer_result(
+                self._job.model, inputs["query"], inputs["key"], inputs["value"], inputs.get("mask"),
+                self._job.outputs, model_version=self.version, timeout_s=self._job.timeout_s,
+                metadata=self._trace.call_metadata())
+        slot = await self._slots.get()
+        try:
+            checked = codec.validate_inputs(inputs["query"], inputs["key"], inputs["value"], inputs.get("mask"))
+            result = await slot.infer(client, self._job.model, checked, self._job.outputs, model_version=self.version,
+                                      timeout_s=self._job.timeout_s, metadata=self._trace.call_metadata())
+            codec.check_output_shapes(result.outputs, checked)
+            return result
+        finally:
+            self._slots.put_nowait(slot)
+
+    async def _compute(self, client: AsyncInferenceClient, reader: ShardReader, chunks: list[Chunk]
+                       ) -> ChunkFailure | None:
+        rest = iter(chunks)
+        if not self.manifest.pinned:
+            first = next(rest, None)
+            if first is not None:
+                await self._guarded(client, reader, first)
+        slots = asyncio.Semaphore(self._job.concurrency)
+        in_flight: set[asyncio.Task] = set()
+        for chunk in rest:
+            await slots.acquire()  # the sliding window: start a chunk only when a slot frees
+            if self._failure is not None:
+                slots.release()
+                break
+            task = asyncio.create_task(self._guarded(client, reader, chunk))
+            in_flight.add(task)
+            task.add_done_callback(lambda t: (in_flight.discard(t), slots.release()))
+        if in_flight:
+            await asyncio.gather(*in_flight)
+        self._summary.retries = client.retry_count
         return self._failure
 
     async def _guarded(self, client: AsyncInferenceClient, reader: ShardReader, chunk: Chunk) -> None:
@@ -105,11 +156,7 @@ class Runner:
     async def _run_chunk(self, client: AsyncInferenceClient, reader: ShardReader, chunk: Chunk) -> None:
         inputs = await reader.read(chunk)
         self._summary.requests += 1
-        result = await client.infer_result(
-            self._job.model, inputs["query"], inputs["key"], inputs["value"], inputs.get("mask"),
-            self._job.outputs, model_version=self.version, timeout_s=self._job.timeout_s,
-            metadata=self._trace.call_metadata(),
-        )
+        result = await self._infer(client, inputs)
         if not self.manifest.pinned:  # the first chunk, run alone: pin before its part exists
             self.manifest = self.manifest.pin(result.model_version)
             await asyncio.to_thread(self._workdir.write_manifest, self.manifest)

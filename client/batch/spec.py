@@ -12,6 +12,7 @@ from attnserve.contract import OUTPUT_NAMES
 
 DEFAULT_BATCH_SIZE = 32  # the server's default max_batch_size: one request fills one run
 DEFAULT_CONCURRENCY = 4
+SHARED_MEMORY_MODES = ("auto", "off")
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class BatchSummary:
     retries: int = 0
     errors: int = 0
     trace_id: str = ""  # the W3C trace its calls were sent in (client.tracecontext); "": none sent
+    shared_memory: bool = False  # tensors went through system shared memory (--shared-memory auto)
 
     @property
     def items_per_s(self) -> float:
@@ -39,7 +41,8 @@ class BatchSummary:
         return (f"batch: {self.items} items ({self.computed} computed, {self.resumed} resumed) "
                 f"in {self.seconds:.2f} s, {rate}, {self.requests} requests, "
                 f"{self.retries} retries, {self.errors} errors"
-                + (f", trace {self.trace_id}" if self.trace_id else ""))
+                + (f", trace {self.trace_id}" if self.trace_id else "")
+                + (", tensors through shared memory" if self.shared_memory else ""))
 
 
 class BatchError(Exception):
@@ -61,6 +64,9 @@ class BatchJob:
     # (index, count): this process computes share `index` of `count` (`--shard index/count`,
     # shards.take_share) and writes it alone to output_path; None: every item.
     shard: tuple[int, int] | None = None
+    # auto: tensors through system shared memory when the server is on this host and allows it
+    # (docs/shared-memory.md); off: always in the messages.
+    shared_memory: str = "off"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_path", Path(self.input_path))
@@ -70,6 +76,8 @@ class BatchJob:
             raise ValueError("model must not be empty")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.shared_memory not in SHARED_MEMORY_MODES:
+            raise ValueError(f"shared_memory must be one of {', '.join(SHARED_MEMORY_MODES)}, got {self.shared_memory!r}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.shard is not None:

@@ -1,0 +1,498 @@
+"""Triton's system shared memory extension (server.shm), through NVIDIA's tritonclient unmodified.
+
+tritonclient.utils.shared_memory creates the regions; tritonclient.grpc and tritonclient.http
+register them and name them in inputs and requested outputs. Answers are compared with the
+seeds' code (tests.seed_reference's seed 000 with the served weights; our module for the cross
+preset, which test_attention holds to seed 002). Every refusal is checked with the server
+serving on afterwards; a region unregistered while a request (held at the gate) uses it stays
+mapped until it ends; 1,000 register/unregister cycles leave the server's fds and mappings as
+they were.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import InferenceServerException
+
+from attnserve.contract import DATATYPES, INPUT_NAMES, OUTPUT_NAMES
+from attnserve.server import shm as server_shm
+from attnserve.server.lifecycle import MemoryBudget
+from tests.gated_server import GatedServer
+from tests.oip import CASES, WIDTHS, eager, random_inputs
+from tests.seed_reference import Seed000MultiHeadAttention
+from tests.server_process import ServerProcess
+
+TOLERANCE = 1e-5
+MAX_MESSAGE_BYTES = 4 << 20
+MAX_REGIONS = 6
+MAX_BYTES = 48 << 20
+_keys = itertools.count()
+
+
+def _key() -> str:
+    return f"/attnserve-test-{os.getpid()}-{next(_keys)}"
+
+
+@pytest.fixture(scope="module")
+def shm_server(model_repository):
+    proc = ServerProcess(model_repository, "--allow-shared-memory", "--max-message-bytes", str(MAX_MESSAGE_BYTES),
+                         "--shared-memory-max-regions", str(MAX_REGIONS),
+                         "--shared-memory-max-bytes", str(MAX_BYTES))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture()
+def grpc_client(shm_server):
+    client = grpcclient.InferenceServerClient(url=shm_server.address)
+    client.unregister_system_shared_memory()
+    yield client
+    client.unregister_system_shared_memory()
+    client.close()
+
+
+@pytest.fixture()
+def http_client(shm_server):
+    client = httpclient.InferenceServerClient(url=shm_server.http_address)
+    client.unregister_system_shared_memory()
+    yield client
+    client.unregister_system_shared_memory()
+    client.close()
+
+
+@pytest.fixture()
+def regions():
+    """Regions this test created; destroyed (unlinked) after it."""
+    create = _Regions()
+    yield create
+    for handle in create.made:
+        shm.destroy_shared_memory_region(handle)
+
+
+class _Regions:
+    def __init__(self) -> None:
+        self.made: list = []
+
+    def __call__(self, name: str, byte_size: int):
+        handle = shm.create_shared_memory_region(name, _key(), byte_size)
+        self.made.append(handle)
+        return handle
+
+
+@pytest.fixture(scope="module")
+def references(eager_modules):
+    """Seed 000's own class with the served weights for self_attention; our module for cross."""
+    ours = eager_modules["self_attention"]
+    seed = Seed000MultiHeadAttention(d_model=512, n_heads=8, dropout=0.1)
+    names = {"to_q": "Wq", "to_k": "Wk", "to_v": "Wv", "to_out": "Wo"}
+    seed.load_state_dict({f"{names[k.split('.')[0]]}.{k.split('.')[1]}": v for k, v in ours.state_dict().items()})
+    return {"self_attention": seed.eval(), "cross_attention": eager_modules["cross_attention"]}
+
+
+def _want(module, x: dict) -> dict:
+    mask = x["mask"]
+    if isinstance(module, Seed000MultiHeadAttention) and mask is not None:
+        mask = mask[:, None]  # (b, lq, lk) is the same for every head: seed 000 takes it as (b, 1, lq, lk)
+    return eager(module, x["query"], x["key"], x["value"], mask)
+
+
+def _sizes(x: dict, heads: int, out_dim: int) -> dict[str, int]:
+    b, lq, _ = x["query"].shape
+    lk = x["key"].shape[1]
+    return {"output": b * lq * out_dim * 4, "attn_probs": b * heads * lq * lk * 4}
+
+
+HEADS = {"self_attention": 8, "cross_attention": 2}
+
+
+def _shm_infer(module, client, model: str, x: dict, regions, in_shm: bool = True,
+               out_in_shm: tuple[str, ...] = OUTPUT_NAMES, tag: str = "") -> dict[str, np.ndarray]:
+    """One request with its inputs packed in one region (at offsets) and `out_in_shm` outputs
+    packed in another; the rest of the outputs come in the answer."""
+    arrays = [(name, x[name]) for name in INPUT_NAMES if x.get(name) is not None]
+    inputs = []
+    if in_shm:
+        total = sum(a.nbytes for _, a in arrays)
+        handle = regions(f"in{tag}", total)
+        shm.set_shared_memory_region(handle, [a for _, a in arrays])
+        module.InferenceServerClient.register_system_shared_memory(client, f"in{tag}", handle._shm_key, total)
+    offset = 0
+    for name, array in arrays:
+        tensor = module.InferInput(name, list(array.shape), DATATYPES[name])
+        if in_shm:
+            tensor.set_shared_memory(f"in{tag}", array.nbytes, offset)
+        else:
+            tensor.set_data_from_numpy(array)
+        offset += array.nbytes
+        inputs.append(tensor)
+    sizes = _sizes(x, HEADS[model], WIDTHS[model])
+    outputs, placed = [], {}
+    out_total = sum(sizes[name] for name in out_in_shm)
+    out_handle = regions(f"out{tag}", out_total) if out_in_shm else None
+    if out_handle is not None:
+        module.InferenceServerClient.register_system_shared_memory(client, f"out{tag}", out_handle._shm_key, out_total)
+    offset = 0
+    for name in OUTPUT_NAMES:
+        requested = module.InferRequestedOutput(name, binary_data=True) if module is httpclient else \
+            module.InferRequestedOutput(name)
+        if name in out_in_shm:
+            requested.set_shared_memory(f"out{tag}", sizes[name], offset)
+            placed[name] = offset
+            offset += sizes[name]
+        outputs.append(requested)
+    result = client.infer(model, inputs, outputs=outputs)
+    got = {}
+    for name in OUTPUT_NAMES:
+        tensor = result.get_output(name)
+        shape = [int(d) for d in (tensor["shape"] if isinstance(tensor, dict) else tensor.shape)]
+        if name in placed:
+            got[name] = shm.get_contents_as_numpy(out_handle, np.float32, shape, offset=placed[name]).copy()
+        else:
+            got[name] = result.as_numpy(name)
+    return got
+
+
+def _check(got: dict, want: dict, case: str) -> None:
+    for name in OUTPUT_NAMES:
+        assert got[name].shape == want[name].shape, (case, name, got[name].shape)
+        err = float(np.max(np.abs(got[name] - want[name])))
+        assert err <= TOLERANCE, f"{case} {name}: max abs error {err}"
+
+
+@pytest.mark.parametrize("module", [grpcclient, httpclient], ids=["grpc", "rest"])
+def test_both_presets_masks_and_outputs_through_regions(module, grpc_client, http_client, regions, references):
+    client = grpc_client if module is grpcclient else http_client
+    rng = np.random.default_rng(7)
+    for case, (model, b, lq, lk, masked) in CASES.items():
+        x = random_inputs(rng, b, lq, lk, WIDTHS[model], WIDTHS[model], masked=masked, fully_masked_row=masked)
+        want = _want(references[model], x)
+        _check(_shm_infer(module, client, model, x, regions, tag=case), want, case)
+        # Mixed: inputs in the message, `output` in a region, attn_probs in the answer.
+        _check(_shm_infer(module, client, model, x, regions, in_shm=False, out_in_shm=("output",), tag=case + "m"),
+               want, case + " mixed")
+        client.unregister_system_shared_memory()
+    assert "system_shared_memory" in grpc_client.get_server_metadata(as_json=True)["extensions"]
+
+
+def test_attn_probs_over_the_message_limit_come_through_a_region(grpc_client, regions, references):
+    rng = np.random.default_rng(3)
+    x = random_inputs(rng, 1, 512, 512, 512, 512)  # attn_probs: 1 x 8 x 512 x 512 x 4 = 8 MiB
+    assert _sizes(x, 8, 512)["attn_probs"] > MAX_MESSAGE_BYTES
+    with pytest.raises(InferenceServerException) as exc:  # the same request answered in the message
+        _shm_infer(grpcclient, grpc_client, "self_attention", x, regions, out_in_shm=(), tag="plain")
+    assert exc.value.status() == "StatusCode.INVALID_ARGUMENT" and "message limit" in exc.value.message()
+    got = _shm_infer(grpcclient, grpc_client, "self_attention", x, regions, tag="big")
+    _check(got, _want(references["self_attention"], x), "over the message limit")
+
+
+def _refused(call, *words: str, status: str = "StatusCode.INVALID_ARGUMENT") -> str:
+    with pytest.raises(InferenceServerException) as exc:
+        call()
+    message = exc.value.message()
+    assert str(exc.value.status()) in (status, "400", "503"), (exc.value.status(), message)
+    for word in words:
+        assert word in message, (word, message)
+    return message
+
+
+def test_each_validation_case_is_refused_and_the_server_serves_on(grpc_client, http_client, regions, references):
+    good = regions("good", 1 << 16)
+    register = grpc_client.register_system_shared_memory
+    # Keys that are not plain shm names; a key that does not exist.
+    for key in ("/a/b", "/..", "/.", "/bad\0key", "", "/", "/" + "k" * 300):
+        _refused(lambda: register("r", key, 16), "not a POSIX shm key")
+    _refused(lambda: register("r", "/attnserve-test-absent", 16), "'r'", "cannot open")
+    _refused(lambda: register("r", "/../etc/passwd", 16), "not a POSIX shm key")
+    # Offsets and sizes against the object (64 KiB), overflow included.
+    _refused(lambda: register("r", good._shm_key, (1 << 16) + 1), "'r'", "runs past the end", "65536 bytes")
+    _refused(lambda: register("r", good._shm_key, 16, offset=(1 << 16) - 8), "runs past the end")
+    _refused(lambda: register("r", good._shm_key, 2, offset=(1 << 64) - 1), "runs past the end")
+    _refused(lambda: register("r", good._shm_key, 0), "byte_size at least 1")
+    # The name is taken; the count and bytes bounds.
+    register("good", good._shm_key, 1 << 16)
+    _refused(lambda: register("good", good._shm_key, 16), "'good'", "already registered")
+    for i in range(MAX_REGIONS - 1):
+        register(f"extra{i}", good._shm_key, 16)
+    _refused(lambda: register("one-more", good._shm_key, 16), "'one-more'", f"bound is {MAX_REGIONS}",
+             "--shared-memory-max-regions")
+    grpc_client.unregister_system_shared_memory()
+    big = regions("big", MAX_BYTES)
+    register("big", big._shm_key, MAX_BYTES)
+    _refused(lambda: register("more", good._shm_key, 16), "'more'", f"{MAX_BYTES:,}", "--shared-memory-max-bytes")
+    grpc_client.unregister_system_shared_memory()
+    # Unknown names.
+    _refused(lambda: grpc_client.unregister_system_shared_memory("nope"), "'nope'", "not registered")
+    _refused(lambda: grpc_client.get_system_shared_memory_status("nope"), "'nope'", "not registered")
+
+    # Requests: placements checked against the region (64 KiB holds a (1, 4, 512) query at most).
+    register("good", good._shm_key, 1 << 16)
+    x = random_inputs(np.random.default_rng(1), 1, 4, 4, 512, 512)
+
+    def infer(placements: dict, outputs: dict | None = None):
+        inputs = []
+        for name in ("query", "key", "value"):
+            tensor = grpcclient.InferInput(name, list(x[name].shape), "FP32")
+            if name in placements:
+                tensor.set_shared_memory(*placements[name])
+            else:
+                tensor.set_data_from_numpy(x[name])
+            inputs.append(tensor)
+        requested = []
+        for name, placement in (outputs or {}).items():
+            requested.append(grpcclient.InferRequestedOutput(name))
+            requested[-1].set_shared_memory(*placement)
+        return grpc_client.infer("self_attention", inputs, outputs=requested or None)
+
+    nbytes = x["query"].nbytes  # 8 KiB
+    _refused(lambda: infer({"query": ("good", nbytes - 4)}), "'query'", f"{nbytes:,} bytes", "'good'")
+    _refused(lambda: infer({"query": ("good", nbytes, (1 << 16) - nbytes + 4)}), "'query'", "runs past the end",
+             "'good'", "65,536 bytes")
+    _refused(lambda: infer({"query": ("good", nbytes, (1 << 63) - 1)}), "'query'", "runs past the end")
+    _refused(lambda: infer({"query": ("absent", nbytes)}), "'absent'", "not registered")
+    _refused(lambda: infer({}, {"output": ("good", 100)}), "'output'", "at least 8,192 bytes")
+    _refused(lambda: infer({}, {"output": ("good", 1 << 16, 8)}), "'output'", "runs past the end")
+    # REST: the same checks, 400.
+    with pytest.raises(InferenceServerException) as exc:
+        http_client.register_system_shared_memory("r", "/a/b", 16)
+    assert "not a POSIX shm key" in exc.value.message()
+    _refused(lambda: http_client.unregister_system_shared_memory("nope"), "'nope'", "not registered")
+    tensor = httpclient.InferInput("query", list(x["query"].shape), "FP32")
+    tensor.set_shared_memory("good", nbytes + 4)
+    rest_inputs = [tensor] + [httpclient.InferInput(n, list(x[n].shape), "FP32") for n in ("key", "value")]
+    for t, n in zip(rest_inputs[1:], ("key", "value")):
+        t.set_data_from_numpy(x[n])
+    _refused(lambda: http_client.infer("self_attention", rest_inputs), "'query'", f"{nbytes:,} bytes")
+
+    # The server serves on: a region request answers right.
+    assert grpc_client.is_server_live()
+    after = random_inputs(np.random.default_rng(2), 1, 5, 5, 512, 512)
+    _check(_shm_infer(grpcclient, grpc_client, "self_attention", after, regions, tag="after"),
+           _want(references["self_attention"], after), "after the refusals")
+    status = grpc_client.get_system_shared_memory_status(as_json=True)["regions"]
+    assert status["good"]["key"] == good._shm_key and int(status["good"]["byte_size"]) == 1 << 16
+    assert {r["name"] for r in http_client.get_system_shared_memory_status()} == {"good", "inafter", "outafter"}
+
+
+def _fds(pid: int) -> list[str]:
+    fds = []
+    for entry in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/{pid}/fd/{entry}"))
+        except FileNotFoundError:
+            pass
+    return fds
+
+
+def _maps(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/maps").read_text().splitlines()
+
+
+def test_a_thousand_register_unregister_cycles_leave_fds_and_mappings(grpc_client, shm_server, regions):
+    handle = regions("cycled", 1 << 16)
+    key = handle._shm_key
+    pid = shm_server.proc.pid
+    for _ in range(10):  # warm: gRPC's and Python's own first-call allocations
+        grpc_client.register_system_shared_memory("cycled", key, 4096, offset=4096)
+        grpc_client.unregister_system_shared_memory("cycled")
+    fds, maps = len(_fds(pid)), len(_maps(pid))
+    grpc_client.register_system_shared_memory("cycled", key, 4096, offset=4096)
+    assert sum(key in line for line in _maps(pid)) == 1 and sum(key in f for f in _fds(pid)) == 1
+    grpc_client.unregister_system_shared_memory("cycled")
+    for i in range(1000):
+        grpc_client.register_system_shared_memory("cycled", key, 4096 + i % 7, offset=i % 5 * 4096)
+        grpc_client.unregister_system_shared_memory("cycled")
+    assert sum(key in line for line in _maps(pid)) == 0
+    assert sum(key in f for f in _fds(pid)) == 0
+    assert len(_fds(pid)) == fds
+    assert len(_maps(pid)) <= maps + 2  # the allocator may map an arena; a leak would be a thousand
+
+
+def test_off_by_default(server, regions):
+    client = grpcclient.InferenceServerClient(url=server.address)
+    try:
+        assert "system_shared_memory" not in client.get_server_metadata(as_json=True)["extensions"]
+        handle = regions("off", 4096)
+        _refused(lambda: client.register_system_shared_memory("off", handle._shm_key, 4096), "--allow-shared-memory",
+                 status="StatusCode.UNAVAILABLE")
+        tensor = grpcclient.InferInput("query", [1, 2, 512], "FP32")
+        tensor.set_shared_memory("off", 4096)
+        others = [grpcclient.InferInput(n, [1, 2, 512], "FP32") for n in ("key", "value")]
+        for t in others:
+            t.set_data_from_numpy(np.zeros((1, 2, 512), np.float32))
+        _refused(lambda: client.infer("self_attention", [tensor, *others]), "'query'", "--allow-shared-memory")
+        assert client.is_server_ready()
+    finally:
+        client.close()
+    rest = httpclient.InferenceServerClient(url=server.http_address)
+    try:
+        _refused(lambda: rest.get_system_shared_memory_status(), "--allow-shared-memory")
+    finally:
+        rest.close()
+
+
+def test_cuda_shared_memory_says_why_it_is_unavailable(grpc_client, http_client):
+    _refused(lambda: grpc_client.get_cuda_shared_memory_status(), "CUDA shared memory is not served",
+             status="StatusCode.UNAVAILABLE")
+    _refused(lambda: grpc_client.register_cuda_shared_memory("c", b"\0" * 64, 0, 16), "no GPU here",
+             status="StatusCode.UNAVAILABLE")
+    _refused(lambda: http_client.get_cuda_shared_memory_status(), "CUDA shared memory is not served")
+    assert "cuda_shared_memory" not in grpc_client.get_server_metadata(as_json=True)["extensions"]
+
+
+def test_a_region_unregistered_in_use_stays_mapped_until_the_request_ends(model_repository, regions, references):
+    x = random_inputs(np.random.default_rng(5), 1, 6, 6, 512, 512)
+    x["mask"] = None
+    with GatedServer(model_repository, "--allow-shared-memory") as proc:
+        client = grpcclient.InferenceServerClient(url=proc.address)
+        try:
+            answer: dict = {}
+            thread = threading.Thread(target=lambda: answer.update(
+                got=_shm_infer(grpcclient, client, "self_attention", x, regions, tag="held")))
+            thread.start()
+            proc.gate.wait_started()  # the request is in its run, reading the input region
+            in_key = next(h._shm_key for h in regions.made if h._triton_shm_name == "inheld")
+            client.unregister_system_shared_memory()
+            assert client.get_system_shared_memory_status(as_json=True).get("regions", {}) == {}
+            assert sum(in_key in line for line in _maps(proc.proc.pid)) == 1  # still mapped: in use
+            proc.gate.release()
+            thread.join(60)
+            _check(answer["got"], _want(references["self_attention"], x), "unregistered in use")
+            assert sum(in_key in line for line in _maps(proc.proc.pid)) == 0  # unmapped once it ended
+            assert client.is_server_live()
+        finally:
+            client.close()
+
+
+
+# -- server.shm on its own ---------------------------------------------------------------------
+
+
+def test_keys_are_plain_shm_names():
+    assert server_shm.check_key("/abc") == "abc" and server_shm.check_key("abc.d-e_f") == "abc.d-e_f"
+    for key in ("", "/", "/a/b", "a/b", "/..", "..", ".", "/a\0b", "/" + "x" * 255):
+        with pytest.raises(server_shm.SharedMemoryError):
+            server_shm.check_key(key)
+
+
+def test_mapped_bytes_are_reserved_in_the_memory_budget(regions):
+    handle = regions("budgeted", 1 << 20)
+    budget = MemoryBudget(4 << 20)
+    table = server_shm.SystemSharedMemory(8, 1 << 30, budget)
+    table.register("a", handle._shm_key, 0, 1 << 20)
+    assert budget.reserved_bytes == 1 << 20
+    with pytest.raises(Exception, match="memory budget"):  # 1 MiB more would not fit beside the waiting room
+        for name in "bcd":
+            table.register(name, handle._shm_key, 0, 1 << 20)
+    table.unregister()
+    assert budget.reserved_bytes == 0 and table.mapped == 0
+
+
+def test_a_lease_keeps_an_unregistered_region_mapped(regions):
+    handle = regions("leased", 4096)
+    shm.set_shared_memory_region(handle, [np.arange(8, dtype=np.float32)])
+    table = server_shm.SystemSharedMemory(8, 1 << 30)
+    table.register("r", handle._shm_key, 0, 4096)
+    lease = table.lease()
+    view = lease.input(server_shm.Placement("r", 4, 8), 8, "input 'query'")
+    table.unregister("r")
+    assert table.mapped == 1 and table.status() == []
+    table.register("r", handle._shm_key, 0, 4096)  # the name is free again
+    assert np.frombuffer(view, np.float32).tolist() == [1.0, 2.0]
+    assert not np.frombuffer(view, np.float32).flags.writeable
+    del view
+    lease.release()
+    assert table.mapped == 1  # only the new registration
+    table.close()
+    assert table.mapped == 0
+
+
+def test_the_kubernetes_example_shares_dev_shm_and_enables_the_extension():
+    yaml = pytest.importorskip("yaml")
+    from attnserve.server.config import load_config
+    from tests.server_process import REPO_ROOT
+
+    folder = REPO_ROOT / "deploy" / "k8s" / "shared-memory"
+    (deployment,) = list(yaml.safe_load_all((folder / "deployment.yaml").read_text()))
+    assert yaml.safe_load((folder / "kustomization.yaml").read_text())["resources"] == ["deployment.yaml"]
+    pod = deployment["spec"]["template"]["spec"]
+    (shm_volume,) = [v for v in pod["volumes"] if v["name"] == "shm"]
+    assert shm_volume["emptyDir"]["medium"] == "Memory"
+    server, sidecar = pod["containers"]
+    for container in (server, sidecar):
+        assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"], container["name"]
+    env = {e["name"]: e["value"] for e in server["env"]}
+    config = load_config([], env)
+    assert config.allow_shared_memory and config.workers == 1
+    assert "--shared-memory" in sidecar["command"]
+
+
+def test_the_messages_are_tritons():
+    from tritonclient.grpc import service_pb2 as triton
+
+    from attnserve.proto import inference_pb2 as pb
+
+    def fields(desc):
+        return {(f.name, f.number, f.type, f.label): fields(f.message_type) if f.message_type else None
+                for f in desc.fields}
+
+    names = [n for n in triton.DESCRIPTOR.message_types_by_name if "SharedMemory" in n]
+    assert len(names) == 12
+    for name in names:
+        assert fields(pb.DESCRIPTOR.message_types_by_name[name]) == fields(triton.DESCRIPTOR.message_types_by_name[name])
+    ours = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_name
+    for method in triton.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+        if "SharedMemory" in method.name:
+            assert ours[method.name].input_type.name == method.input_type.name
+
+
+def test_the_batch_cli_goes_through_shared_memory_when_the_server_allows_it(shm_server, server, eager_modules,
+                                                                            tmp_path):
+    from attnserve.client.batch import BatchJob, run_batch
+    from attnserve.client.options import ClientOptions
+    from attnserve.client.shm import same_host
+    from tests.test_batch_job import assert_matches_eager, cli, make_input
+
+    assert same_host(shm_server.address) and same_host("localhost:1") and not same_host("127.0.0.1:1,127.0.0.1:2")
+    shards = [make_input(tmp_path / "in.npz", "cross_attention", 300, 4, 6, seed=4)]
+    objects = {name for name in os.listdir("/dev/shm") if name.startswith("psm_")}  # multiprocessing's
+    for where, allowed in ((shm_server, True), (server, False)):
+        for mode in ("auto", "off"):
+            out = tmp_path / f"{allowed}-{mode}.npz"
+            job = BatchJob(model="cross_attention", input_path=tmp_path / "in.npz", output_path=out,
+                           outputs=("output", "attn_probs"), batch_size=32, concurrency=3, shared_memory=mode)
+            summary = run_batch(job, ClientOptions(url=where.address))
+            assert summary.shared_memory == (allowed and mode == "auto"), (where, mode)
+            assert (summary.computed, summary.errors) == (300, 0)
+            assert_matches_eager(out, eager_modules["cross_attention"], shards, names=("output", "attn_probs"))
+    # The slots unregistered their regions and unlinked them.
+    client = grpcclient.InferenceServerClient(url=shm_server.address)
+    try:
+        assert client.get_system_shared_memory_status(as_json=True).get("regions", {}) == {}
+    finally:
+        client.close()
+    assert {name for name in os.listdir("/dev/shm") if name.startswith("psm_")} <= objects  # unlinked
+    done = cli("--url", shm_server.address, "--model", "cross_attention", "--input", str(tmp_path / "in.npz"),
+               "--output", str(tmp_path / "cli.npz"), "--outputs", "output", "--shared-memory", "auto",
+               "--concurrency", "2")
+    assert done.returncode == 0 and "tensors through shared memory" in done.stdout, done.stderr[-600:]
+
+
+def test_a_small_mask_in_a_large_message_is_checked_not_an_internal_error(server, references):
+    """A message of codec.WIRE_MIN_BYTES or more hands decode memoryviews (no bytes.translate): a
+    mask under the translate path's size must still be checked, not raise AttributeError (INTERNAL)."""
+    from attnserve.client import InferenceClient
+
+    x = random_inputs(np.random.default_rng(9), 1, 600, 6, 512, 512, masked=True)  # 1.2 MB; mask 3,600 bytes
+    with InferenceClient(server.address) as client:
+        got = client.infer("self_attention", x["query"], x["key"], x["value"], mask=x["mask"],
+                           outputs=("output", "attn_probs"))
+    _check(got, _want(references["self_attention"], x), "small mask, large message")
