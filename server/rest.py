@@ -363,8 +363,7 @@ class RestPort:
                                for r in self._answers.shm_status(region)])
 
     async def _shm_register(self, request: web.BaseRequest, region: str) -> web.Response:
-        body = await self._body(request) if request.can_read_body else b""
-        document = parse_shm_register(body, region)
+        document = parse_shm_register(await self._json_body(request, {}), region)
         self._answers.shm_register(region, document["key"], document["offset"], document["byte_size"])
         return _json_response({})
 

@@ -225,9 +225,9 @@ def _shm_parameters(parameters: dict, into, what: str) -> bool:
     return named
 
 
-def parse_shm_register(body: bytes, region: str) -> dict[str, Any]:
-    """A system shared memory register body: {"key": str, "offset": int, "byte_size": int}."""
-    document = _object(_json(body or b"{}"), "the register request")
+def parse_shm_register(parsed: object, region: str) -> dict[str, Any]:
+    """A system shared memory register body, parsed: {"key": str, "offset": int, "byte_size": int}."""
+    document = _object(parsed, "the register request")
     key = document.get("key")
     if not isinstance(key, str):
         raise ValueError(f"shared memory region {region!r}: key must be a string, got {echo(key)}")
