@@ -4,9 +4,9 @@ Used by `attnserve serve` and by the tests alike:
     server = Server(config); port = await server.start(); ...; await server.stop(grace_s)
 
 It creates the state its layers share (server.lifecycle: Draining, Arrivals, Admission) and
-hands it down: the gate, the REST port and Answers hold Draining, the gate and the REST port
+hands it down: the gate, the REST port and RequestPath hold Draining, the gate and the REST port
 update Arrivals and Admission, every Batcher reads Arrivals. Both transports answer through one
-Answers (server.answers): gRPC's servicer and the REST port are adapters over it.
+RequestPath (server.request_path): gRPC's servicer and the REST port are adapters over it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from attnserve.server.listen import listen_addresses
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_http import MetricsEndpoint
 from attnserve.server.models import ModelRegistry, RunBatchFactory
-from attnserve.server.answers import Answers
+from attnserve.server.request_path import RequestPath
 from attnserve.server.repository import ModelLoadError
 from attnserve.server.rest import RestPort
 from attnserve.server.security import bearer_token, server_credentials, server_ssl_context
@@ -134,7 +134,7 @@ class Server:
         self._arrivals = Arrivals()
         self._admission = Admission(self._arrivals)
         self.budget: MemoryBudget | None = None
-        self._settled = False  # server.heap.settle() since the start, and no model change since
+        self._gc_frozen = False  # server.heap.freeze_gc() since the start, and no model change since
 
     async def start(self) -> int:
         """Load the models, bind, serve. Returns the bound gRPC port.
@@ -164,7 +164,7 @@ class Server:
             budget = self.budget
             if budget is not None and budget.used_bytes < MemoryBudget.IDLE_AFTER_BYTES:
                 if budget.large_uses < 2:
-                    heap.uncrowd()
+                    heap.go_roomy()
                 loop.run_in_executor(None, heap.reclaim)
 
         def reclaim_soon() -> None:
@@ -175,22 +175,22 @@ class Server:
 
         def crowded() -> None:
             if not heap.is_lean():
-                heap.crowd()
+                heap.go_lean()
                 loop.run_in_executor(None, heap.trim)
 
         self.budget = MemoryBudget(limit, on_idle=reclaim_soon, on_crowded=crowded)
         self.metrics.watch_budget(self.budget)
         self.registry = ModelRegistry.from_repository(cfg, device, self.metrics, arrivals=self._arrivals,
                                                       run_batch=self._run_batch, budget=self.budget,
-                                                      solitude=self._admission)
+                                                      lone_call_signal=self._admission)
         if not self.registry.known_names() and cfg.model_control_mode == "none":
             raise ModelLoadError(f"the model repository {cfg.model_repository} holds no model (no <name>/config.json): "
                                  "export one (attnserve export), or start with --model-control-mode explicit or "
                                  "poll to load models later")
         self.registry.listener = self._model_changed
         self.registry.start()
-        answers = Answers(self.registry, self.metrics, self._draining)
-        servicer = InferenceServicer(answers, self.budget)
+        request_path = RequestPath(self.registry, self.metrics, self._draining)
+        servicer = InferenceServicer(request_path, self.budget)
 
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -224,10 +224,10 @@ class Server:
         for name in self.registry.known_names():
             await self._model_changed(name, self.registry.ready(name))
         if cfg.data_plane == "native":
-            self.native_port = self._start_native(answers)
+            self.native_port = self._start_native(request_path)
 
         if cfg.http_port >= 0:
-            self._rest = RestPort(answers, self._admission, self._draining, token, cfg.max_message_bytes,
+            self._rest = RestPort(request_path, self._admission, self._draining, token, cfg.max_message_bytes,
                                   cfg.access_log, cfg.max_json_bytes, budget=self.budget,
                                   max_connections=cfg.max_http_connections, head_timeout_s=cfg.http_header_timeout_s)
             try:
@@ -253,20 +253,20 @@ class Server:
                     cfg.max_message_bytes, cfg.model_control_mode, limit, slots,
                     f"; not ready: {sorted(self.registry.failed)}" if self.registry.failed else "")
         # What exists now lives as long as the server: the cyclic collector need not walk it
-        # again (server.heap.settle; a model change gives it back: _model_changed).
-        heap.settle()
-        self._settled = True
+        # again (server.heap.freeze_gc; a model change gives it back: _model_changed).
+        heap.freeze_gc()
+        self._gc_frozen = True
         if cfg.ready_file is not None:
             self._write_ready_file(cfg.ready_file)
         return self.port
 
     async def _model_changed(self, name: str, ready: bool) -> None:
         """Health follows the registry: per model, and overall (serving while any model is).
-        After the start, a change may retire a version: what settle() left out of the
-        collector's walks becomes collectable again (server.heap.unsettle)."""
-        if self._settled:
-            heap.unsettle()
-            self._settled = False
+        After the start, a change may retire a version: what freeze_gc() left out of the
+        collector's walks becomes collectable again (server.heap.unfreeze_gc)."""
+        if self._gc_frozen:
+            heap.unfreeze_gc()
+            self._gc_frozen = False
         if self._draining.active:
             return  # NOT_SERVING since the drain began, whatever changes
         serving = health_pb2.HealthCheckResponse.SERVING
@@ -276,7 +276,7 @@ class Server:
         await self._health.set("", overall)
         await self._health.set(SERVICE_NAME, overall)
 
-    def _start_native(self, answers: Answers) -> int:
+    def _start_native(self, request_path: RequestPath) -> int:
         """The native data plane's listener (server.native), or RuntimeError saying why it cannot start."""
         from attnserve.server.native import NativePlane, why_unavailable
 
@@ -285,7 +285,7 @@ class Server:
             why = "it serves one process (--workers 1)"
         if why is not None:
             raise RuntimeError(f"--data-plane native: {why}")
-        self._native = NativePlane(self.config, self.registry, answers)
+        self._native = NativePlane(self.config, self.registry, request_path)
         return self._native.start()
 
     def _write_ready_file(self, path: Path) -> None:
@@ -309,9 +309,9 @@ class Server:
            connections close. hurry() cuts 1 and 2 short. Readiness on REST
            (/v2/health/ready) is 503 from step 1 on."""
         started = time.monotonic()
-        if self._settled:  # what settle() left out goes back to the collector (a process may start another Server)
-            heap.unsettle()
-            self._settled = False
+        if self._gc_frozen:  # what freeze_gc() left out goes back to the collector (a process may start another Server)
+            heap.unfreeze_gc()
+            self._gc_frozen = False
         self._draining.begin()
         await self._health.enter_graceful_shutdown()
         if drain_delay_s > 0 and not self._draining.hurried.is_set():
@@ -373,7 +373,7 @@ _RUNNING_MARGIN_S = 10.0
 # (server.heap, "Reclaim"). gRPC's core frees its own buffers of those calls later still (an
 # answer leaves as the client's window allows, a connection's buffers go when it closes), and
 # the last refused calls' exceptions, which hold their requests' tensors through their frames,
-# become garbage as those calls end: reclaim again (collect, trim: cheap once heap.settle() ran)
+# become garbage as those calls end: reclaim again (collect, trim: cheap once heap.freeze_gc() ran)
 # after 5 and 15 s.
 _LEAN_RECLAIM_DELAYS_S = (0.05, 1.0, 5.0, 15.0)
 _ROOMY_RECLAIM_DELAYS_S = (1.0, 5.0, 15.0)

@@ -39,7 +39,7 @@ from attnserve.server import priority
 from attnserve.server.graphs import GENERAL, HEADS, KEY_PADDING, NO_MASK
 from attnserve.server.lifecycle import MemoryBudget, Reservation
 from attnserve.server.memory import Cost
-from attnserve.server.stacking import place, stack
+from attnserve.server.stacking import concat_rows, place
 
 logger = logging.getLogger(__name__)
 
@@ -224,12 +224,12 @@ class ArrivalSignal(Protocol):
     def arriving(self) -> int: ...
 
 
-class Solitude(Protocol):
+class LoneCallSignal(Protocol):
     """Whether the call being dispatched is the only one the server holds, after a quiet spell
     (the server's lifecycle.Admission): its batch then runs on `run_solo` ("Solo runs")."""
 
     @property
-    def alone(self) -> bool: ...
+    def lone_call(self) -> bool: ...
 
 
 class Costing(Protocol):
@@ -267,11 +267,11 @@ class Batcher:
                  observer: BatchObserver | None = None, arrivals: ArrivalSignal | None = None,
                  scores_of: ScoresOf | None = None, budget: MemoryBudget | None = None,
                  costing: Costing | None = None, run_solo: RunBatch | None = None,
-                 solitude: Solitude | None = None, compute_nice: int = 0) -> None:
+                 lone_call_signal: LoneCallSignal | None = None, compute_nice: int = 0) -> None:
         self.name = name
         self._run_batch = run_batch
-        self._run_solo = run_solo if solitude is not None else None  # see _runs_solo
-        self._solitude = solitude
+        self._run_solo = run_solo if lone_call_signal is not None else None  # see _runs_solo
+        self._lone_call_signal = lone_call_signal
         # Seconds the last solo run of each shape computed for (_solo_shape), most recent last.
         self._solo_seconds: collections.OrderedDict[tuple, float] = collections.OrderedDict()
         self.policy = policy
@@ -283,7 +283,7 @@ class Batcher:
         self._slots = asyncio.Semaphore(policy.batches_in_flight)
         self._running: set[asyncio.Task] = set()
         self._computing = 0  # batches between dispatch and the release of their slot
-        self._arrivals = arrivals  # see _company_coming
+        self._arrivals = arrivals  # see _worth_waiting
         if (budget is None) != (costing is None):
             raise ValueError("a memory budget needs a costing, and a costing a budget")
         self._budget = budget
@@ -307,7 +307,7 @@ class Batcher:
     def queue_depth(self) -> int:
         return len(self._pending)
 
-    def _company_coming(self) -> bool:
+    def _worth_waiting(self) -> bool:
         """Worth waiting for: another batch runs, or requests are on their way in (received,
         not yet submitted). A lone request on an idle server sees neither and goes at once."""
         return self._computing > 0 or (self._arrivals is not None and self._arrivals.arriving > 0)
@@ -315,7 +315,7 @@ class Batcher:
     def _runs_solo(self, batch: list[_Pending]) -> bool:
         """One request, nothing else queued or running here, none elsewhere ("Solo runs")."""
         return (self._run_solo is not None and len(batch) == 1 and not self._pending and self._computing == 1
-                and self._solitude.alone)
+                and self._lone_call_signal.lone_call)
 
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._collect_forever(), name=f"batcher-{self.name}")
@@ -393,7 +393,7 @@ class Batcher:
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            if self.policy.max_queue_delay_s > 0 and self._company_coming():
+            if self.policy.max_queue_delay_s > 0 and self._worth_waiting():
                 await self._wait_for_company()
             batch, extra = self._take_batch()
             if not batch:
@@ -414,7 +414,7 @@ class Batcher:
         """Company is coming: let a partial batch fill until the oldest request has waited
         max_queue_delay_s, or until no company is coming any more (an idle model never waits)."""
         deadline = self._pending[0].enqueued_at + self.policy.max_queue_delay_s
-        while (self._company_coming() and sum(p.work.rows for p in self._pending) < self.policy.max_batch_size
+        while (self._worth_waiting() and sum(p.work.rows for p in self._pending) < self.policy.max_batch_size
                and not self._closing):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -601,7 +601,7 @@ def merge(works: list[Work]) -> tuple[dict[str, np.ndarray], float]:
         w = works[0]
         feeds = {"query": w.query, "key": w.key, "value": w.value}
     elif same_lengths:  # copies that keep the GIL (server.stacking): this runs beside the event loop
-        feeds = {name: stack([getattr(w, name) for w in works]) for name in ("query", "key", "value")}
+        feeds = {name: concat_rows([getattr(w, name) for w in works]) for name in ("query", "key", "value")}
     else:
         first = works[0]
         feeds = {"query": np.zeros((rows, q_len, first.query.shape[2]), dtype=np.float32),  # (B, Lq, q_dim)
@@ -625,7 +625,7 @@ def merge(works: list[Work]) -> tuple[dict[str, np.ndarray], float]:
     elif masking == GENERAL:
         if len(works) == 1 or (same_lengths and all(w.mask is not None for w in works)):
             # A view ((lq, lk) broadcast, a head sliced) becomes the contiguous array a run takes.
-            mask = np.ascontiguousarray(works[0].mask) if len(works) == 1 else stack([w.mask for w in works])
+            mask = np.ascontiguousarray(works[0].mask) if len(works) == 1 else concat_rows([w.mask for w in works])
         else:
             mask = np.zeros((rows, q_len, k_len), dtype=np.bool_)  # (B, Lq, Lk): padding is masked
             start = 0
@@ -645,7 +645,7 @@ def _head_mask(works: list[Work], rows: int, q_len: int, k_len: int, same_length
     if len(works) == 1:
         return works[0].mask
     if same_lengths and all(w.masking == HEADS for w in works):
-        return stack([w.mask for w in works])
+        return concat_rows([w.mask for w in works])
     mask = np.zeros((rows, heads, q_len, k_len), dtype=np.bool_)  # padding is masked
     start = 0
     for w in works:

@@ -38,7 +38,7 @@ from attnserve.contract import (
     REQUIRED_INPUTS,
 )
 from attnserve.server import heap
-from attnserve.server.echo import echo
+from attnserve.server.quoting import quoted
 from attnserve.server.graphs import HEADS, UNFUSED, GraphSet, attention_bytes
 from attnserve.server.lifecycle import Reservation
 from attnserve.server.repository import ModelSpec
@@ -78,7 +78,7 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> De
     names = [t.name for t in inputs]
     unknown = [n for n in names if n not in INPUT_NAMES]
     if unknown:
-        raise ValueError(f"unknown input {echo(unknown[0])}; model {spec.name} takes {list(INPUT_NAMES)}")
+        raise ValueError(f"unknown input {quoted(unknown[0])}; model {spec.name} takes {list(INPUT_NAMES)}")
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"input {duplicates[0]!r} given more than once")
@@ -95,12 +95,12 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits) -> De
     for tensor in inputs:
         want = _EXPECTED_DATATYPE[tensor.name]
         if tensor.datatype != want:
-            raise ValueError(f"input {tensor.name!r}: expected datatype {want}, got {echo(tensor.datatype)}")
+            raise ValueError(f"input {tensor.name!r}: expected datatype {want}, got {quoted(tensor.datatype)}")
         shape = tuple(tensor.shape)
         if len(shape) not in _RANKS.get(tensor.name, (3,)):
             ranks = " or ".join(map(str, _RANKS.get(tensor.name, (3,))))
             hint = f" ({_mask_shapes(spec)})" if tensor.name == "mask" else ""
-            raise ValueError(f"input {tensor.name!r}: expected rank {ranks}{hint}, got shape {echo(list(shape))}")
+            raise ValueError(f"input {tensor.name!r}: expected rank {ranks}{hint}, got shape {quoted(list(shape))}")
         if any(d < 0 for d in shape):
             raise ValueError(f"input {tensor.name!r}: negative dimension in shape {list(shape)}")
         shapes[tensor.name] = shape
@@ -267,9 +267,9 @@ def _requested_outputs(request: pb.ModelInferRequest, spec: ModelSpec) -> tuple[
     names = [o.name for o in request.outputs]
     for name in names:
         if name not in OUTPUT_NAMES:
-            raise ValueError(f"unknown output {echo(name)}; model {spec.name} has {list(OUTPUT_NAMES)}")
+            raise ValueError(f"unknown output {quoted(name)}; model {spec.name} has {list(OUTPUT_NAMES)}")
     if len(set(names)) != len(names):
-        raise ValueError(f"output requested more than once: {echo(names)}")
+        raise ValueError(f"output requested more than once: {quoted(names)}")
     return tuple(names)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from attnserve.server.batcher import BatcherClosed, BatchFailed, DeadlineExpired, QueueFull
-from attnserve.server.echo import capped
+from attnserve.server.quoting import bounded_details
 from attnserve.server.lifecycle import MemoryExhausted, MemoryTooLarge
 from attnserve.server.models import ModelControlDisabled, ModelLoadFailed, ModelNotFound, ModelUnavailable
 from attnserve.server.ratelimit import CLIENT_ERRORS
@@ -112,7 +112,7 @@ def status_for(err: BaseException) -> Status:
     if isinstance(err, NoSuchEndpoint):
         http = err.http
     if code is not grpc.StatusCode.INTERNAL:
-        return Status(code, capped(str(err)), http)  # whatever quoted the client, the trailer stays small
+        return Status(code, bounded_details(str(err)), http)  # whatever quoted the client, the trailer stays small
     if isinstance(err, BatchFailed):
         if not err.logged:
             CLIENT_ERRORS.log(logger, logging.ERROR, "internal error: %s", err, exc_info=err)

@@ -98,7 +98,7 @@ class Arrivals:
         self._forget_stale()
         return len(self._calls)
 
-    def came(self, *, unary: bool) -> int:
+    def arrived(self, *, unary: bool) -> int:
         """A call's headers arrived; returns its ticket."""
         ticket = next(self._tickets)
         self._forget_stale()  # keeps the table bounded whoever reads it
@@ -150,8 +150,8 @@ class Admission:
         return self._running + self._arrivals.calls
 
     @property
-    def alone(self) -> bool:
-        """The one call in flight is a unary call that arrived after a quiet spell (batcher.Solitude)."""
+    def lone_call(self) -> bool:
+        """The one call in flight is a unary call that arrived after a quiet spell (batcher.LoneCallSignal)."""
         return self._streams == 0 and self.in_flight <= 1 and self._quiet_before_s >= self.QUIET_S
 
     def arrived(self, *, unary: bool) -> int:
@@ -159,7 +159,7 @@ class Admission:
         now = self._clock()
         self._quiet_before_s = now - self._last_change if self.in_flight == 0 else 0.0
         self._last_change = now
-        return self._arrivals.came(unary=unary)
+        return self._arrivals.arrived(unary=unary)
 
     def started(self, ticket: int, *, stream: bool = False) -> None:
         self._arrivals.started(ticket)

@@ -28,10 +28,10 @@ from typing import Awaitable, Callable
 from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, HEAD_MASK_KINDS, OUTPUT_ONLY
 from attnserve.runtime import AttentionPredictor
 from attnserve.server import priority
-from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch, Solitude, Work
+from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch, LoneCallSignal, Work
 from attnserve.server.codec import Limits
 from attnserve.server.config import ServerConfig
-from attnserve.server.echo import echo
+from attnserve.server.quoting import quoted
 from attnserve.server.engine import DeviceChoice
 from attnserve.server.graphs import UNFUSED, GraphSet
 from attnserve.server.lifecycle import MemoryBudget
@@ -129,9 +129,9 @@ class ModelRegistry:
     def __init__(self, config: ServerConfig | None = None, device: DeviceChoice | None = None,
                  metrics: Metrics | None = None, arrivals: ArrivalSignal | None = None,
                  run_batch: RunBatchFactory | None = None, listener: StateListener | None = None,
-                 budget: MemoryBudget | None = None, solitude: Solitude | None = None) -> None:
+                 budget: MemoryBudget | None = None, lone_call_signal: LoneCallSignal | None = None) -> None:
         """arrivals: requests received but not yet submitted (each batcher's hint of company).
-        solitude: whether a call is the only one the server holds (a lone request's batch then
+        lone_call_signal: whether a call is the only one the server holds (a lone request's batch then
         runs on the engine's solo sessions: server.batcher, "Solo runs").
         run_batch: makes each model's run instead of an ONNX Runtime Engine (bench.floor).
         listener: told of each change (the server's health service).
@@ -140,7 +140,7 @@ class ModelRegistry:
         self._device = device
         self._metrics = metrics or Metrics()
         self._arrivals = arrivals
-        self._solitude = solitude
+        self._lone_call_signal = lone_call_signal
         self._run_batch = run_batch
         self._budget = budget
         self.listener = listener
@@ -159,10 +159,10 @@ class ModelRegistry:
     @classmethod
     def from_repository(cls, config: ServerConfig, device: DeviceChoice, metrics: Metrics,
                         arrivals: ArrivalSignal | None = None, run_batch: RunBatchFactory | None = None,
-                        budget: MemoryBudget | None = None, solitude: Solitude | None = None) -> "ModelRegistry":
+                        budget: MemoryBudget | None = None, lone_call_signal: LoneCallSignal | None = None) -> "ModelRegistry":
         """Load every model of the repository, before serving (blocking); a model that fails is
         logged and kept with its reason."""
-        registry = cls(config, device, metrics, arrivals, run_batch, budget=budget, solitude=solitude)
+        registry = cls(config, device, metrics, arrivals, run_batch, budget=budget, lone_call_signal=lone_call_signal)
         for name in model_names(registry.root):
             seen = repository_signature(registry.root / name)
             try:
@@ -191,14 +191,14 @@ class ModelRegistry:
         Submit to its batcher before awaiting anything else (see the module's docstring)."""
         model = self._models.get(name)
         if model is None:
-            raise ModelNotFound(f"unknown model {echo(name)}; serving {self.ready_names()}")
+            raise ModelNotFound(f"unknown model {quoted(name)}; serving {self.ready_names()}")
         if not model.versions:
             raise ModelUnavailable(f"model {name} is not ready: {self._why_not(model)}")
         if not version:
             return model.default
         loaded = model.versions.get(int(version)) if version.isdigit() else None
         if loaded is None:
-            raise ModelNotFound(f"model {name} version {echo(version)} is not loaded (loaded: "
+            raise ModelNotFound(f"model {name} version {quoted(version)} is not loaded (loaded: "
                                 f"{sorted(model.versions)}, on disk: {list(model.default.spec.available_versions)})")
         return loaded
 
@@ -298,7 +298,7 @@ class ModelRegistry:
         async with self._lock:
             self._check_open()
             if name not in self._repository_names():
-                raise ModelNotFound(f"no model {echo(name)} in the repository {self.root}")
+                raise ModelNotFound(f"no model {quoted(name)} in the repository {self.root}")
             old = self._models.get(name) or _Model()
             seen = repository_signature(self.root / name)
             try:
@@ -340,7 +340,7 @@ class ModelRegistry:
             model = self._models.get(name)
             if model is None:
                 if name not in self._repository_names():
-                    raise ModelNotFound(f"unknown model {echo(name)}; serving {self.ready_names()}")
+                    raise ModelNotFound(f"unknown model {quoted(name)}; serving {self.ready_names()}")
                 model = _Model()  # in the repository, never loaded: unloaded already
             self._models[name] = _Model(reason="unloaded",
                                         unloaded_versions=tuple(sorted(model.versions)) or model.unloaded_versions)
@@ -430,7 +430,7 @@ class ModelRegistry:
             batcher = Batcher(label, run, policy, self._metrics.observer(name), self._arrivals,
                               scores_of=graphs.scores_held, budget=self._budget,
                               costing=None if self._budget is None else GraphCosting(spec, graphs),
-                              run_solo=run_solo, solitude=self._solitude, compute_nice=cfg.compute_nice)
+                              run_solo=run_solo, lone_call_signal=self._lone_call_signal, compute_nice=cfg.compute_nice)
             limits = Limits(spec.max_q_len, spec.max_kv_len, cfg.max_attention_bytes,
                             max_response_bytes=cfg.max_message_bytes, max_typed_bytes=cfg.max_typed_bytes,
                             graphs=graphs)

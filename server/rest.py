@@ -1,7 +1,7 @@
 """The HTTP/REST port: the Open Inference Protocol's REST binding, a thin adapter over
-server.answers (the request path the gRPC servicer uses), on the gRPC server's event loop.
+server.request_path (the request path the gRPC servicer uses), on the gRPC server's event loop.
 
-    rest = RestPort(answers, admission, draining, token, max_body_bytes, access_log)
+    rest = RestPort(request_path, admission, draining, token, max_body_bytes, access_log)
     port = await rest.start(host, port, ssl_context)   # OSError if it cannot listen
     await rest.close(timeout_s)                        # after the drain: listeners, then connections
 
@@ -9,7 +9,7 @@ Every request meets, in order: the token (all paths but /v2/health/*), the route
 the drain (503 once the server refuses new calls, else counted by lifecycle.Admission until
 answered), then a body bounded by --max-message-bytes after inflating, read within
 BODY_TIMEOUT_S and holding its share of the memory budget (_Held) until parsed. rest_codec turns
-it into the pb.ModelInferRequest that Answers.infer handles like a gRPC one. Every error is
+it into the pb.ModelInferRequest that RequestPath.infer handles like a gRPC one. Every error is
 `{"error": "..."}` with the HTTP column of server.errors' table, aiohttp's own refusals too.
 
 aiohttp's low-level server, no router or middleware chain per request; each connection is a
@@ -32,8 +32,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestPayloadError
 
-from attnserve.server.answers import Answers
-from attnserve.server.echo import echo
+from attnserve.server.request_path import RequestPath
+from attnserve.server.quoting import quoted
 from attnserve.server.errors import (BodyTooLarge, ClientGone, NoSuchEndpoint, ShuttingDown, Status, Unauthenticated,
                                      status_for)
 from attnserve.server.lifecycle import Admission, Draining, MemoryBudget, MemoryExhausted, Reservation
@@ -100,7 +100,7 @@ def error_response(status: Status) -> web.Response:
 
 
 class RestPort:
-    def __init__(self, answers: Answers, admission: Admission, draining: Draining, token: BearerToken | None,
+    def __init__(self, request_path: RequestPath, admission: Admission, draining: Draining, token: BearerToken | None,
                  max_body_bytes: int, access_log: bool = False, max_json_bytes: int | None = None,
                  budget: MemoryBudget | None = None, max_connections: int = MAX_CONNECTIONS,
                  head_timeout_s: float = HEAD_TIMEOUT_S) -> None:
@@ -109,7 +109,7 @@ class RestPort:
         memory budget, which a body takes from as it is received and parsed (None: unbounded
         but for max_body_bytes). max_connections: open at once (--max-http-connections);
         head_timeout_s: the most a request head may take (--http-header-timeout-s)."""
-        self._answers = answers
+        self._request_path = request_path
         self._budget = budget
         self._max_connections = max_connections
         self._head_timeout_s = head_timeout_s
@@ -297,26 +297,26 @@ class RestPort:
         return _json_response({"live": True})
 
     async def _ready(self, request: web.BaseRequest) -> web.Response:
-        ready = self._answers.server_ready()
+        ready = self._request_path.server_ready()
         return _json_response({"ready": ready}, 200 if ready else 503)
 
     async def _server_metadata(self, request: web.BaseRequest) -> web.Response:
-        return _json_response(as_json(self._answers.server_metadata()))
+        return _json_response(as_json(self._request_path.server_metadata()))
 
     async def _model_metadata(self, request: web.BaseRequest, model: str, version: str | None) -> web.Response:
-        return _json_response(as_json(self._answers.model_metadata(model, version or "")))
+        return _json_response(as_json(self._request_path.model_metadata(model, version or "")))
 
     async def _model_ready(self, request: web.BaseRequest, model: str, version: str | None) -> web.Response:
-        ready = self._answers.model_ready(model, version or "")
+        ready = self._request_path.model_ready(model, version or "")
         return _json_response({"name": model, "ready": ready}, 200 if ready else 503)
 
     async def _model_config(self, request: web.BaseRequest, model: str, version: str | None) -> web.Response:
         # Triton's REST answer is the configuration itself (gRPC's is wrapped in {"config": ...}).
-        return _json_response(as_json(self._answers.model_config(model, version or "").config))
+        return _json_response(as_json(self._request_path.model_config(model, version or "").config))
 
     async def _model_stats(self, request: web.BaseRequest, model: str = "", version: str | None = None
                            ) -> web.Response:
-        return _json_response(as_json(self._answers.model_statistics(model, version or "")))
+        return _json_response(as_json(self._request_path.model_statistics(model, version or "")))
 
     async def _repository_index(self, request: web.BaseRequest) -> web.Response:
         ready_only = False
@@ -325,20 +325,20 @@ class RestPort:
             if not isinstance(document, dict) or not isinstance(document.get("ready", False), bool):
                 raise ValueError('the index request body must be {"ready": true|false}')
             ready_only = document.get("ready", False)
-        index = self._answers.repository_index("", ready_only)
+        index = self._request_path.repository_index("", ready_only)
         return _json_response([{k: v for k, v in as_json(m).items() if v != ""} for m in index.models])
 
     async def _load(self, request: web.BaseRequest, model: str) -> web.Response:
         """Triton's load: (re)load the model from the repository. Its parameters (a config or
         files sent with the call) are not supported: refused rather than ignored."""
         await self._parameters(request, "load", allowed=())
-        await self._answers.load("", model)
+        await self._request_path.load("", model)
         return _json_response({})
 
     async def _unload(self, request: web.BaseRequest, model: str) -> web.Response:
         # unload_dependents (tritonclient sends it): there are no ensembles here to unload.
         await self._parameters(request, "unload", allowed=("unload_dependents",))
-        await self._answers.unload("", model)
+        await self._request_path.unload("", model)
         return _json_response({})
 
     async def _parameters(self, request: web.BaseRequest, what: str, allowed: tuple[str, ...]) -> None:
@@ -346,7 +346,7 @@ class RestPort:
         parameters = document.get("parameters", {}) if isinstance(document, dict) else None
         if not isinstance(parameters, dict) or set(parameters) - set(allowed):
             raise ValueError(f"{what} takes {'only ' + ', '.join(allowed) if allowed else 'no parameters'} here; "
-                             f"got {echo(str(document))}")
+                             f"got {quoted(str(document))}")
 
     async def _infer(self, request: web.BaseRequest, start: Callable[[], None], model: str,
                      version: str | None) -> web.StreamResponse:
@@ -365,16 +365,16 @@ class RestPort:
             message, binary_outputs = parse_infer(body, length, model, version or "", self._max_json_bytes)
             del body  # what is left is the message, which the batcher's reservation counts
             if self._max_json_bytes is not None:
-                check_json_answer(message, self._answers.spec(model, version or ""), binary_outputs,
+                check_json_answer(message, self._request_path.spec(model, version or ""), binary_outputs,
                                   self._max_json_bytes)
         except Exception as err:  # counted as an inference request's outcome, as gRPC's decode errors are
             status = status_for(err)
-            self._answers.request_done(model, status, began)
+            self._request_path.request_done(model, status, began)
             return error_response(status)
         finally:
             held.release()
         start()  # no await from here to the batcher's queue (lifecycle.Arrivals)
-        answer, status = await self._answers.infer(message, None)
+        answer, status = await self._request_path.infer(message, None)
         if answer is None:
             return error_response(status)
         try:

@@ -29,7 +29,7 @@ from attnserve.proto import inference_pb2 as pb
 from attnserve.contract import OUTPUT_NAMES
 from attnserve.server.codec import InferResponse, output_bytes
 from attnserve.server.repository import ModelSpec
-from attnserve.server.echo import echo
+from attnserve.server.quoting import quoted
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _DTYPES = {"FP32": np.dtype("<f4"), "BOOL": np.dtype("?")}
@@ -56,7 +56,7 @@ def _list(value: Any, what: str) -> list:
 def _flag(parameters: dict, key: str, what: str) -> bool:
     value = parameters.get(key, False)
     if not isinstance(value, bool):
-        raise ValueError(f"{what}: parameter {key!r} must be true or false, got {echo(value)}")
+        raise ValueError(f"{what}: parameter {key!r} must be true or false, got {quoted(value)}")
     return value
 
 
@@ -97,7 +97,7 @@ def _json_bytes(data: Any, name: str, datatype: str, count: int) -> bytes:
     be finite numbers within float32's range: JSON has no NaN or Infinity (json reads them, and
     1e999 as inf), and a larger number would silently become inf."""
     if not isinstance(data, list):
-        raise ValueError(f"input {name!r}: data must be a JSON array of {_WHAT[datatype]}, got {echo(data)}")
+        raise ValueError(f"input {name!r}: data must be a JSON array of {_WHAT[datatype]}, got {quoted(data)}")
     try:
         array = np.asarray(data)
     except (ValueError, RecursionError):  # ragged nesting
@@ -106,8 +106,8 @@ def _json_bytes(data: Any, name: str, datatype: str, count: int) -> bytes:
         value = _offending(array, datatype)
         if datatype == "FP32" and isinstance(value, int) and not isinstance(value, bool):  # beyond 64 bits: numpy keeps it an object
             raise ValueError(f"input {name!r}: FP32 data must be numbers within float32's range, got the integer "
-                             f"{echo(value, 40)}")
-        raise ValueError(f"input {name!r}: {datatype} data must be {_WHAT[datatype]}, got {echo(value)}")
+                             f"{quoted(value, 40)}")
+        raise ValueError(f"input {name!r}: {datatype} data must be {_WHAT[datatype]}, got {quoted(value)}")
     if array.size != count:
         raise ValueError(f"input {name!r}: its shape needs {count} values in data, got {array.size}")
     with np.errstate(over="ignore"):  # too large for float32: inf, refused just below
@@ -123,7 +123,7 @@ def _json_bytes(data: Any, name: str, datatype: str, count: int) -> bytes:
 def _shape(value: Any, name: str) -> list[int]:
     shape = _list(value, f"input {name!r}: shape")
     if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in shape):
-        raise ValueError(f"input {name!r}: shape must be non-negative integers, got {echo(shape)}")
+        raise ValueError(f"input {name!r}: shape must be non-negative integers, got {quoted(shape)}")
     return shape
 
 
@@ -149,7 +149,7 @@ def parse_infer(body: bytes, header_length: int | None, model_name: str, model_v
     request = pb.ModelInferRequest(model_name=model_name, model_version=model_version)
     request_id = document.get("id", "")
     if not isinstance(request_id, str):
-        raise ValueError(f"id must be a string, got {echo(request_id)}")
+        raise ValueError(f"id must be a string, got {quoted(request_id)}")
     request.id = request_id
     parameters = _object(document.get("parameters", {}), "parameters")
     binary_all = _flag(parameters, "binary_data_output", "the request")
@@ -159,10 +159,10 @@ def parse_infer(body: bytes, header_length: int | None, model_name: str, model_v
         entry = _object(entry, "each input")
         name = entry.get("name")
         if not isinstance(name, str):
-            raise ValueError(f"each input needs a string name, got {echo(name)}")
+            raise ValueError(f"each input needs a string name, got {quoted(name)}")
         datatype = entry.get("datatype")
         if not isinstance(datatype, str):
-            raise ValueError(f"input {name!r}: datatype must be a string, got {echo(datatype)}")
+            raise ValueError(f"input {name!r}: datatype must be a string, got {quoted(datatype)}")
         shape = _shape(entry.get("shape"), name)
         request.inputs.add(name=name, datatype=datatype, shape=shape)
         size = _object(entry.get("parameters", {}), f"input {name!r}: parameters").get("binary_data_size")
@@ -170,7 +170,7 @@ def parse_infer(body: bytes, header_length: int | None, model_name: str, model_v
             if "data" in entry:
                 raise ValueError(f"input {name!r}: has data and binary_data_size; use one")
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise ValueError(f"input {name!r}: binary_data_size must be a non-negative integer, got {echo(size)}")
+                raise ValueError(f"input {name!r}: binary_data_size must be a non-negative integer, got {quoted(size)}")
             if offset + size > len(binary):
                 raise ValueError(f"input {name!r}: binary_data_size {size} runs past the body's binary section "
                                  f"({len(binary)} bytes, {offset} taken by the inputs before it)")
@@ -192,7 +192,7 @@ def parse_infer(body: bytes, header_length: int | None, model_name: str, model_v
         entry = _object(entry, "each output")
         name = entry.get("name")
         if not isinstance(name, str):
-            raise ValueError(f"each output needs a string name, got {echo(name)}")
+            raise ValueError(f"each output needs a string name, got {quoted(name)}")
         request.outputs.add(name=name)
         output_parameters = _object(entry.get("parameters", {}), f"output {name!r}: parameters")
         binary_outputs[name] = _flag(output_parameters, "binary_data", f"output {name!r}") or binary_all

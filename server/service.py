@@ -1,4 +1,4 @@
-"""The Open Inference Protocol servicer: gRPC's adapter over server.answers (decode -> submit
+"""The Open Inference Protocol servicer: gRPC's adapter over server.request_path (decode -> submit
 -> encode, shared with the REST port); errors -> server.errors.
 
 Also Triton's ModelConfig, ModelStatistics and RepositoryIndex extensions, which perf_analyzer
@@ -14,7 +14,7 @@ import functools
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server import codec
-from attnserve.server.answers import Answers
+from attnserve.server.request_path import RequestPath
 from attnserve.server.errors import Status, abort
 from attnserve.server.lifecycle import MemoryBudget
 
@@ -39,10 +39,10 @@ def _mapped_errors(rpc):
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, answers: Answers, budget: MemoryBudget | None = None) -> None:
-        """answers: the request path both transports share (server.answers).
+    def __init__(self, request_path: RequestPath, budget: MemoryBudget | None = None) -> None:
+        """request_path: the request path both transports share (server.request_path).
         budget: the server's memory budget; a stream's share of it is bounded here."""
-        self._answers = answers
+        self._request_path = request_path
         self._stream_share = None if budget is None else int(budget.limit_bytes * STREAM_BUDGET_SHARE)
 
     # -- health and metadata -----------------------------------------------------------------
@@ -53,47 +53,47 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_mapped_errors
     async def ServerReady(self, request, context):
-        return pb.ServerReadyResponse(ready=self._answers.server_ready())
+        return pb.ServerReadyResponse(ready=self._request_path.server_ready())
 
     @_mapped_errors
     async def ModelReady(self, request, context):
-        return pb.ModelReadyResponse(ready=self._answers.model_ready(request.name, request.version))
+        return pb.ModelReadyResponse(ready=self._request_path.model_ready(request.name, request.version))
 
     @_mapped_errors
     async def ServerMetadata(self, request, context):
-        return self._answers.server_metadata()
+        return self._request_path.server_metadata()
 
     @_mapped_errors
     async def ModelMetadata(self, request, context):
-        return self._answers.model_metadata(request.name, request.version)
+        return self._request_path.model_metadata(request.name, request.version)
 
     @_mapped_errors
     async def ModelConfig(self, request, context):
-        return self._answers.model_config(request.name, request.version)
+        return self._request_path.model_config(request.name, request.version)
 
     @_mapped_errors
     async def RepositoryIndex(self, request, context):
-        return self._answers.repository_index(request.repository_name, request.ready)
+        return self._request_path.repository_index(request.repository_name, request.ready)
 
     @_mapped_errors
     async def RepositoryModelLoad(self, request, context):
-        await self._answers.load(request.repository_name, request.model_name)
+        await self._request_path.load(request.repository_name, request.model_name)
         return pb.RepositoryModelLoadResponse()
 
     @_mapped_errors
     async def RepositoryModelUnload(self, request, context):
-        await self._answers.unload(request.repository_name, request.model_name)
+        await self._request_path.unload(request.repository_name, request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
     @_mapped_errors
     async def ModelStatistics(self, request, context):
-        return self._answers.model_statistics(request.name, request.version)
+        return self._request_path.model_statistics(request.name, request.version)
 
     # -- inference ---------------------------------------------------------------------------
 
     async def _answered(self, request: codec.InferRequest | pb.ModelInferRequest, context
                         ) -> tuple[codec.InferResponse | None, Status]:
-        return await self._answers.infer(request, context.time_remaining())
+        return await self._request_path.infer(request, context.time_remaining())
 
     async def ModelInfer(self, request, context):
         response, status = await self._answered(request, context)

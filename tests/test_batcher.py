@@ -770,7 +770,7 @@ def test_idle_model_waits_for_requests_on_their_way_and_only_for_them():
         batcher = await started(model, BatchPolicy(max_batch_size=2, max_queue_delay_s=LONG_DELAY_S),
                                 arrivals=watched)
         try:
-            ticket = arrivals.came(unary=True)  # headers in, message on its way
+            ticket = arrivals.arrived(unary=True)  # headers in, message on its way
             a, b = make_work(), make_work()
             t0 = time.monotonic()
             task_a = asyncio.create_task(batcher.submit(a))
@@ -783,7 +783,7 @@ def test_idle_model_waits_for_requests_on_their_way_and_only_for_them():
             result_a = await task_a
             together_s = time.monotonic() - t0
 
-            arrivals.came(unary=False)  # a stream: not a request on its way
+            arrivals.arrived(unary=False)  # a stream: not a request on its way
             assert arrivals.arriving == 0
             t1 = time.monotonic()
             lone = make_work()
@@ -1072,11 +1072,11 @@ def test_batcher_over_real_onnx_runtime_engine(model_repository):
 # -- solo runs ---------------------------------------------------------------------------------
 
 
-class Solitude:
-    """The server's signal (lifecycle.Admission.alone), set by the test."""
+class LoneCallSignal:
+    """The server's signal (lifecycle.Admission.lone_call), set by the test."""
 
-    def __init__(self, alone: bool) -> None:
-        self.alone = alone
+    def __init__(self, lone_call: bool) -> None:
+        self.lone_call = lone_call
 
 
 def _two_runs() -> tuple[Model, Model]:
@@ -1089,7 +1089,7 @@ def test_a_lone_request_runs_solo_and_gets_the_same_answer():
     work = make_work(1, 4, 6)
 
     async def main():
-        batcher = Batcher("test", regular, BatchPolicy(), run_solo=solo, solitude=Solitude(True))
+        batcher = Batcher("test", regular, BatchPolicy(), run_solo=solo, lone_call_signal=LoneCallSignal(True))
         batcher.start()
         try:
             return await batcher.submit(work)
@@ -1127,7 +1127,7 @@ def test_a_solo_run_computes_on_the_event_loop_once_its_shape_has_run_short(monk
     order = (short, short, short, slow, slow, other, another, short)
 
     async def main():
-        batcher = Batcher("test", regular, BatchPolicy(), run_solo=run_solo, solitude=Solitude(True))
+        batcher = Batcher("test", regular, BatchPolicy(), run_solo=run_solo, lone_call_signal=LoneCallSignal(True))
         batcher.start()
         try:
             return [await batcher.submit(work) for work in order]
@@ -1151,7 +1151,7 @@ def test_without_solitude_or_a_solo_run_a_request_takes_the_regular_run(case):
 
     async def main():
         batcher = Batcher("test", regular, BatchPolicy(), run_solo=None if case == "no solo run" else solo,
-                          solitude=None if case == "no signal" else Solitude(case != "not alone"))
+                          lone_call_signal=None if case == "no signal" else LoneCallSignal(case != "not alone"))
         batcher.start()
         try:
             return await batcher.submit(make_work(1, 4, 6))
@@ -1166,17 +1166,17 @@ def test_a_batch_dispatched_while_another_runs_is_not_solo():
     """The signal says alone, but this batcher runs another batch: the second request runs
     regular too; once both are done a third, alone at last, runs solo."""
     regular, solo = _two_runs()
-    solitude = Solitude(False)
+    lone_call_signal = LoneCallSignal(False)
 
     async def main():
         batcher = Batcher("test", regular, BatchPolicy(max_queue_delay_s=0.0, batches_in_flight=2),
-                          run_solo=solo, solitude=solitude)
+                          run_solo=solo, lone_call_signal=lone_call_signal)
         batcher.start()
         regular.hold()
         try:
             first = asyncio.ensure_future(batcher.submit(make_work(1, 4, 6)))
             await regular.run_started(1)
-            solitude.alone = True  # from here the server reports one call; this batcher knows better
+            lone_call_signal.lone_call = True  # from here the server reports one call; this batcher knows better
             second = asyncio.ensure_future(batcher.submit(make_work(1, 4, 6)))
             await regular.run_started(2)
             assert not solo.calls

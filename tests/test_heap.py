@@ -36,7 +36,7 @@ class _Cycle:
 def test_settle_leaves_earlier_objects_out_of_collections_and_later_cycles_in():
     before = _Cycle()
     watched_before = weakref.ref(before)
-    heap.settle()
+    heap.freeze_gc()
     try:
         assert gc.get_freeze_count() > 0
         del before
@@ -46,9 +46,9 @@ def test_settle_leaves_earlier_objects_out_of_collections_and_later_cycles_in():
         watched_later = weakref.ref(later)
         del later
         gc.collect()
-        assert watched_later() is None  # made after settle: collected as ever
+        assert watched_later() is None  # made after freeze_gc: collected as ever
     finally:
-        heap.unsettle()
+        heap.unfreeze_gc()
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert watched_before() is None  # given back: collected
@@ -145,9 +145,9 @@ def state():
             heap.release_after(heap.TRIM_MIN_BYTES - 1)]
 heap.configure_allocator()
 seen = [state()]
-heap.crowd()
+heap.go_lean()
 seen.append(state())
-heap.uncrowd()
+heap.go_roomy()
 seen.append(state())
 print(seen)
 """

@@ -101,12 +101,12 @@ def test_crowded_a_large_request_hands_freed_heap_back_and_a_small_one_does_not(
     from attnserve.server import heap
 
     assert heap.release_after(heap.TRIM_MIN_BYTES) is False  # roomy: nothing trims
-    heap.crowd()
+    heap.go_lean()
     try:
         assert heap.release_after(heap.TRIM_MIN_BYTES - 1) is False
         assert heap.release_after(heap.TRIM_MIN_BYTES) is (platform.libc_ver()[0] == "glibc")
     finally:
-        heap.uncrowd()
+        heap.go_roomy()
 
 
 # -- malformed bytes: a clear error, never a crash, a hang or a read past the message ----------------
