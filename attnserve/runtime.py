@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from attnserve.contract import ITEM_ID, OUTPUT_NAMES
-from attnserve.server.batcher import Work, compute_batch
+from attnserve.server.tensors import compute_batch, Work
 from attnserve.server.engine import DeviceChoice, Engine, choose_device
 from attnserve.server.repository import ModelSpec, read_model_specs
 

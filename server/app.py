@@ -26,13 +26,16 @@ from attnserve.files import write_json_atomic
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.proto import REFLECTION_V1, reflection_pool
-from attnserve.server import codec, heap
+from attnserve.server import codec
+from attnserve.server.memory import heap
 from attnserve.server.config import ServerConfig
 from attnserve.server.engine import choose_device
 from attnserve.server.gate import CallGate, HandlerTable
 from attnserve.server.handover import CoreCalls
-from attnserve.server.lifecycle import Admission, Arrivals, Draining, MemoryBudget
-from attnserve.server.memory import DEFAULT_SHARE, default_memory_limit
+from attnserve.server.lifecycle import Admission, Arrivals, Draining
+from attnserve.server.memory.budget import MemoryBudget
+from attnserve.server.memory.reclaim import Reclaimer
+from attnserve.server.memory.costs import default_memory_limit, DEFAULT_SHARE
 from attnserve.server.listen import listen_addresses
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_http import MetricsEndpoint
@@ -134,7 +137,7 @@ class Server:
         self._arrivals = Arrivals()
         self._admission = Admission(self._arrivals)
         self.budget: MemoryBudget | None = None
-        self._gc_frozen = False  # server.heap.freeze_gc() since the start, and no model change since
+        self._gc_frozen = False  # server.memory.heap.freeze_gc() since the start, and no model change since
 
     async def start(self) -> int:
         """Load the models, bind, serve. Returns the bound gRPC port.
@@ -152,33 +155,10 @@ class Server:
         # With several workers each takes its share of the default (the supervisor divides a given limit).
         share = DEFAULT_SHARE / (self.worker.workers if self.worker is not None else 1)
         limit = cfg.memory_limit_bytes if cfg.memory_limit_bytes is not None else default_memory_limit(share)
-        loop = asyncio.get_running_loop()
-        # Once a large use of the budget is over, what gRPC and numpy freed goes back to the
-        # system (off the event loop: malloc_trim walks every heap), each pass only while less
-        # than a large use is held (a new one ends in a new idle, and its own passes). Crowded,
-        # the heap turns lean at once, and roomy again at a pass that finds at most one large
-        # use (server.heap, "Reclaim").
-        pending: list[asyncio.TimerHandle] = []
-
-        def reclaim_if_quiet() -> None:
-            budget = self.budget
-            if budget is not None and budget.used_bytes < MemoryBudget.IDLE_AFTER_BYTES:
-                if budget.large_uses < 2:
-                    heap.go_roomy()
-                loop.run_in_executor(None, heap.reclaim)
-
-        def reclaim_soon() -> None:
-            for handle in pending:
-                handle.cancel()
-            delays = _LEAN_RECLAIM_DELAYS_S if heap.is_lean() else _ROOMY_RECLAIM_DELAYS_S
-            pending[:] = [loop.call_later(delay_s, reclaim_if_quiet) for delay_s in delays]
-
-        def crowded() -> None:
-            if not heap.is_lean():
-                heap.go_lean()
-                loop.run_in_executor(None, heap.trim)
-
-        self.budget = MemoryBudget(limit, on_idle=reclaim_soon, on_crowded=crowded)
+        # Once a large use of the budget is over, freed heap goes back to the system; crowded,
+        # the heap turns lean (server.memory.reclaim).
+        reclaimer = Reclaimer(asyncio.get_running_loop(), budget=lambda: self.budget)
+        self.budget = MemoryBudget(limit, on_idle=reclaimer.on_idle, on_crowded=reclaimer.on_crowded)
         self.metrics.watch_budget(self.budget)
         self.registry = ModelRegistry.from_repository(cfg, device, self.metrics, arrivals=self._arrivals,
                                                       run_batch=self._run_batch, budget=self.budget,
@@ -211,7 +191,7 @@ class Server:
         # Every method is served through the gate (token, draining, parsing; see server.gate).
         gate = CallGate(method_handlers(servicer, self._health, cfg.max_typed_bytes), self._admission,
                         self._draining, _INFER_METHODS, token, cfg.access_log, receive_slots=slots,
-                        on_receive_idle=reclaim_soon)
+                        on_receive_idle=reclaimer.on_idle)
         self._gate = gate
         self.metrics.watch_receiving(gate.receive)
         servers_before = CoreCalls.server_ids()
@@ -253,7 +233,7 @@ class Server:
                     cfg.max_message_bytes, cfg.model_control_mode, limit, slots,
                     f"; not ready: {sorted(self.registry.failed)}" if self.registry.failed else "")
         # What exists now lives as long as the server: the cyclic collector need not walk it
-        # again (server.heap.freeze_gc; a model change gives it back: _model_changed).
+        # again (server.memory.heap.freeze_gc; a model change gives it back: _model_changed).
         heap.freeze_gc()
         self._gc_frozen = True
         if cfg.ready_file is not None:
@@ -263,7 +243,7 @@ class Server:
     async def _model_changed(self, name: str, ready: bool) -> None:
         """Health follows the registry: per model, and overall (serving while any model is).
         After the start, a change may retire a version: what freeze_gc() left out of the
-        collector's walks becomes collectable again (server.heap.unfreeze_gc)."""
+        collector's walks becomes collectable again (server.memory.heap.unfreeze_gc)."""
         if self._gc_frozen:
             heap.unfreeze_gc()
             self._gc_frozen = False
@@ -367,16 +347,6 @@ _HANDOVER_PAUSE_S = 0.1  # where channelz cannot tell
 # when the grace ran out (they finish: docs/server.md's promise) and the answers refused at that
 # point (UNAVAILABLE) get this long to leave.
 _RUNNING_MARGIN_S = 10.0
-# After the memory budget empties, the call that released it is still finishing (its request
-# and response objects go when its handler's frames do): reclaim a moment later, lean; roomy, a
-# second later, so that a client's next long request within it finds its heap resident
-# (server.heap, "Reclaim"). gRPC's core frees its own buffers of those calls later still (an
-# answer leaves as the client's window allows, a connection's buffers go when it closes), and
-# the last refused calls' exceptions, which hold their requests' tensors through their frames,
-# become garbage as those calls end: reclaim again (collect, trim: cheap once heap.freeze_gc() ran)
-# after 5 and 15 s.
-_LEAN_RECLAIM_DELAYS_S = (0.05, 1.0, 5.0, 15.0)
-_ROOMY_RECLAIM_DELAYS_S = (1.0, 5.0, 15.0)
 
 
 async def _wait_for(event: asyncio.Event, timeout_s: float) -> bool:

@@ -23,7 +23,7 @@ import numpy as np
 
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import wire
-from attnserve.server.batcher import Result, Work
+from attnserve.server.tensors import Result, Work
 from attnserve.contract import (
     ALL_OUTPUTS,
     DATATYPES,
@@ -37,10 +37,10 @@ from attnserve.contract import (
     OUTPUT_ONLY,
     REQUIRED_INPUTS,
 )
-from attnserve.server import heap
+from attnserve.server.memory import heap
 from attnserve.server.quoting import quoted
 from attnserve.server.graphs import HEADS, UNFUSED, GraphSet, attention_bytes
-from attnserve.server.lifecycle import Reservation
+from attnserve.server.memory.budget import Reservation
 from attnserve.server.repository import ModelSpec
 
 # Little-endian on the wire, whatever this machine is.
@@ -316,7 +316,7 @@ class InferRequest:
 class InferResponse:
     """A ModelInferResponse to send: the message, and the raw outputs it will carry, as arrays
     (little-endian fp32, contiguous) written straight into the serialized answer; and its share
-    of the memory budget (lifecycle.Reservation), which the transport gives back with
+    of the memory budget (memory.budget.Reservation), which the transport gives back with
     `release()` once the answer is sent (or its call is over)."""
 
     __slots__ = ("message", "raw_output_contents", "reservation")

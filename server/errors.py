@@ -20,7 +20,7 @@ import grpc
 
 from attnserve.server.batcher import BatcherClosed, BatchFailed, DeadlineExpired, QueueFull
 from attnserve.server.quoting import bounded_details
-from attnserve.server.lifecycle import MemoryExhausted, MemoryTooLarge
+from attnserve.server.memory.budget import MemoryExhausted, MemoryTooLarge
 from attnserve.server.models import ModelControlDisabled, ModelLoadFailed, ModelNotFound, ModelUnavailable
 from attnserve.server.ratelimit import CLIENT_ERRORS
 

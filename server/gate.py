@@ -91,7 +91,7 @@ class ReceiveSlots:
 
     def __init__(self, slots: int | None, on_idle: Callable[[], None] | None = None) -> None:
         """on_idle: called when no message is being received or waits to be, after some waited
-        (the server gives memory back then: server.heap.reclaim)."""
+        (the server gives memory back then: server.memory.heap.reclaim)."""
         if slots is not None and slots < 1:
             raise ValueError(f"receive slots must be >= 1, got {slots}")
         self.slots = slots

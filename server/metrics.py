@@ -30,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 disable_created_metrics()
 
 from attnserve.server.batcher import BatchStats
-from attnserve.server.lifecycle import MemoryBudget
+from attnserve.server.memory.budget import MemoryBudget
 
 if TYPE_CHECKING:
     from attnserve.server.shared_stats import StatisticsFile
@@ -208,7 +208,7 @@ class ModelObserver:
 
 
 class _BudgetCollector:
-    """lifecycle.MemoryBudget's figures as Prometheus metrics, read at each scrape."""
+    """memory.budget.MemoryBudget's figures as Prometheus metrics, read at each scrape."""
 
     _GAUGES = (("limit_bytes", "limit_bytes", "The memory budget above idle RSS (--memory-limit-bytes)."),
                ("reserved_bytes", "reserved_bytes", "Bytes reserved now: queued inputs, runs in flight, unsent answers."),

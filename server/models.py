@@ -28,14 +28,15 @@ from typing import Awaitable, Callable
 from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, HEAD_MASK_KINDS, OUTPUT_ONLY
 from attnserve.runtime import AttentionPredictor
 from attnserve.server import priority
-from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch, LoneCallSignal, Work
+from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, LoneCallSignal
+from attnserve.server.tensors import RunBatch, Work
 from attnserve.server.codec import Limits
 from attnserve.server.config import ServerConfig
 from attnserve.server.quoting import quoted
 from attnserve.server.engine import DeviceChoice
 from attnserve.server.graphs import UNFUSED, GraphSet
-from attnserve.server.lifecycle import MemoryBudget
-from attnserve.server.memory import AttentionDims, Cost, request_cost, run_working_set
+from attnserve.server.memory.budget import MemoryBudget
+from attnserve.server.memory.costs import AttentionDims, Cost, request_cost, run_working_set
 from attnserve.server.metrics import Metrics
 from attnserve.server.repository import (
     ModelLoadError,

@@ -36,7 +36,8 @@ from attnserve.server.request_path import RequestPath
 from attnserve.server.quoting import quoted
 from attnserve.server.errors import (BodyTooLarge, ClientGone, NoSuchEndpoint, ShuttingDown, Status, Unauthenticated,
                                      status_for)
-from attnserve.server.lifecycle import Admission, Draining, MemoryBudget, MemoryExhausted, Reservation
+from attnserve.server.lifecycle import Admission, Draining
+from attnserve.server.memory.budget import MemoryBudget, MemoryExhausted, Reservation
 from attnserve.server.ratelimit import CLIENT_ERRORS
 from attnserve.server.listen import listen_addresses
 from attnserve.server.rest_codec import (HEADER_LENGTH, as_json, check_json_answer, encode_infer, json_parse_bytes,
@@ -51,7 +52,7 @@ MAX_FIELD_BYTES = 8190  # a request line or one header field
 MAX_HEADERS = 64
 KEEPALIVE_S = 75.0
 BODY_TIMEOUT_S = 60.0  # to send a body once its headers came
-# Bytes a body costs while it is received: its chunks and their join (server/memory.py counts
+# Bytes a body costs while it is received: its chunks and their join (server/memory/costs.py counts
 # what a request holds after it is parsed).
 RECEIVE_FACTOR = 2
 _RECEIVE_STEP = 64 << 10  # the first reservation of a body: one read's worth

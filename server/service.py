@@ -16,7 +16,7 @@ from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server import codec
 from attnserve.server.request_path import RequestPath
 from attnserve.server.errors import Status, abort
-from attnserve.server.lifecycle import MemoryBudget
+from attnserve.server.memory.budget import MemoryBudget
 
 # Requests of one ModelStreamInfer stream in the server at once; reading pauses beyond it.
 STREAM_WINDOW = 64

@@ -20,19 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from attnserve.server.batcher import (
-    BatchFailed,
-    BatcherClosed,
-    Batcher,
-    BatchPolicy,
-    BatchStats,
-    DeadlineExpired,
-    QueueFull,
-    Work,
-    dense_mask,
-    merge,
-    split,
-)
+from attnserve.server.batcher import (Batcher, BatcherClosed, BatchFailed, BatchPolicy, BatchStats, DeadlineExpired, QueueFull)
+from attnserve.server.tensors import dense_mask, merge, split, Work
 from attnserve.server.graphs import GENERAL, KEY_PADDING, NO_MASK
 from attnserve.server.lifecycle import Arrivals
 

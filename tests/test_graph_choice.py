@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from attnserve import contract
-from attnserve.server.batcher import Work, merge
+from attnserve.server.tensors import merge, Work
 from attnserve.server.engine import Engine, choose_device
 from attnserve.server.graphs import GENERAL, KEY_PADDING, NO_MASK, GraphSet
 from attnserve.server.repository import read_model_spec

@@ -1,6 +1,6 @@
-"""server.heap: the cyclic collector leaves out what exists when the server has started
+"""server.memory.heap: the cyclic collector leaves out what exists when the server has started
 (gc.freeze) until a model change or the stop gives it back. A real in-process Server on the
-exported models; no mocks. And glibc's allocator (server.heap's two modes), in fresh processes:
+exported models; no mocks. And glibc's allocator (server.memory.heap's two modes), in fresh processes:
 what the roomy mode keeps at the top of a heap, measured in page faults; huge pages on and off
 with the mode (/proc/self/status); the tunable a served process runs with (its environment, read
 from /proc)."""
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2
 
-from attnserve.server import heap
+from attnserve.server.memory import heap
 from attnserve.server.app import Server
 from attnserve.server.config import ServerConfig
 from tests.server_process import ServerProcess
@@ -89,7 +89,7 @@ def _nothing_left_frozen():
 # main heap, below the mmap threshold) and takes them again: the page faults of the second take.
 _REUSE_FAULTS = """
 import ctypes, resource
-from attnserve.server import heap
+from attnserve.server.memory import heap
 heap.configure_allocator()
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
@@ -138,7 +138,7 @@ def test_the_thresholds_are_named_by_the_tunables_or_the_older_variables():
 # A fresh process: roomy, then crowded, then quiet again. Per mode: whether huge pages may be
 # faulted in (the kernel's THP_enabled for the process) and whether a large release trims.
 _MODES = """
-from attnserve.server import heap
+from attnserve.server.memory import heap
 def state():
     thp = [line.split()[1] for line in open("/proc/self/status") if line.startswith("THP_enabled:")]
     return [heap.is_lean(), thp[0] if thp else None, heap.release_after(heap.TRIM_MIN_BYTES),

@@ -22,10 +22,10 @@ from attnserve import contract
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server import codec
-from attnserve.server.batcher import Work, merge
+from attnserve.server.tensors import merge, Work
 from attnserve.server.engine import Engine, choose_device
 from attnserve.server.graphs import GENERAL, HEADS, UNFUSED, GraphSet
-from attnserve.server.memory import AttentionDims, run_working_set
+from attnserve.server.memory.costs import AttentionDims, run_working_set
 from attnserve.server.repository import read_model_spec
 from tests.export_helpers import old_layout
 from tests.oip import eager, infer_request, outputs_of

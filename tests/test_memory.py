@@ -1,4 +1,4 @@
-"""server.memory's estimate against real peaks, and lifecycle.MemoryBudget's admission rules.
+"""server.memory's estimate against real peaks, and memory.budget.MemoryBudget's admission rules.
 
 The estimate is measured here, in a process of its own per graph (ONNX Runtime with the
 server's session options, its CPU arena off), over a grid of shapes of both presets: the peak
@@ -20,13 +20,12 @@ import time
 import numpy as np
 import pytest
 
-from attnserve.server import heap
-from attnserve.server.lifecycle import MemoryBudget, MemoryExhausted, MemoryTooLarge
+from attnserve.server.memory import heap
+from attnserve.server.memory.budget import MemoryBudget, MemoryExhausted, MemoryTooLarge
 from attnserve.server.repository import read_model_spec
 from attnserve.contract import (ALL_OUTPUTS, FUSED, FUSED_KEY_PADDING, HEAD_MASK, HEAD_MASK_KINDS,
                                 OUTPUT_ONLY)
-from attnserve.server.memory import (MEASURED_FACTOR_RANGE, AttentionDims, default_memory_limit,
-                                     process_memory_bytes, run_working_set)
+from attnserve.server.memory.costs import (AttentionDims, default_memory_limit, MEASURED_FACTOR_RANGE, process_memory_bytes, run_working_set)
 
 pytestmark = pytest.mark.e2e  # measures runs in fresh processes
 
@@ -54,9 +53,9 @@ def _peaks(repository: str, preset: str, kind: str, shapes: list) -> list[int]:
                 return int(line.split()[1]) * 1024
         raise RuntimeError(field)
 
-    from attnserve.server import heap
+    from attnserve.server.memory import heap
 
-    heap.configure_allocator()  # roomy, as a server whose large runs come alone (server.heap)
+    heap.configure_allocator()  # roomy, as a server whose large runs come alone (server.memory.heap)
     spec = read_model_spec(Path(repository) / preset)
     session = ort.InferenceSession(str(spec.graph_path(kind)), sess_options=session_options(1),
                                    providers=["CPUExecutionProvider"])
@@ -80,7 +79,7 @@ def _peaks(repository: str, preset: str, kind: str, shapes: list) -> list[int]:
 def _measured(model_repository, kinds: tuple[str, ...], monkeypatch) -> list[dict]:
     rows = []
     context = multiprocessing.get_context("spawn")
-    # The processes start with the allocator the server runs with (server.heap, "Roomy").
+    # The processes start with the allocator the server runs with (server.memory.heap, "Roomy").
     environ = heap.huge_pages_environment(os.environ)
     if environ is not None:
         monkeypatch.setenv("GLIBC_TUNABLES", environ["GLIBC_TUNABLES"])

@@ -23,7 +23,7 @@ def test_every_setting_is_documented_and_every_documented_one_exists():
 
 def test_metric_names_match_the_code():
     from attnserve.server.gate import ReceiveSlots
-    from attnserve.server.lifecycle import MemoryBudget
+    from attnserve.server.memory.budget import MemoryBudget
     from attnserve.server.metrics import Metrics
 
     from attnserve.server.workers import RESTARTS_METRIC

@@ -98,7 +98,7 @@ def test_a_serialized_answer_lets_go_of_its_tensors():
 def test_crowded_a_large_request_hands_freed_heap_back_and_a_small_one_does_not():
     import platform
 
-    from attnserve.server import heap
+    from attnserve.server.memory import heap
 
     assert heap.release_after(heap.TRIM_MIN_BYTES) is False  # roomy: nothing trims
     heap.go_lean()
