@@ -13,11 +13,10 @@ import asyncio
 import sys
 
 import numpy as np
-
 from attnserve.server.__main__ import configure_logging, serve, start_on_huge_pages
-from attnserve.server.tensors import RunBatch
 from attnserve.server.config import load_config
 from attnserve.server.repository import ModelSpec
+from attnserve.server.tensors import RunBatch
 
 
 def zeros(spec: ModelSpec) -> RunBatch:

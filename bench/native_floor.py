@@ -15,15 +15,16 @@ import asyncio
 import signal
 import sys
 
-from attnserve.files import write_json_atomic
 from attnserve.server.__main__ import configure_logging
-from attnserve.server.request_path import RequestPath
 from attnserve.server.config import load_config
 from attnserve.server.engine import DeviceChoice
 from attnserve.server.lifecycle import Draining
 from attnserve.server.metrics import Metrics
 from attnserve.server.models import ModelRegistry
 from attnserve.server.native import NativePlane, why_unavailable
+from attnserve.server.request_path import RequestPath
+
+from attnserve.files import write_json_atomic
 from bench.floor import zeros
 
 

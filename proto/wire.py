@@ -16,7 +16,7 @@ ModelStreamInfer messages) and the benchmark's client.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 _LENGTH_DELIMITED = 2
 

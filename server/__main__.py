@@ -30,7 +30,6 @@ async def serve(config: ServerConfig, run_batch: RunBatchFactory | None = None) 
     from attnserve.server.app import Server
     from attnserve.server.engine import DeviceUnavailable
     from attnserve.server.repository import ModelLoadError
-
     from attnserve.server.workers import WorkerContext
 
     server = Server(config, run_batch, worker=WorkerContext.from_env())

@@ -19,33 +19,33 @@ import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
-
-from attnserve.files import write_json_atomic
+from attnserve.proto import REFLECTION_V1, reflection_pool
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
-from attnserve.proto import REFLECTION_V1, reflection_pool
 from attnserve.server import codec
-from attnserve.server.memory import heap
 from attnserve.server.config import ServerConfig
 from attnserve.server.engine import choose_device
 from attnserve.server.gate import CallGate, HandlerTable
 from attnserve.server.handover import CoreCalls
 from attnserve.server.lifecycle import Admission, Arrivals, Draining
-from attnserve.server.memory.budget import MemoryBudget
-from attnserve.server.memory.reclaim import Reclaimer
-from attnserve.server.memory.costs import default_memory_limit, DEFAULT_SHARE
 from attnserve.server.listen import listen_addresses
+from attnserve.server.memory import heap
+from attnserve.server.memory.budget import MemoryBudget
+from attnserve.server.memory.costs import DEFAULT_SHARE, default_memory_limit
+from attnserve.server.memory.reclaim import Reclaimer
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_http import MetricsEndpoint
 from attnserve.server.models import ModelRegistry, RunBatchFactory
-from attnserve.server.request_path import RequestPath
 from attnserve.server.repository import ModelLoadError
+from attnserve.server.request_path import RequestPath
 from attnserve.server.rest import RestPort
 from attnserve.server.security import bearer_token, server_credentials, server_ssl_context
 from attnserve.server.service import InferenceServicer
 from attnserve.server.workers import WorkerContext
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+
+from attnserve.files import write_json_atomic
 
 logger = logging.getLogger(__name__)
 

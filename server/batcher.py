@@ -25,9 +25,10 @@ import collections
 import logging
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 from attnserve.server import priority
 from attnserve.server.memory.budget import MemoryBudget, Reservation
@@ -345,7 +346,8 @@ class Batcher:
                 continue
             if p.deadline is not None and p.deadline <= now:
                 p.future.set_exception(DeadlineExpired(
-                    f"deadline passed after {now - p.enqueued_at:.3f}s in the queue of model {self.name}; not computed"))
+                    f"deadline passed after {now - p.enqueued_at:.3f}s in the queue of model {self.name}; "
+                    "not computed"))
                 p.drop()
                 continue
             w = p.work
@@ -387,7 +389,8 @@ class Batcher:
         self._report_depth()
         extra = None
         if len(chosen) > 1 and self._costing is not None:
-            needed = self._costing.batch_run(rows, q_len, k_len, batch_masking(maskings, same_k_len), want_probs) - shares
+            masking = batch_masking(maskings, same_k_len)
+            needed = self._costing.batch_run(rows, q_len, k_len, masking, want_probs) - shares
             if needed > 0:
                 extra = self._budget.try_reserve(needed)  # fits: checked for each request above
         return chosen, extra
@@ -413,7 +416,7 @@ class Batcher:
             if solo:
                 self._time_solo_run(shape, sum(timings))
             compute_s = time.monotonic() - started
-            for p, (output, attn_probs), waited in zip(batch, results, queue_s):
+            for p, (output, attn_probs), waited in zip(batch, results, queue_s, strict=True):
                 if not p.future.done():
                     p.future.set_result(Result(output, attn_probs, waited, compute_s, len(batch), p.reservation))
                 else:

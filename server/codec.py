@@ -20,10 +20,15 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import wire
+from attnserve.server.graphs import HEADS, UNFUSED, GraphSet, attention_bytes
+from attnserve.server.memory import heap
+from attnserve.server.memory.budget import Reservation
+from attnserve.server.quoting import quoted
+from attnserve.server.repository import ModelSpec
 from attnserve.server.tensors import Result, Work
+
 from attnserve.contract import (
     ALL_OUTPUTS,
     DATATYPES,
@@ -37,11 +42,6 @@ from attnserve.contract import (
     OUTPUT_ONLY,
     REQUIRED_INPUTS,
 )
-from attnserve.server.memory import heap
-from attnserve.server.quoting import quoted
-from attnserve.server.graphs import HEADS, UNFUSED, GraphSet, attention_bytes
-from attnserve.server.memory.budget import Reservation
-from attnserve.server.repository import ModelSpec
 
 # Little-endian on the wire, whatever this machine is.
 _DTYPES = {"FP32": np.dtype("<f4"), "BOOL": np.dtype("?")}
@@ -213,7 +213,7 @@ def _mask_shapes(spec: ModelSpec, b: int | None = None, lq: int | None = None, l
     forms = ["[batch, q_len, k_len]", "[q_len, k_len]", "[batch, 1, q_len, k_len]", f"[batch, {h}, q_len, k_len]"]
     if b is not None:
         sizes = ([b, lq, lk], [lq, lk], [b, 1, lq, lk], [b, h, lq, lk])
-        forms = [f"{form} = {size}" for form, size in zip(forms, sizes)]
+        forms = [f"{form} = {size}" for form, size in zip(forms, sizes, strict=True)]
     return ", ".join(forms[:-1]) + " or " + forms[-1]
 
 
@@ -273,8 +273,8 @@ def _requested_outputs(request: pb.ModelInferRequest, spec: ModelSpec) -> tuple[
     return tuple(names)
 
 
-def encode(request: "InferRequest | pb.ModelInferRequest", decoded: Decoded, result: Result, version: int
-           ) -> "InferResponse":
+def encode(request: InferRequest | pb.ModelInferRequest, decoded: Decoded, result: Result, version: int
+           ) -> InferResponse:
     response = pb.ModelInferResponse(model_name=request.model_name, model_version=str(version), id=request.id)
     raw_outputs: list[np.ndarray] = []
     for name in decoded.outputs:

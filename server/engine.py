@@ -13,6 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
+from attnserve.server.cuda_probe import why_cuda_cannot_run
+from attnserve.server.graphs import BYTES_PER_SCORE, GraphSet, masking_of
+from attnserve.server.memory import heap
+from attnserve.server.repository import ModelSpec
+from attnserve.server.tensors import dense_mask
 
 from attnserve.contract import (
     ALL_OUTPUTS,
@@ -24,11 +29,6 @@ from attnserve.contract import (
     OUTPUT_ONLY,
     REQUIRED_INPUTS,
 )
-from attnserve.server.memory import heap
-from attnserve.server.tensors import dense_mask
-from attnserve.server.cuda_probe import why_cuda_cannot_run
-from attnserve.server.graphs import BYTES_PER_SCORE, GraphSet, masking_of
-from attnserve.server.repository import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +100,8 @@ class Engine:
     After each such run ONNX Runtime's threads spin a while before they sleep, so a lone
     client's next request finds its cores awake: a short run after an idle gap is otherwise
     slower than back to back. Up to one core's CPU while such requests keep coming; the same
-    graphs, kernels and answers; those graphs' weights held twice. A run whose graph has no solo session takes the regular one. None on CUDA or with
-    one intra-op thread."""
+    graphs, kernels and answers; those graphs' weights held twice. A run whose graph has no solo
+    session takes the regular one. None on CUDA or with one intra-op thread."""
 
     def __init__(self, spec: ModelSpec, device: DeviceChoice, intra_op_threads: int = 0,
                  io_binding: bool | None = None, solo: bool = False) -> None:

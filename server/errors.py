@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-import grpc
 
+import grpc
 from attnserve.server.batcher import BatcherClosed, BatchFailed, DeadlineExpired, QueueFull
-from attnserve.server.quoting import bounded_details
 from attnserve.server.memory.budget import MemoryExhausted, MemoryTooLarge
 from attnserve.server.models import ModelControlDisabled, ModelLoadFailed, ModelNotFound, ModelUnavailable
+from attnserve.server.quoting import bounded_details
 from attnserve.server.ratelimit import CLIENT_ERRORS
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,8 @@ class MalformedMessage(Exception):
     def __init__(self, error: Exception) -> None:
         # A refusal the deserializer makes on purpose (codec.TypedContentsTooLarge) says why itself.
         refused = getattr(error, "refused_before_parsing", False)
-        super().__init__(str(error) if refused else f"the request message does not parse: {type(error).__name__}: {error}")
+        super().__init__(str(error) if refused
+                         else f"the request message does not parse: {type(error).__name__}: {error}")
 
 
 class BodyTooLarge(Exception):

@@ -30,16 +30,15 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import grpc
-from grpc_health.v1 import health_pb2
-
 from attnserve.server.errors import MalformedMessage, ShuttingDown, Unauthenticated, abort
 from attnserve.server.handover import CoreCalls
 from attnserve.server.lifecycle import Admission, Draining
 from attnserve.server.parsing import tolerant_handler
 from attnserve.server.security import REFUSAL, BearerToken
+from grpc_health.v1 import health_pb2
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class Draining:

@@ -21,23 +21,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable
 
-from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, HEAD_MASK_KINDS, OUTPUT_ONLY
-from attnserve.runtime import AttentionPredictor
 from attnserve.server import priority
 from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, LoneCallSignal
-from attnserve.server.tensors import RunBatch, Work
 from attnserve.server.codec import Limits
 from attnserve.server.config import ServerConfig
-from attnserve.server.quoting import quoted
 from attnserve.server.engine import DeviceChoice
 from attnserve.server.graphs import UNFUSED, GraphSet
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.costs import AttentionDims, Cost, request_cost, run_working_set
 from attnserve.server.metrics import Metrics
+from attnserve.server.quoting import quoted
 from attnserve.server.repository import (
     ModelLoadError,
     ModelSpec,
@@ -47,6 +44,10 @@ from attnserve.server.repository import (
     same_model,
     version_fingerprint,
 )
+from attnserve.server.tensors import RunBatch, Work
+
+from attnserve.contract import ALL_OUTPUTS, FUSED_KINDS, HEAD_MASK_KINDS, OUTPUT_ONLY
+from attnserve.runtime import AttentionPredictor
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,8 @@ class ModelRegistry:
     @classmethod
     def from_repository(cls, config: ServerConfig, device: DeviceChoice, metrics: Metrics,
                         arrivals: ArrivalSignal | None = None, run_batch: RunBatchFactory | None = None,
-                        budget: MemoryBudget | None = None, lone_call_signal: LoneCallSignal | None = None) -> "ModelRegistry":
+                        budget: MemoryBudget | None = None, lone_call_signal: LoneCallSignal | None = None
+                        ) -> ModelRegistry:
         """Load every model of the repository, before serving (blocking); a model that fails is
         logged and kept with its reason."""
         registry = cls(config, device, metrics, arrivals, run_batch, budget=budget, lone_call_signal=lone_call_signal)

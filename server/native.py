@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from attnserve import contract
 from attnserve.server.listen import listen_addresses
+
+from attnserve import contract
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ class NativePlane:
             thread = threading.Thread(target=self._run_forever, args=(index,), name=f"native-{name}", daemon=True)
             thread.start()
             self._runners.append(thread)
-        logger.info("native data plane (prototype%s) serving ModelInfer for %s on %s", " answering zeros" if self._zeros else "", [m[0] for m in self._models],
+        logger.info("native data plane (prototype%s) serving ModelInfer for %s on %s",
+                    " answering zeros" if self._zeros else "", [m[0] for m in self._models],
                     f"{target.rsplit(':', 1)[0]}:{port}")
         return port
 

@@ -18,10 +18,10 @@ Handlers are rebuilt with grpc's public *_rpc_method_handler constructors.
 from __future__ import annotations
 
 import inspect
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
-
 from attnserve.server.errors import MalformedMessage, abort
 
 UNARY_UNARY, UNARY_STREAM, STREAM_STREAM = "unary_unary", "unary_stream", "stream_stream"

@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import time
 
-from attnserve.contract import TensorSpec
 from attnserve.proto import inference_pb2 as pb
 from attnserve.server import __version__, codec
-from attnserve.server.quoting import quoted
 from attnserve.server.errors import CANCELLED, OK, Status, status_for
 from attnserve.server.lifecycle import Draining
 from attnserve.server.metrics import Metrics
 from attnserve.server.models import ModelNotFound, ModelRegistry
+from attnserve.server.quoting import quoted
 from attnserve.server.repository import ModelSpec
+
+from attnserve.contract import TensorSpec
 
 SERVER_NAME = "attnserve"
 # "model_repository" also means load/unload; binary_tensor_data is the REST port's.

@@ -25,24 +25,37 @@ import logging
 import re
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestPayloadError
-
-from attnserve.server.request_path import RequestPath
-from attnserve.server.quoting import quoted
-from attnserve.server.errors import (BodyTooLarge, ClientGone, NoSuchEndpoint, ShuttingDown, Status, Unauthenticated,
-                                     status_for)
+from attnserve.server.errors import (
+    BodyTooLarge,
+    ClientGone,
+    NoSuchEndpoint,
+    ShuttingDown,
+    Status,
+    Unauthenticated,
+    status_for,
+)
 from attnserve.server.lifecycle import Admission, Draining
-from attnserve.server.memory.budget import MemoryBudget, MemoryExhausted, Reservation
-from attnserve.server.ratelimit import CLIENT_ERRORS
 from attnserve.server.listen import listen_addresses
-from attnserve.server.rest_codec import (HEADER_LENGTH, as_json, check_json_answer, encode_infer, json_parse_bytes,
-                                         parse_infer, parse_json)
-from attnserve.server.security import OPEN_PATH_PREFIXES, REFUSAL, BearerToken
+from attnserve.server.memory.budget import MemoryBudget, MemoryExhausted, Reservation
+from attnserve.server.quoting import quoted
+from attnserve.server.ratelimit import CLIENT_ERRORS
+from attnserve.server.request_path import RequestPath
+from attnserve.server.rest_codec import (
+    HEADER_LENGTH,
+    as_json,
+    check_json_answer,
+    encode_infer,
+    json_parse_bytes,
+    parse_infer,
+    parse_json,
+)
+from attnserve.server.security import OPEN_PATH_PREFIXES, BearerToken
 
 logger = logging.getLogger(__name__)
 
@@ -172,23 +185,23 @@ class RestPort:
 
     # -- connections: the request head's timer and the waiting order (see _Connection) --------
 
-    def _opened(self, connection: "_Connection") -> None:
+    def _opened(self, connection: _Connection) -> None:
         self._open.add(connection)
         self._waiting[connection] = None
         connection.time_head(self._head_timeout_s)
 
-    def _head_came(self, connection: "_Connection") -> None:
+    def _head_came(self, connection: _Connection) -> None:
         self._waiting.pop(connection, None)
         connection.untime_head()
 
-    def _answered(self, connection: "_Connection") -> None:
+    def _answered(self, connection: _Connection) -> None:
         if connection in self._open:
             self._waiting[connection] = None
 
-    def _head_began(self, connection: "_Connection") -> None:
+    def _head_began(self, connection: _Connection) -> None:
         connection.time_head(self._head_timeout_s)
 
-    def _lost(self, connection: "_Connection") -> None:
+    def _lost(self, connection: _Connection) -> None:
         self._open.discard(connection)
         self._waiting.pop(connection, None)
         connection.untime_head()
@@ -252,7 +265,7 @@ class RestPort:
                 admission.started(ticket)
             admission.finished()
 
-    async def _body(self, request: web.BaseRequest, held: "_Held") -> bytes:
+    async def _body(self, request: web.BaseRequest, held: _Held) -> bytes:
         """The request's body, inflated, read a chunk at a time: `held` takes from the memory
         budget what it holds as it grows (MemoryExhausted, 429, once the budget is spent)."""
         if request.content_length is not None and request.content_length > self._max_body_bytes:
@@ -380,10 +393,12 @@ class RestPort:
             return error_response(status)
         try:
             body, json_length = encode_infer(answer, binary_outputs)
-            response = web.Response(body=body, content_type=_JSON if json_length is None else "application/octet-stream")
+            content_type = _JSON if json_length is None else "application/octet-stream"
+            response = web.Response(body=body, content_type=content_type)
             if json_length is not None:
                 response.headers[HEADER_LENGTH] = str(json_length)
-            if "gzip" in request.headers.get("Accept-Encoding", "") or "deflate" in request.headers.get("Accept-Encoding", ""):
+            accepted = request.headers.get("Accept-Encoding", "")
+            if "gzip" in accepted or "deflate" in accepted:
                 response.enable_compression()
             return await self._sent(request, response)
         finally:

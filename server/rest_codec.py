@@ -22,14 +22,14 @@ import math
 from typing import Any
 
 import numpy as np
+from attnserve.proto import inference_pb2 as pb
+from attnserve.server.codec import InferResponse, output_bytes
+from attnserve.server.quoting import quoted
+from attnserve.server.repository import ModelSpec
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from attnserve.proto import inference_pb2 as pb
 from attnserve.contract import OUTPUT_NAMES
-from attnserve.server.codec import InferResponse, output_bytes
-from attnserve.server.repository import ModelSpec
-from attnserve.server.quoting import quoted
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _DTYPES = {"FP32": np.dtype("<f4"), "BOOL": np.dtype("?")}
@@ -104,7 +104,8 @@ def _json_bytes(data: Any, name: str, datatype: str, count: int) -> bytes:
         raise ValueError(f"input {name!r}: data is not a regular array (ragged nested lists)") from None
     if array.size and array.dtype.kind not in _KINDS[datatype]:
         value = _offending(array, datatype)
-        if datatype == "FP32" and isinstance(value, int) and not isinstance(value, bool):  # beyond 64 bits: numpy keeps it an object
+        # beyond 64 bits: numpy keeps it an object
+        if datatype == "FP32" and isinstance(value, int) and not isinstance(value, bool):
             raise ValueError(f"input {name!r}: FP32 data must be numbers within float32's range, got the integer "
                              f"{quoted(value, 40)}")
         raise ValueError(f"input {name!r}: {datatype} data must be {_WHAT[datatype]}, got {quoted(value)}")
@@ -232,7 +233,7 @@ def encode_infer(answer: InferResponse, binary_outputs: dict[str, bool]) -> tupl
     if response.id:
         document["id"] = response.id
     outputs, tail = [], []
-    for tensor, raw in zip(response.outputs, answer.raw_output_contents or response.raw_output_contents):
+    for tensor, raw in zip(response.outputs, answer.raw_output_contents or response.raw_output_contents, strict=True):
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
         if binary_outputs.get(tensor.name, binary_outputs[""]):
             entry["parameters"] = {"binary_data_size": memoryview(raw).nbytes}

@@ -14,9 +14,9 @@ import functools
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server import codec
-from attnserve.server.request_path import RequestPath
 from attnserve.server.errors import Status, abort
 from attnserve.server.memory.budget import MemoryBudget
+from attnserve.server.request_path import RequestPath
 
 # Requests of one ModelStreamInfer stream in the server at once; reading pauses beyond it.
 STREAM_WINDOW = 64
@@ -135,7 +135,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     held.release(pending.result()[1])
                 pending.cancel()
 
-    async def _read_stream(self, request_iterator, context, answers: asyncio.Queue, held: "_StreamHold") -> None:
+    async def _read_stream(self, request_iterator, context, answers: asyncio.Queue, held: _StreamHold) -> None:
         try:
             async for request in request_iterator:
                 held.read()
@@ -144,7 +144,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         finally:
             await answers.put(None)
 
-    async def _stream_answer(self, request: codec.InferRequest | pb.ModelInferRequest, context, held: "_StreamHold"
+    async def _stream_answer(self, request: codec.InferRequest | pb.ModelInferRequest, context, held: _StreamHold
                              ) -> tuple[pb.ModelStreamInferResponse, codec.InferResponse | None]:
         try:
             response, status = await self._answered(request, context)

@@ -13,14 +13,15 @@ attnserve.runtime's offline predictor both compute through it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
-
-from attnserve.contract import HEAD_MASK, KEY_PADDING_MASK
 from attnserve.server.graphs import GENERAL, HEADS, KEY_PADDING, NO_MASK
 from attnserve.server.stacking import concat_rows, place
+
+from attnserve.contract import HEAD_MASK, KEY_PADDING_MASK
 
 if TYPE_CHECKING:
     from attnserve.server.memory.budget import Reservation
@@ -123,8 +124,9 @@ class Result:
 
 def compute_batch(run_batch: RunBatch, works: list[Work]
                   ) -> tuple[list[tuple[np.ndarray, np.ndarray | None]], float, tuple[float, float, float]]:
-    """On a worker thread: pad and merge, run, check, split (attnserve.runtime runs it too). Returns per-request outputs, the
-    batch's padding ratio, and the seconds spent merging, running and splitting."""
+    """On a worker thread: pad and merge, run, check, split (attnserve.runtime runs it too).
+    Returns per-request outputs, the batch's padding ratio, and the seconds spent merging, running
+    and splitting."""
     t0 = time.perf_counter()
     feeds, padding_ratio = merge(works)
     want_probs = any(w.want_probs for w in works)

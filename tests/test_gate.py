@@ -10,8 +10,6 @@ import asyncio
 
 import grpc
 import pytest
-from grpc_health.v1 import health
-
 from attnserve.server.app import SERVICE_NAME, method_handlers
 from attnserve.server.gate import CallGate, HandlerTable
 from attnserve.server.lifecycle import Admission, Arrivals, Draining
@@ -20,10 +18,12 @@ from attnserve.server.models import ModelRegistry, _Model
 from attnserve.server.parsing import SUPPORTED_KINDS, handler_kind
 from attnserve.server.request_path import RequestPath
 from attnserve.server.service import InferenceServicer
+from grpc_health.v1 import health
 
 
 def _served() -> dict[str, grpc.RpcMethodHandler]:
-    return method_handlers(InferenceServicer(RequestPath(ModelRegistry(), Metrics(), Draining())), health.aio.HealthServicer())
+    return method_handlers(InferenceServicer(RequestPath(ModelRegistry(), Metrics(), Draining())),
+                           health.aio.HealthServicer())
 
 
 def test_every_registered_method_has_a_kind_the_gate_wraps():

@@ -18,11 +18,11 @@ import weakref
 from pathlib import Path
 
 import pytest
-from grpc_health.v1 import health_pb2
-
-from attnserve.server.memory import heap
 from attnserve.server.app import Server
 from attnserve.server.config import ServerConfig
+from attnserve.server.memory import heap
+from grpc_health.v1 import health_pb2
+
 from tests.server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e  # starts servers and fresh processes
@@ -131,8 +131,10 @@ def test_freed_small_blocks_stay_for_the_next_request_unless_the_operator_sets_t
 def test_the_thresholds_are_named_by_the_tunables_or_the_older_variables():
     assert heap.thresholds_named({}) == frozenset()
     assert heap.thresholds_named({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) == frozenset()
-    assert heap.thresholds_named({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.malloc.trim_threshold=1048576"}) == {"trim"}
-    assert heap.thresholds_named({"MALLOC_TRIM_THRESHOLD_": "1048576", "MALLOC_MMAP_THRESHOLD_": "1"}) == {"trim", "mmap"}
+    tunables = "glibc.malloc.hugetlb=1:glibc.malloc.trim_threshold=1048576"
+    assert heap.thresholds_named({"GLIBC_TUNABLES": tunables}) == {"trim"}
+    both = {"MALLOC_TRIM_THRESHOLD_": "1048576", "MALLOC_MMAP_THRESHOLD_": "1"}
+    assert heap.thresholds_named(both) == {"trim", "mmap"}
 
 
 # A fresh process: roomy, then crowded, then quiet again. Per mode: whether huge pages may be

@@ -7,7 +7,6 @@ import dataclasses
 import importlib
 
 import pytest
-
 from attnserve.server.config import ServerConfig
 from attnserve.server.memory.limits import LIMITS, Limit
 

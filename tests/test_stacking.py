@@ -19,7 +19,6 @@ import threading
 
 import numpy as np
 import pytest
-
 from attnserve.server.stacking import concat_rows, place
 
 
@@ -83,7 +82,7 @@ def test_stack_takes_views_that_are_not_contiguous():
 
 def test_place_is_the_padded_slice_assignment():
     rng = np.random.default_rng(0)
-    works = [rng.standard_normal((b, l, 8)).astype(np.float32) for b, l in ((2, 5), (1, 9), (3, 1))]
+    works = [rng.standard_normal((b, length, 8)).astype(np.float32) for b, length in ((2, 5), (1, 9), (3, 1))]
     padded, expected = np.zeros((6, 9, 8), np.float32), np.zeros((6, 9, 8), np.float32)
     start = 0
     for w in works:

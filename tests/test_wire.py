@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from google.protobuf.message import DecodeError
-
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import wire
 from attnserve.server import codec
+from google.protobuf.message import DecodeError
 
 
 def _request(raw: list[bytes], typed: bool = False) -> pb.ModelInferRequest:
@@ -75,7 +74,8 @@ def test_codec_takes_the_wire_path_for_large_messages_only():
     data = codec.serialize_infer_response(response)
     assert pb.ModelInferResponse.FromString(data) == pb.ModelInferResponse(model_name="m",
                                                                           raw_output_contents=[array.tobytes()])
-    assert codec.serialize_infer_response(pb.ModelInferResponse(id="x")) == pb.ModelInferResponse(id="x").SerializeToString()
+    bare = pb.ModelInferResponse(id="x")
+    assert codec.serialize_infer_response(bare) == bare.SerializeToString()
 
 
 def test_a_serialized_answer_lets_go_of_its_tensors():

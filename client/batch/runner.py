@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-
 from attnserve.client.aio import AsyncInferenceClient
 from attnserve.client.batch.manifest import Manifest
 from attnserve.client.batch.plan import Chunk

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class MemoryTooLarge(ValueError):
@@ -29,7 +29,7 @@ class Reservation:
 
     __slots__ = ("_budget", "nbytes")
 
-    def __init__(self, budget: "MemoryBudget | None", nbytes: int) -> None:
+    def __init__(self, budget: MemoryBudget | None, nbytes: int) -> None:
         self._budget = budget
         self.nbytes = nbytes
 

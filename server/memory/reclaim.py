@@ -13,7 +13,7 @@ Passes run off the event loop (malloc_trim walks every heap). docs/design.md ("R
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from attnserve.server.memory import heap
 from attnserve.server.memory.budget import MemoryBudget
