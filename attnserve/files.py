@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 
 # mkstemp makes files 0600; servers and jobs may run as another user than the writer.
 DEFAULT_MODE = 0o644

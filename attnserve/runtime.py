@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from attnserve.contract import ITEM_ID, OUTPUT_NAMES
-from attnserve.server.batcher import Work, compute_batch
 from attnserve.server.engine import DeviceChoice, Engine, choose_device
 from attnserve.server.repository import ModelSpec, read_model_specs
+from attnserve.server.tensors import Work, compute_batch
 
 
 class AttentionPredictor:
@@ -122,7 +122,7 @@ class AttentionPredictor:
             groups.setdefault(shape, []).append(i)
         got: dict[str, list] = {name: [None] * n for name in self.outputs}
         for rows in groups.values():
-            def pick(items: list[np.ndarray]) -> np.ndarray:
+            def pick(items: list[np.ndarray], rows: list[int] = rows) -> np.ndarray:
                 return np.stack([items[i] for i in rows])  # (len(rows), ...): one shape
 
             output, attn_probs = self.predict(pick(columns["query"]), pick(columns["key"]), pick(columns["value"]),

@@ -38,10 +38,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import inprocess, loadgen, perf_analyzer
-from bench.inprocess import SHAPES
 from attnserve.server.engine import DeviceUnavailable, choose_device
 from attnserve.server.repository import read_model_spec
+
+from bench import inprocess, loadgen, perf_analyzer
+from bench.inprocess import SHAPES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 IN_PROCESS_BATCHES = (1, 8, 32, 64)
@@ -62,7 +63,7 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _rows(server: "_Server", model: str) -> int:
+def _rows(server: _Server, model: str) -> int:
     """Rows the server has inferred for `model` (its ModelStatistics)."""
     from attnserve.client import InferenceClient
 
@@ -77,7 +78,8 @@ class _Server:
         self.log = open(workdir / f"{module}.log", "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, "--model-repository", str(repository), "--host", "127.0.0.1",
-             "--port", "0", "--http-port", "0", "--metrics-port", "-1", "--log-level", "WARNING", "--ready-file", str(self.ready_file),
+             "--port", "0", "--http-port", "0", "--metrics-port", "-1", "--log-level", "WARNING", "--ready-file",
+             str(self.ready_file),
              "--drain-delay-s", "0", "--workers", "1",
              *extra], cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
@@ -191,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict = {"generator": generator, "server_args": server_args, "cores": os.cpu_count(),
                      "machine": host, "providers": list(providers), "rounds": args.rounds,
-                     "load_before": load_before, "models": {m: {"shape": vars(SHAPES[m]), "rounds": []} for m in models}}
+                     "load_before": load_before,
+                     "models": {m: {"shape": vars(SHAPES[m]), "rounds": []} for m in models}}
 
     def drive(server: _Server, model: str, c: int, workdir: Path, streaming: bool = False, http: bool = False) -> dict:
         spec, shape = specs[model], SHAPES[model]
@@ -206,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         # The server's own CPU time per request, over every request of the level (perf_analyzer's
         # warm-up too): the cost of a transport, whatever the load generator beside it takes.
         requests = (_rows(server, model) - rows) / shape.batch
-        got["server_cpu_ms_per_request"] = (_cpu_s(server.proc.pid) - cpu_s) * 1000 / requests if requests else float("nan")
+        cpu_ms = (_cpu_s(server.proc.pid) - cpu_s) * 1000
+        got["server_cpu_ms_per_request"] = cpu_ms / requests if requests else float("nan")
         got["load"] = os.getloadavg()[0]
         return got
 
@@ -226,16 +230,16 @@ def main(argv: list[str] | None = None) -> int:
                 for model in models:
                     got: dict = {"server": {}, "floor": {}}
 
-                    def in_process() -> None:
+                    def in_process(r: int = r, model: str = model, got: dict = got) -> None:
                         print(f"round {r + 1}: in-process ONNX Runtime, {model} ...", flush=True)
                         got["in_process"] = inprocess.measure(specs[model], SHAPES[model], IN_PROCESS_BATCHES,
                                                               seconds=min(args.seconds, 3.0), providers=providers)
 
-                    def served(c: int) -> None:
+                    def served(c: int, r: int = r, model: str = model, got: dict = got) -> None:
                         print(f"round {r + 1}: server, {model}, concurrency {c} ...", flush=True)
                         got["server"][c] = drive(server, model, c, Path(tmp))
 
-                    def floored(c: int) -> None:
+                    def floored(c: int, r: int = r, model: str = model, got: dict = got) -> None:
                         if floor is not None:
                             print(f"round {r + 1}: floor (no model), {model}, concurrency {c} ...", flush=True)
                             got["floor"][c] = drive(floor, model, c, Path(tmp))
@@ -243,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                     # A/B/A/B: the order turns round each round. The server and the floor take each
                     # level one right after the other: this VM's speed drifts by 1.4x within minutes,
                     # so the figures a ratio divides are measured seconds apart, not a level apart.
-                    pairs = [(side, c) for c in levels for side in ((served, floored) if r % 2 == 0 else (floored, served))]
+                    order = (served, floored) if r % 2 == 0 else (floored, served)
+                    pairs = [(side, c) for c in levels for side in order]
                     if r % 2 == 0:
                         in_process()
                     for side, c in pairs:
@@ -320,7 +325,8 @@ def _soak(server: _Server, spec, model: str, found, seconds: float, workdir: Pat
         print(f"  soak t={samples[-1]['t_s']:.0f}s rss={samples[-1]['rss_mb']:.1f} MB "
               f"{got['requests_per_s']:.0f} req/s", flush=True)
     rss = [s["rss_mb"] for s in samples]
-    return {"seconds": seconds, "samples": samples, "rss_first_mb": rss[0], "rss_last_mb": rss[-1], "rss_max_mb": max(rss)}
+    return {"seconds": seconds, "samples": samples, "rss_first_mb": rss[0], "rss_last_mb": rss[-1],
+            "rss_max_mb": max(rss)}
 
 
 def _print_table(results: dict) -> None:
@@ -354,16 +360,20 @@ def _print_table(results: dict) -> None:
             s = servers[32]
             print(f"  goal c32 throughput >= 0.40 x in-process b32: {s['requests_per_s'] / b32:.2f} "
                   f"{'met' if s['requests_per_s'] / b32 >= 0.40 else 'NOT met'}; "
-                  f"p99 < 3 x p50: {s['p99_ms'] / s['p50_ms']:.2f} {'met' if s['p99_ms'] < 3 * s['p50_ms'] else 'NOT met'}")
+                  f"p99 < 3 x p50: {s['p99_ms'] / s['p50_ms']:.2f} "
+                  f"{'met' if s['p99_ms'] < 3 * s['p50_ms'] else 'NOT met'}")
             if 32 in floor:
                 print(f"    the floor (no model at all) reaches {floor[32]['requests_per_s'] / b32:.2f} x; "
-                      f"the server has {s['requests_per_s'] / floor[32]['requests_per_s']:.2f} x the floor's throughput")
+                      f"the server has {s['requests_per_s'] / floor[32]['requests_per_s']:.2f} x the floor's "
+                      "throughput")
         rest = data.get("server_http", {})
         for c in sorted(set(rest) & set(servers)):
             print(f"  REST vs gRPC at concurrency {c}: {rest[c]['requests_per_s']:,.0f} vs "
-                  f"{servers[c]['requests_per_s']:,.0f} requests/s ({rest[c]['requests_per_s'] / servers[c]['requests_per_s']:.2f} x), "
+                  f"{servers[c]['requests_per_s']:,.0f} requests/s "
+                  f"({rest[c]['requests_per_s'] / servers[c]['requests_per_s']:.2f} x), "
                   f"p50 {rest[c]['p50_ms']:.2f} vs {servers[c]['p50_ms']:.2f} ms, server CPU "
-                  f"{rest[c]['server_cpu_ms_per_request']:.2f} vs {servers[c]['server_cpu_ms_per_request']:.2f} ms/request")
+                  f"{rest[c]['server_cpu_ms_per_request']:.2f} vs "
+                  f"{servers[c]['server_cpu_ms_per_request']:.2f} ms/request")
         _print_derived(data)
         if 1 in servers:
             ratio = servers[1]["p50_ms"] / b1_ms

@@ -13,11 +13,10 @@ import asyncio
 import sys
 
 import numpy as np
-
 from attnserve.server.__main__ import configure_logging, serve, start_on_huge_pages
-from attnserve.server.batcher import RunBatch
 from attnserve.server.config import load_config
 from attnserve.server.repository import ModelSpec
+from attnserve.server.tensors import RunBatch
 
 
 def zeros(spec: ModelSpec) -> RunBatch:
@@ -35,7 +34,7 @@ def zeros(spec: ModelSpec) -> RunBatch:
 
 def main(argv: list[str] | None = None) -> int:
     config = load_config(argv, prog="python -m bench.floor")
-    start_on_huge_pages()  # as the server does (server.heap, "Roomy")
+    start_on_huge_pages()  # as the server does (server.memory.heap, "Roomy")
     configure_logging(config)
     return asyncio.run(serve(config, run_batch=zeros))
 

@@ -139,7 +139,9 @@ def main() -> int:
     if args.serve:
         serve_starlette(args.port, "httptools" if "httptools" in args.serve else "h11")
         return 0
-    import aiohttp, uvicorn, starlette  # noqa: E401 (their versions, for the report)
+    import aiohttp  # noqa: E401 (their versions, for the report)
+    import starlette
+    import uvicorn
 
     print(f"aiohttp {aiohttp.__version__}, uvicorn {uvicorn.__version__}, starlette {starlette.__version__}; "
           f"{args.requests} requests per round at concurrency {args.concurrency}; load {os.getloadavg()[0]:.2f}")

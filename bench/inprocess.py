@@ -6,9 +6,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-
 import onnxruntime as ort
-
 from attnserve.server.repository import ModelSpec
 
 

@@ -19,7 +19,6 @@ from bench.inprocess import Shape
 def _worker(address: str, model: str, dims: tuple[int, int], shape: Shape, in_flight: int,
             seconds: float, queue: multiprocessing.Queue) -> None:
     import grpc
-
     from attnserve.proto import inference_pb2 as pb
     from attnserve.proto import inference_pb2_grpc as pb_grpc
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -24,10 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from attnserve.server.repository import read_model_spec
+
 from bench import loadgen, perf_analyzer
 from bench.__main__ import _cpu_s, machine
 from bench.inprocess import SHAPES
-from attnserve.server.repository import read_model_spec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,11 +132,13 @@ def main(argv: list[str] | None = None) -> int:
               f"rows each); per request: check {counters['check_ns'] / max(counters['requests'], 1) / 1e3:.1f} us, "
               f"queue wait {counters['queue_ns'] / max(counters['requests'], 1) / 1e3:.1f} us; per batch: merge "
               f"{counters['merge_ns'] / batches / 1e3:.1f} us, Python (feeds, ONNX Runtime, hand back) "
-              f"{counters['python_ns'] / batches / 1e3:.1f} us, split+encode {counters['split_ns'] / batches / 1e3:.1f} us, "
+              f"{counters['python_ns'] / batches / 1e3:.1f} us, "
+              f"split+encode {counters['split_ns'] / batches / 1e3:.1f} us, "
               f"gRPC's Finish {counters.get('finish_ns', 0) / batches / 1e3:.1f} us")
     args.output.mkdir(parents=True, exist_ok=True)
     out = args.output / "native-compare.json"
-    out.write_text(json.dumps({"machine": machine(), "model": args.model, "shape": vars(shape) if hasattr(shape, "__dict__")
+    out.write_text(json.dumps({"machine": machine(), "model": args.model,
+                               "shape": vars(shape) if hasattr(shape, "__dict__")
                                else str(shape), "results": results, "verdict": verdict, "counters": counters,
                                "load_before": load_before}, indent=1, default=str))
     print(f"written {out}")

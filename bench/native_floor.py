@@ -15,15 +15,16 @@ import asyncio
 import signal
 import sys
 
-from attnserve.files import write_json_atomic
 from attnserve.server.__main__ import configure_logging
-from attnserve.server.answers import Answers
 from attnserve.server.config import load_config
 from attnserve.server.engine import DeviceChoice
 from attnserve.server.lifecycle import Draining
 from attnserve.server.metrics import Metrics
 from attnserve.server.models import ModelRegistry
 from attnserve.server.native import NativePlane, why_unavailable
+from attnserve.server.request_path import RequestPath
+
+from attnserve.files import write_json_atomic
 from bench.floor import zeros
 
 
@@ -36,7 +37,7 @@ async def serve(config) -> int:
     # Batches "computed" by zeros: no ONNX Runtime session is opened for the tables' sake.
     registry = ModelRegistry.from_repository(config, DeviceChoice(("CPUExecutionProvider",), None), metrics,
                                              run_batch=zeros)
-    plane = NativePlane(config, registry, Answers(registry, metrics, Draining()), zeros=True)
+    plane = NativePlane(config, registry, RequestPath(registry, metrics, Draining()), zeros=True)
     port = plane.start()
     if config.ready_file is not None:
         write_json_atomic(config.ready_file, {"grpc_port": port, "native_port": port})

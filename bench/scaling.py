@@ -41,7 +41,6 @@ LOADGEN_PROCESSES = 4
 def _load(address: str, model: str, dims: tuple[int, int], shape: Shape, in_flight: int, channels: int,
           seconds: float, queue: multiprocessing.Queue) -> None:
     import grpc
-
     from attnserve.proto import inference_pb2 as pb
     from attnserve.proto import inference_pb2_grpc as pb_grpc
 
@@ -88,7 +87,8 @@ def drive(address: str, model: str, dims: tuple[int, int], shape: Shape, concurr
     processes = min(LOADGEN_PROCESSES, connections)
     split = lambda total, i: total // processes + (i < total % processes)  # noqa: E731
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    latencies, errors = loadgen.fan_out(_load, [(address, model, dims, shape, split(concurrency, i), split(connections, i),
+    latencies, errors = loadgen.fan_out(_load,
+                                        [(address, model, dims, shape, split(concurrency, i), split(connections, i),
                                                  seconds) for i in range(processes)], seconds)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -160,6 +160,7 @@ def _perf_analyzer(found, server: Served, protocol: str, model: str, dims, shape
 def measure(repository: Path, workers: list[int], concurrency: int, connections: list[int], seconds: float,
             model: str, extra: list[str], use_perf_analyzer: bool = True) -> list[dict]:
     from attnserve.server.repository import read_model_spec
+
     from bench import perf_analyzer
 
     found = perf_analyzer.find() if use_perf_analyzer else None
@@ -171,10 +172,11 @@ def measure(repository: Path, workers: list[int], concurrency: int, connections:
         for n in workers:
             server = Served(repository, n, Path(tmp), extra)
             try:
-                runs = [(f"ours, {c} conn.", lambda c=c: drive(server.address, model, dims, shape, concurrency,
-                                                                c, seconds)) for c in connections]
+                runs = [(f"ours, {c} conn.",
+                         lambda c=c, server=server: drive(server.address, model, dims, shape, concurrency, c,
+                                                          seconds)) for c in connections]
                 if found is not None:
-                    runs += [(f"perf_analyzer {protocol}", lambda protocol=protocol: _perf_analyzer(
+                    runs += [(f"perf_analyzer {protocol}", lambda protocol=protocol, server=server: _perf_analyzer(
                         found, server, protocol, model, dims, shape, concurrency, seconds, Path(tmp), spec.version))
                         for protocol in ("grpc", "http")]
                 warm = min(4, max(connections))
@@ -189,7 +191,7 @@ def measure(repository: Path, workers: list[int], concurrency: int, connections:
                     got["loadgen_cpus"] = got["loadgen_cpu_s"] / got["wall_s"]
                     got.update(workers=n, generator=generator)
                     got["requests_per_worker"] = [a - b for a, b in zip(server.requests_per_worker(model),
-                                                                        base_requests)]
+                                                                        base_requests, strict=True)]
                     rows.append(got)
                     _print_row(got, seconds)
             finally:
@@ -203,7 +205,8 @@ def _print_row(r: dict, seconds: float) -> None:
           f"{r['server_cpus']:>11.2f} | {r['loadgen_cpus']:>12.2f} | {balance} |", flush=True)
 
 
-HEADER = ("| workers | load generator       | requests/s | p50 ms | server CPUs | loadgen CPUs | requests per worker |\n"
+HEADER = ("| workers | load generator       | requests/s | p50 ms | server CPUs | loadgen CPUs "
+          "| requests per worker |\n"
           "|--------:|----------------------|-----------:|-------:|------------:|-------------:|---------------------|")
 
 

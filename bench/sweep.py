@@ -123,11 +123,11 @@ def _measure_in_process(side: str, spec, shape: tuple[int, int, int], budget_s: 
     rng = np.random.default_rng(0)
     if side.startswith("eager"):
         import torch
-
         from attnserve.export.checkpoint import demo_module
         from attnserve.export.config import AttentionConfig
 
-        config = AttentionConfig.from_dict(json.loads((spec.version_dir.parent / "config.json").read_text())["attention"])
+        config_json = json.loads((spec.version_dir.parent / "config.json").read_text())
+        config = AttentionConfig.from_dict(config_json["attention"])
         module = demo_module(config, seed=0).eval()
         forward = module if side == "eager_seed" else _sdpa(module)
 
@@ -184,8 +184,8 @@ def _measure_server(repository: Path, model: str, spec, shape: tuple[int, int, i
     comparison, the project's InferenceClient (plain protobuf messages) on the same request."""
     import grpc
     import numpy as np
-
     from attnserve.client import InferenceClient
+
     from bench.__main__ import _Server
 
     def call(channel, x):
@@ -219,7 +219,6 @@ def _raw_call(channel, model: str, x: dict):
     """One ModelInfer for `output` alone, raw contents written and read without protobuf's copies
     (attnserve.proto.wire); `channel` a bytes-in, bytes-out unary_unary callable."""
     import numpy as np
-
     from attnserve.proto import inference_pb2 as pb
     from attnserve.proto import wire
 
@@ -242,7 +241,6 @@ class _ShmCall:
         from multiprocessing import shared_memory
 
         import numpy as np
-
         from attnserve.proto import inference_pb2 as pb
         from attnserve.proto import inference_pb2_grpc as pb_grpc
 
@@ -326,9 +324,9 @@ def _measure_pair(repository: Path, model: str, spec, shape: tuple[int, int, int
     import grpc
     import numpy as np
     import onnxruntime as ort
+    from attnserve.server.engine import session_options
 
     from attnserve import contract
-    from attnserve.server.engine import session_options
     from bench.__main__ import _Server
 
     keep_client_heap()  # for the in-process runs as well: they share this process
@@ -359,7 +357,7 @@ def _measure_pair(repository: Path, model: str, spec, shape: tuple[int, int, int
         finally:
             server.stop()
     return {"in_process_ms": statistics.median(in_process) * 1000, "server_ms": statistics.median(served) * 1000,
-            "ratio": statistics.median(s / i for s, i in zip(served, in_process)), "rounds": rounds,
+            "ratio": statistics.median(s / i for s, i in zip(served, in_process, strict=True)), "rounds": rounds,
             "load": os.getloadavg()[0], "shared_memory": shared_memory}
 
 
@@ -442,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
                            "--budget-s", str(args.budget_s), "--", *args.server_args]
                 done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
                 if done.returncode != 0:
-                    rows[length][side] = {"failed": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
+                    last = done.stderr.strip().splitlines()[-1:]
+                    rows[length][side] = {"failed": last or [f"exit {done.returncode}"]}
                 else:
                     rows[length][side] = json.loads(done.stdout.strip().splitlines()[-1])
                 got = rows[length][side]
@@ -493,7 +492,7 @@ def print_table(results: dict) -> None:
         client = "server" in sides
         print("  " + f"{'shape':>14} " + " ".join(f"{s:>22}" for s in sides)
               + (f" {'InferenceClient':>16}" if client else ""))
-        for length, row in rows.items():
+        for row in rows.values():
             shape = "x".join(map(str, row["shape"]))
             print("  " + f"{shape:>14} " + " ".join(f"{_cell(row.get(s)):>22}" for s in sides)
                   + (f" {_client_cell(row.get('server')):>16}" if client else ""))

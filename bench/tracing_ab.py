@@ -48,11 +48,11 @@ def per_call_us(calls: int = 20000) -> dict[str, float]:
     import time
 
     import numpy as np
-    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-
-    from attnserve.server.batcher import BatchStats, Work
+    from attnserve.server.batcher import BatchStats
     from attnserve.server.errors import OK
+    from attnserve.server.tensors import Work
     from attnserve.server.tracing import Calls, Tracing
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
     class Drop(SpanExporter):
         def export(self, spans):

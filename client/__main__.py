@@ -28,13 +28,11 @@ from typing import Any
 
 import grpc
 import numpy as np
-
 from attnserve.client.batch import DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, BatchError, BatchJob, run_batch
-from attnserve.client.batch.spec import SHARED_MEMORY_MODES
 from attnserve.client.batch.progress import DEFAULT_EVERY_S
+from attnserve.client.batch.spec import SHARED_MEMORY_MODES
 from attnserve.client.client import InferenceClient
 from attnserve.client.codec import ModelIndexEntry
-from attnserve.contract import OUTPUT_NAMES
 from attnserve.client.errors import InferenceError
 from attnserve.client.options import (
     DEFAULT_TIMEOUT_S,
@@ -45,6 +43,8 @@ from attnserve.client.options import (
     TlsConfig,
     parse_addresses,
 )
+
+from attnserve.contract import OUTPUT_NAMES
 
 logger = logging.getLogger("attnserve.client")
 
@@ -80,7 +80,8 @@ def _connection_flags(parser: argparse.ArgumentParser, *, suppress: bool) -> Non
                        help="largest message sent or received (default 64, the server's default)")
     group.add_argument("--token-file", type=Path, default=default(None),
                        help="file holding a bearer token, sent as 'authorization: Bearer <token>'")
-    group.add_argument("--tls-ca", type=Path, default=default(None), help="PEM roots to verify the server (enables TLS)")
+    group.add_argument("--tls-ca", type=Path, default=default(None),
+                       help="PEM roots to verify the server (enables TLS)")
     group.add_argument("--tls-cert", type=Path, default=default(None), help="PEM client certificate (mTLS)")
     group.add_argument("--tls-key", type=Path, default=default(None), help="PEM client key (mTLS)")
     group.add_argument("--tls", action="store_true", default=default(False),

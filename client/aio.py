@@ -15,13 +15,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from attnserve.client import codec
 from attnserve.client.errors import InferenceError, remaining_or_expired
 from attnserve.client.options import DEFAULT_URL, ClientOptions, open_channel
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 class AsyncInferenceClient:
@@ -40,7 +39,7 @@ class AsyncInferenceClient:
         self._closed = True
         await self._channel.close()
 
-    async def __aenter__(self) -> "AsyncInferenceClient":
+    async def __aenter__(self) -> AsyncInferenceClient:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -19,13 +19,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from attnserve.client import codec
 from attnserve.client.errors import InferenceError, remaining_or_expired
 from attnserve.client.options import DEFAULT_URL, ClientOptions, open_channel
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 class InferenceClient:
@@ -51,7 +50,7 @@ class InferenceClient:
         self._closed = True
         self._channel.close()
 
-    def __enter__(self) -> "InferenceClient":
+    def __enter__(self) -> InferenceClient:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -100,7 +99,8 @@ class InferenceClient:
 
     def health_check(self, service: str = "", *, timeout_s: float | None = None) -> str:
         """grpc.health.v1 status name: 'SERVING', 'NOT_SERVING', 'SERVICE_UNKNOWN' or 'UNKNOWN'."""
-        response = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout_s, retry=False)
+        response = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout_s,
+                              retry=False)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     def server_metadata(self, *, timeout_s: float | None = None) -> codec.ServerMetadata:

@@ -19,11 +19,11 @@ from typing import Any
 
 import grpc
 import numpy as np
-
 from attnserve.client.errors import InferenceError
+from attnserve.proto import inference_pb2 as pb
+
 from attnserve.contract import DATATYPES as DATATYPES_BY_TENSOR
 from attnserve.contract import OUTPUT_NAMES
-from attnserve.proto import inference_pb2 as pb
 
 # The tensor contract's output datatypes; any other output must still carry a known datatype.
 OUTPUT_DATATYPES = {name: DATATYPES_BY_TENSOR[name] for name in OUTPUT_NAMES}

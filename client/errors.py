@@ -32,7 +32,7 @@ class InferenceError(Exception):
         self.details = details
 
     @classmethod
-    def from_rpc_error(cls, err: grpc.RpcError) -> "InferenceError":
+    def from_rpc_error(cls, err: grpc.RpcError) -> InferenceError:
         # Sync calls raise a grpc.Call; grpc.aio raises AioRpcError. Both have code()/details().
         code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
         details = err.details() if hasattr(err, "details") else str(err)

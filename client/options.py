@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-
 from attnserve.client.errors import InferenceError
 
 logger = logging.getLogger(__name__)
@@ -204,7 +203,7 @@ class ClientOptions:
             raise ValueError("token must be one non-empty line")
 
     @classmethod
-    def build(cls, url: "str | ClientOptions" = DEFAULT_URL, **settings: Any) -> "ClientOptions":
+    def build(cls, url: str | ClientOptions = DEFAULT_URL, **settings: Any) -> ClientOptions:
         """Options from a url and keyword settings, or an existing ClientOptions with some replaced."""
         if isinstance(url, ClientOptions):
             return dataclasses.replace(url, **settings) if settings else url

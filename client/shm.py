@@ -21,10 +21,8 @@ from collections.abc import Mapping, Sequence
 from multiprocessing import shared_memory
 
 import numpy as np
-
 from attnserve.client import codec
 from attnserve.client.options import parse_addresses
-from attnserve.proto import inference_pb2 as pb
 
 REGION, OFFSET, BYTE_SIZE = "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"
 EXTENSION = "system_shared_memory"  # in ServerMetadata's extensions when the server allows it

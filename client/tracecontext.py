@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 TRACEPARENT = "traceparent"
 # version 00, a trace id and a parent id (not all zeros), the flags: the W3C Trace Context header.
@@ -33,7 +33,7 @@ class JobTrace:
     flags: str = "01"  # sampled, unless the caller's traceparent said otherwise
 
     @classmethod
-    def start(cls, environ: Mapping[str, str] | None = None) -> "JobTrace":
+    def start(cls, environ: Mapping[str, str] | None = None) -> JobTrace:
         """A new trace, or the caller's from $TRACEPARENT (the convention for commands run inside a trace)."""
         environ = os.environ if environ is None else environ
         match = _TRACEPARENT.fullmatch(environ.get("TRACEPARENT", "").strip().lower())

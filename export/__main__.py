@@ -95,11 +95,13 @@ def _print_report(result) -> None:
     parity = result.parity
     print(f"wrote {result.model_dir / str(result.version)}  (model {result.name!r}, version {result.version})")
     long_shapes = parity.get("long_shapes", {})
-    longest = "; fused and head-mask graphs also at " + ", ".join(sorted({"x".join(map(str, s)) for v in long_shapes.values()
-                                                                          for s in v})) if long_shapes else ""
-    forms = "; masks (Lq, Lk), (B, 1, Lq, Lk), (B, H, Lq, Lk)" if any(k.endswith(".forms") for k in parity["max_abs_error"]) else ""
+    shapes = sorted({"x".join(map(str, s)) for v in long_shapes.values() for s in v})
+    longest = "; fused and head-mask graphs also at " + ", ".join(shapes) if long_shapes else ""
+    with_forms = any(k.endswith(".forms") for k in parity["max_abs_error"])
+    forms = "; masks (Lq, Lk), (B, 1, Lq, Lk), (B, H, Lq, Lk)" if with_forms else ""
     print(f"parity vs eager PyTorch over {parity['cases']} cases "
-          f"(batch 1/7, q_len 1/300, k_len 1/77, with and without mask{forms}{longest}), tolerance {parity['tolerance']:g}:")
+          f"(batch 1/7, q_len 1/300, k_len 1/77, with and without mask{forms}{longest}), "
+          f"tolerance {parity['tolerance']:g}:")
     width = max(map(len, parity["max_abs_error"]), default=0)
     for graph, errors in parity["max_abs_error"].items():
         figures = ", ".join(f"{out} {err:.2e}" for out, err in errors.items())

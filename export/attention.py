@@ -10,9 +10,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor, nn
-
 from attnserve.export.config import AttentionConfig
+from torch import Tensor, nn
 
 
 def _is_exporting() -> bool:
@@ -86,7 +85,8 @@ class MultiHeadAttention(nn.Module):
         key_mask: Tensor | None,
     ) -> None:
         cfg = self.config
-        for name, tensor, width in (("query", query, cfg.query_dim), ("key", key, cfg.kv_dim), ("value", value, cfg.kv_dim)):
+        inputs = (("query", query, cfg.query_dim), ("key", key, cfg.kv_dim), ("value", value, cfg.kv_dim))
+        for name, tensor, width in inputs:
             if tensor.dim() != 3 or tensor.shape[-1] != width:
                 raise ValueError(f"{name}: expected shape (batch, length, {width}), got {tuple(tensor.shape)}")
         b, lq, lk = query.shape[0], query.shape[1], key.shape[1]
@@ -102,7 +102,7 @@ class MultiHeadAttention(nn.Module):
             ok = expected is not None and all(
                 # A 4-D mask broadcasts over b, h and lq, as in seed 000: (b, 1, 1, lk) is a padding mask.
                 got == want or (got == 1 and mask.dim() == 4 and axis < 3)
-                for axis, (got, want) in enumerate(zip(mask.shape, expected))
+                for axis, (got, want) in enumerate(zip(mask.shape, expected, strict=True))
             )
             if not ok:
                 raise ValueError(

@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
-
 from attnserve.export.attention import MultiHeadAttention
 from attnserve.export.config import AttentionConfig
+from torch import Tensor
 
 FORMAT = "attnserve.attention/1"
 PROJECTIONS = ("to_q", "to_k", "to_v", "to_out")

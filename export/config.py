@@ -55,16 +55,16 @@ class AttentionConfig:
         return dataclasses.asdict(self) | {"head_dim": self.head_dim}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "AttentionConfig":
+    def from_dict(cls, data: dict[str, Any]) -> AttentionConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
-    def replace(self, **changes: Any) -> "AttentionConfig":
+    def replace(self, **changes: Any) -> AttentionConfig:
         return dataclasses.replace(self, **changes)
 
 
-# The reference implementations' sizes (seed 000 and seed 002, docs/index.md): widths left out follow query_dim, also when a flag
-# changes query_dim (AttentionConfig(**PRESET_ARGS[name] | overrides)).
+# The reference implementations' sizes (seed 000 and seed 002, docs/index.md): widths left out
+# follow query_dim, also when a flag changes query_dim (AttentionConfig(**PRESET_ARGS[name] | overrides)).
 PRESET_ARGS: dict[str, dict[str, Any]] = {
     # seed 000 MultiHeadAttention: d_model 512, 8 heads, dropout 0.1 (training only).
     "self_attention": {"query_dim": 512, "num_heads": 8, "dropout": 0.1},

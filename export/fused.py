@@ -33,11 +33,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from attnserve.export.attention import MultiHeadAttention
+from attnserve.export.config import AttentionConfig
 from torch import Tensor
 
 from attnserve import contract
-from attnserve.export.attention import MultiHeadAttention
-from attnserve.export.config import AttentionConfig
 
 MS_DOMAIN = "com.microsoft"
 # (b, lq, lk) of the fused graphs' parity cases beyond the unfused graphs' shapes: one long

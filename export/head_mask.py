@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from attnserve.export.attention import MultiHeadAttention
 from torch import Tensor
 
 from attnserve import contract
-from attnserve.export.attention import MultiHeadAttention
 
 # (b, lq, lk) of the head-mask graphs' long case: one item, padded rows and a fully masked row.
 LONG_PARITY_SHAPES = ((1, 2048, 2048),)
@@ -67,7 +67,7 @@ def parity(module: MultiHeadAttention, graphs: dict[str, Path], shapes: tuple[tu
     def run(kind: str, feeds: dict[str, np.ndarray], want_out: Tensor, want_probs: Tensor, case: dict) -> None:
         got = sessions[kind].run(None, feeds)
         errs = worst.setdefault(f"{kind}.forms", {})
-        for name, value, want in zip(contract.GRAPH_OUTPUTS[kind], got, (want_out, want_probs)):
+        for name, value, want in zip(contract.GRAPH_OUTPUTS[kind], got, (want_out, want_probs)[:len(got)], strict=True):
             err = float(np.max(np.abs(value - want.numpy())))
             errs[name] = max(errs.get(name, 0.0), err) if err == err else float("nan")
             case[f"{kind}.{name}"] = err
@@ -86,7 +86,8 @@ def parity(module: MultiHeadAttention, graphs: dict[str, Path], shapes: tuple[tu
                 want_out, want_probs = module(query, key, value, mask=sent)
             name, served = _served(form, sent, b)
             feeds = {"query": query.numpy(), "key": key.numpy(), "value": value.numpy(), name: served.numpy()}
-            kinds = contract.HEAD_MASK_KINDS if name == contract.HEAD_MASK else (contract.ALL_OUTPUTS, contract.OUTPUT_ONLY)
+            kinds = (contract.HEAD_MASK_KINDS if name == contract.HEAD_MASK
+                     else (contract.ALL_OUTPUTS, contract.OUTPUT_ONLY))
             if (b, lq, lk) in long:
                 kinds = (contract.HEAD_MASK_OUTPUT_ONLY,)  # the one an output-only long request takes
             case: dict[str, Any] = {"batch": b, "q_len": lq, "k_len": lk, "mask_form": form}

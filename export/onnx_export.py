@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
-
 from attnserve.export import fused, head_mask
 from attnserve.export.attention import MultiHeadAttention
 from attnserve.export.config import AttentionConfig
+from torch import Tensor, nn
+
 from attnserve import contract
 from attnserve.contract import ServingDefaults
 from attnserve.files import fsync_dir, read_json, write_json_atomic
@@ -133,7 +133,8 @@ def trace(module: MultiHeadAttention, path: Path, with_probs: bool, opset: int, 
     b, lq, lk = _example_sizes(config)
     generator = torch.Generator().manual_seed(0)
     query, key, value = _random_inputs(config, b, lq, lk, generator)
-    mask = torch.ones(b, config.num_heads, lq, lk, dtype=torch.bool) if heads_in_mask else torch.ones(b, lq, lk, dtype=torch.bool)
+    mask_shape = (b, config.num_heads, lq, lk) if heads_in_mask else (b, lq, lk)
+    mask = torch.ones(*mask_shape, dtype=torch.bool)
     dims = {n: torch.export.Dim(n) for n in (contract.BATCH, contract.Q_LEN, contract.K_LEN)}
     axes = dict(_DYNAMIC_AXES)
     if heads_in_mask:  # the graph's `head_mask`, (batch, heads, q_len, k_len): heads fixed
@@ -183,7 +184,9 @@ def _check_graph_signature(path: Path, config: AttentionConfig, with_probs: bool
         raise ExportError(f"{path.name}: expected tensors {wanted}, the graph has {names}")
     for v in values:
         dims = v.type.tensor_type.shape.dim
-        for axis, (dim, want) in enumerate(zip(dims, expected[v.name])):
+        if len(dims) != len(expected[v.name]):
+            raise ExportError(f"{path.name}: {v.name} has rank {len(dims)}, expected {len(expected[v.name])}")
+        for axis, (dim, want) in enumerate(zip(dims, expected[v.name], strict=True)):
             if isinstance(want, str) and not dim.dim_param:
                 raise ExportError(
                     f"{path.name}: {v.name} axis {axis} should be dynamic ({want}) "
@@ -205,7 +208,8 @@ def check_parity(module: MultiHeadAttention, graphs: dict[str, Path], tolerance:
     config = module.config
     fused_graphs = {kind: p for kind, p in graphs.items() if kind in contract.FUSED_KINDS}
     head_graphs = {kind: p for kind, p in graphs.items() if kind in contract.HEAD_MASK_KINDS}
-    form_graphs = {kind: p for kind, p in graphs.items() if kind in (contract.ALL_OUTPUTS, contract.OUTPUT_ONLY)} | head_graphs
+    form_graphs = {kind: p for kind, p in graphs.items()
+                   if kind in (contract.ALL_OUTPUTS, contract.OUTPUT_ONLY)} | head_graphs
     graphs = {kind: p for kind, p in graphs.items() if kind not in (*contract.FUSED_KINDS, *contract.HEAD_MASK_KINDS)}
     sessions = {kind: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for kind, p in graphs.items()}
     worst = {kind: {"output": 0.0, "attn_probs": 0.0} for kind in graphs}
@@ -360,7 +364,7 @@ def export_model(
                 config, graphs[contract.OUTPUT_ONLY], {k: graphs[k] for k in contract.FUSED_KINDS})
         record = {
             "version": version,
-            "exported_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "exported_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "opset": opset,
             "precision": precision,
             # What masked scores are filled with inside the graphs (fp16 keeps it finite).

@@ -16,7 +16,6 @@ from collections.abc import Iterable
 
 from google.protobuf import descriptor_pool
 
-
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 REFLECTION_V1_FILE = "grpc/reflection/v1/reflection.proto"
 _V1ALPHA, _V1 = "grpc.reflection.v1alpha", "grpc.reflection.v1"

@@ -150,8 +150,8 @@ def check() -> int:
                     n=0,
                 )
             )
-            added = sum(1 for l in diff if l.startswith("+") and not l.startswith("+++"))
-            removed = sum(1 for l in diff if l.startswith("-") and not l.startswith("---"))
+            added = sum(1 for line in diff if line.startswith("+") and not line.startswith("+++"))
+            removed = sum(1 for line in diff if line.startswith("-") and not line.startswith("---"))
             stale.append(f"{rel}: differs (+{added} -{removed} lines)")
     if stale:
         print("generated stubs are out of date with proto/inference.proto:", file=sys.stderr)

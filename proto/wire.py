@@ -18,7 +18,7 @@ ModelStreamInfer messages) and the benchmark's client.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 _LENGTH_DELIMITED = 2
 

@@ -30,7 +30,6 @@ async def serve(config: ServerConfig, run_batch: RunBatchFactory | None = None) 
     from attnserve.server.app import Server
     from attnserve.server.engine import DeviceUnavailable
     from attnserve.server.repository import ModelLoadError
-
     from attnserve.server.workers import WorkerContext
 
     worker = WorkerContext.from_env()
@@ -96,11 +95,11 @@ def run(config: ServerConfig, argv: list[str], command: list[str], run_batch: Ru
 
 def start_on_huge_pages() -> None:
     """Re-execute this process (the same PID, interpreter and command line) with glibc's
-    huge-page tunable in its environment, where that changes anything (server.heap, "Roomy");
+    huge-page tunable in its environment, where that changes anything (server.memory.heap, "Roomy");
     workers inherit it. Before any model or library is loaded."""
     import os
 
-    from attnserve.server import heap
+    from attnserve.server.memory import heap
 
     environ = heap.huge_pages_environment(os.environ)
     if environ is not None:

@@ -4,9 +4,9 @@ Used by `attnserve serve` and by the tests alike:
     server = Server(config); port = await server.start(); ...; await server.stop(grace_s)
 
 It creates the state its layers share (server.lifecycle: Draining, Arrivals, Admission) and
-hands it down: the gate, the REST port and Answers hold Draining, the gate and the REST port
+hands it down: the gate, the REST port and RequestPath hold Draining, the gate and the REST port
 update Arrivals and Admission, every Batcher reads Arrivals. Both transports answer through one
-Answers (server.answers): gRPC's servicer and the REST port are adapters over it.
+RequestPath (server.request_path): gRPC's servicer and the REST port are adapters over it.
 """
 
 from __future__ import annotations
@@ -19,32 +19,35 @@ import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
-
-from attnserve.files import write_json_atomic
+from attnserve.proto import REFLECTION_V1, reflection_pool
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
-from attnserve.proto import REFLECTION_V1, reflection_pool
-from attnserve.server import codec, heap
+from attnserve.server import codec
 from attnserve.server.config import ServerConfig
 from attnserve.server.engine import choose_device
 from attnserve.server.gate import CallGate, HandlerTable
 from attnserve.server.handover import CoreCalls
-from attnserve.server.lifecycle import Admission, Arrivals, Draining, MemoryBudget
-from attnserve.server.memory import DEFAULT_SHARE, default_memory_limit
+from attnserve.server.lifecycle import Admission, Arrivals, Draining
 from attnserve.server.listen import listen_addresses
+from attnserve.server.memory import heap
+from attnserve.server.memory.budget import MemoryBudget
+from attnserve.server.memory.costs import DEFAULT_SHARE, default_memory_limit
+from attnserve.server.memory.reclaim import Reclaimer
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_http import MetricsEndpoint
 from attnserve.server.models import ModelRegistry, RunBatchFactory
-from attnserve.server.answers import Answers
 from attnserve.server.repository import ModelLoadError
+from attnserve.server.request_path import RequestPath
 from attnserve.server.rest import RestPort
 from attnserve.server.security import bearer_token, server_credentials, server_ssl_context
 from attnserve.server.service import InferenceServicer
-from attnserve.server.tracing import Calls, Tracing
 from attnserve.server.shm import SystemSharedMemory
+from attnserve.server.tracing import Calls, Tracing
 from attnserve.server.workers import WorkerContext
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+
+from attnserve.files import write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +141,7 @@ class Server:
         self.budget: MemoryBudget | None = None
         self.tracing: Tracing | None = None  # OpenTelemetry, when OTEL_* variables ask (server.tracing)
         self._shared_memory: SystemSharedMemory | None = None  # --allow-shared-memory
-        self._settled = False  # server.heap.settle() since the start, and no model change since
+        self._gc_frozen = False  # server.memory.heap.freeze_gc() since the start, and no model change since
 
     async def start(self) -> int:
         """Load the models, bind, serve. Returns the bound gRPC port.
@@ -158,37 +161,14 @@ class Server:
         # With several workers each takes its share of the default (the supervisor divides a given limit).
         share = DEFAULT_SHARE / (self.worker.workers if self.worker is not None else 1)
         limit = cfg.memory_limit_bytes if cfg.memory_limit_bytes is not None else default_memory_limit(share)
-        loop = asyncio.get_running_loop()
-        # Once a large use of the budget is over, what gRPC and numpy freed goes back to the
-        # system (off the event loop: malloc_trim walks every heap), each pass only while less
-        # than a large use is held (a new one ends in a new idle, and its own passes). Crowded,
-        # the heap turns lean at once, and roomy again at a pass that finds at most one large
-        # use (server.heap, "Reclaim").
-        pending: list[asyncio.TimerHandle] = []
-
-        def reclaim_if_quiet() -> None:
-            budget = self.budget
-            if budget is not None and budget.used_bytes < MemoryBudget.IDLE_AFTER_BYTES:
-                if budget.large_uses < 2:
-                    heap.uncrowd()
-                loop.run_in_executor(None, heap.reclaim)
-
-        def reclaim_soon() -> None:
-            for handle in pending:
-                handle.cancel()
-            delays = _LEAN_RECLAIM_DELAYS_S if heap.is_lean() else _ROOMY_RECLAIM_DELAYS_S
-            pending[:] = [loop.call_later(delay_s, reclaim_if_quiet) for delay_s in delays]
-
-        def crowded() -> None:
-            if not heap.is_lean():
-                heap.crowd()
-                loop.run_in_executor(None, heap.trim)
-
-        self.budget = MemoryBudget(limit, on_idle=reclaim_soon, on_crowded=crowded)
+        # Once a large use of the budget is over, freed heap goes back to the system; crowded,
+        # the heap turns lean (server.memory.reclaim).
+        reclaimer = Reclaimer(asyncio.get_running_loop(), budget=lambda: self.budget)
+        self.budget = MemoryBudget(limit, on_idle=reclaimer.on_idle, on_crowded=reclaimer.on_crowded)
         self.metrics.watch_budget(self.budget)
         self.registry = ModelRegistry.from_repository(cfg, device, self.metrics, arrivals=self._arrivals,
                                                       run_batch=self._run_batch, budget=self.budget,
-                                                      solitude=self._admission, tracing=self.tracing)
+                                                      lone_call_signal=self._admission, tracing=self.tracing)
         if not self.registry.known_names() and cfg.model_control_mode == "none":
             raise ModelLoadError(f"the model repository {cfg.model_repository} holds no model (no <name>/config.json): "
                                  "export one (attnserve export), or start with --model-control-mode explicit or "
@@ -198,9 +178,9 @@ class Server:
         if cfg.allow_shared_memory:
             self._shared_memory = SystemSharedMemory(cfg.shared_memory_max_regions, cfg.shared_memory_max_bytes,
                                                      self.budget)
-        answers = Answers(self.registry, self.metrics, self._draining, Calls(self.tracing, cfg.access_log),
+        request_path = RequestPath(self.registry, self.metrics, self._draining, Calls(self.tracing, cfg.access_log),
                           shared_memory=self._shared_memory)
-        servicer = InferenceServicer(answers, self.budget)
+        servicer = InferenceServicer(request_path, self.budget)
 
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -221,7 +201,7 @@ class Server:
         # Every method is served through the gate (token, draining, parsing; see server.gate).
         gate = CallGate(method_handlers(servicer, self._health, cfg.max_typed_bytes), self._admission,
                         self._draining, _INFER_METHODS, token, cfg.access_log, receive_slots=slots,
-                        on_receive_idle=reclaim_soon)
+                        on_receive_idle=reclaimer.on_idle)
         self._gate = gate
         self.metrics.watch_receiving(gate.receive)
         servers_before = CoreCalls.server_ids()
@@ -234,10 +214,10 @@ class Server:
         for name in self.registry.known_names():
             await self._model_changed(name, self.registry.ready(name))
         if cfg.data_plane == "native":
-            self.native_port = self._start_native(answers)
+            self.native_port = self._start_native(request_path)
 
         if cfg.http_port >= 0:
-            self._rest = RestPort(answers, self._admission, self._draining, token, cfg.max_message_bytes,
+            self._rest = RestPort(request_path, self._admission, self._draining, token, cfg.max_message_bytes,
                                   cfg.access_log, cfg.max_json_bytes, budget=self.budget,
                                   max_connections=cfg.max_http_connections, head_timeout_s=cfg.http_header_timeout_s)
             try:
@@ -263,20 +243,20 @@ class Server:
                     cfg.max_message_bytes, cfg.model_control_mode, limit, slots,
                     f"; not ready: {sorted(self.registry.failed)}" if self.registry.failed else "")
         # What exists now lives as long as the server: the cyclic collector need not walk it
-        # again (server.heap.settle; a model change gives it back: _model_changed).
-        heap.settle()
-        self._settled = True
+        # again (server.memory.heap.freeze_gc; a model change gives it back: _model_changed).
+        heap.freeze_gc()
+        self._gc_frozen = True
         if cfg.ready_file is not None:
             self._write_ready_file(cfg.ready_file)
         return self.port
 
     async def _model_changed(self, name: str, ready: bool) -> None:
         """Health follows the registry: per model, and overall (serving while any model is).
-        After the start, a change may retire a version: what settle() left out of the
-        collector's walks becomes collectable again (server.heap.unsettle)."""
-        if self._settled:
-            heap.unsettle()
-            self._settled = False
+        After the start, a change may retire a version: what freeze_gc() left out of the
+        collector's walks becomes collectable again (server.memory.heap.unfreeze_gc)."""
+        if self._gc_frozen:
+            heap.unfreeze_gc()
+            self._gc_frozen = False
         if self._draining.active:
             return  # NOT_SERVING since the drain began, whatever changes
         serving = health_pb2.HealthCheckResponse.SERVING
@@ -286,7 +266,7 @@ class Server:
         await self._health.set("", overall)
         await self._health.set(SERVICE_NAME, overall)
 
-    def _start_native(self, answers: Answers) -> int:
+    def _start_native(self, request_path: RequestPath) -> int:
         """The native data plane's listener (server.native), or RuntimeError saying why it cannot start."""
         from attnserve.server.native import NativePlane, why_unavailable
 
@@ -295,7 +275,7 @@ class Server:
             why = "it serves one process (--workers 1)"
         if why is not None:
             raise RuntimeError(f"--data-plane native: {why}")
-        self._native = NativePlane(self.config, self.registry, answers)
+        self._native = NativePlane(self.config, self.registry, request_path)
         return self._native.start()
 
     def _write_ready_file(self, path: Path) -> None:
@@ -319,9 +299,9 @@ class Server:
            connections close. hurry() cuts 1 and 2 short. Readiness on REST
            (/v2/health/ready) is 503 from step 1 on."""
         started = time.monotonic()
-        if self._settled:  # what settle() left out goes back to the collector (a process may start another Server)
-            heap.unsettle()
-            self._settled = False
+        if self._gc_frozen:  # what freeze_gc() left out goes back to the collector (a process may start another Server)
+            heap.unfreeze_gc()
+            self._gc_frozen = False
         self._draining.begin()
         await self._health.enter_graceful_shutdown()
         if drain_delay_s > 0 and not self._draining.hurried.is_set():
@@ -382,16 +362,6 @@ _HANDOVER_PAUSE_S = 0.1  # where channelz cannot tell
 # when the grace ran out (they finish: docs/server.md's promise) and the answers refused at that
 # point (UNAVAILABLE) get this long to leave.
 _RUNNING_MARGIN_S = 10.0
-# After the memory budget empties, the call that released it is still finishing (its request
-# and response objects go when its handler's frames do): reclaim a moment later, lean; roomy, a
-# second later, so that a client's next long request within it finds its heap resident
-# (server.heap, "Reclaim"). gRPC's core frees its own buffers of those calls later still (an
-# answer leaves as the client's window allows, a connection's buffers go when it closes), and
-# the last refused calls' exceptions, which hold their requests' tensors through their frames,
-# become garbage as those calls end: reclaim again (collect, trim: cheap once heap.settle() ran)
-# after 5 and 15 s.
-_LEAN_RECLAIM_DELAYS_S = (0.05, 1.0, 5.0, 15.0)
-_ROOMY_RECLAIM_DELAYS_S = (1.0, 5.0, 15.0)
 
 
 async def _wait_for(event: asyncio.Event, timeout_s: float) -> bool:

@@ -12,11 +12,8 @@ want_probs)` and runs it on its own worker threads, so the event loop keeps acce
 - Padding: requests are padded to the batch's longest query and key, padded keys masked; a
   request joins only within `max_padding_ratio` and `max_batch_scores`, and a flash-attention
   batch takes only requests that keep it on that graph.
-- Masks: Work keeps any of contract.MASK_SHAPES as the least it needs; `merge` feeds the least a
-  run needs (none, a key padding mask, the full mask, or a per-head mask).
-- Exactness: a request whose row masks all its keys joins only batches of its own key length
-  (padding would widen its uniform distribution).
-- Memory: each request reserves its cost in a lifecycle.MemoryBudget before it queues; a merged
+- Masks and exactness: server.tensors (Work, merge, split), which attnserve.runtime uses too.
+- Memory: each request reserves its cost in a memory.budget.MemoryBudget before it queues; a merged
   run's extra is reserved until the run ends; the reservation travels in its Result.
 More, and the figures behind each choice: docs/design.md ("The batcher") and docs/performance.md.
 """
@@ -28,25 +25,18 @@ import collections
 import logging
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
-import numpy as np
-
-from attnserve.contract import HEAD_MASK, KEY_PADDING_MASK
 from attnserve.server import priority
-from attnserve.server.graphs import GENERAL, HEADS, KEY_PADDING, NO_MASK
-from attnserve.server.lifecycle import MemoryBudget, Reservation
-from attnserve.server.memory import Cost
-from attnserve.server.stacking import place, stack
+from attnserve.server.memory.budget import MemoryBudget, Reservation
+from attnserve.server.memory.costs import Cost
+from attnserve.server.tensors import Result, RunBatch, Work, batch_masking, compute_batch
 
 logger = logging.getLogger(__name__)
 
-# feeds {"query", "key", "value"} and at most one of "mask" (B, Lq, Lk) bool, "key_padding_mask"
-# (B, Lk) int32 (1 = attend), "head_mask" (B, H, Lq, Lk) bool, none = every key attended
-# -> (output, attn_probs or None); blocking.
-RunBatch = Callable[[dict[str, np.ndarray], bool], tuple[np.ndarray, "np.ndarray | None"]]
 # (rows, q_len, k_len, masking, want_probs) of a merged batch -> the attention scores per head its
 # run holds at once (server.graphs.GraphSet.scores_held); the default: all rows x Lq x Lk of them.
 ScoresOf = Callable[[int, int, int, str, bool], int]
@@ -78,97 +68,6 @@ class BatchFailed(Exception):
         super().__init__(message)
         self.public = public
         self.logged = logged
-
-
-@dataclass(slots=True)
-class Work:
-    """One validated request. Shapes were checked before it got here."""
-
-    query: np.ndarray  # (b, lq, query_dim) float32
-    key: np.ndarray  # (b, lk, kv_dim) float32
-    value: np.ndarray  # (b, lk, kv_dim) float32
-    # bool, False = masked; None = attend to every key. Given as any of contract.MASK_SHAPES: (lq, lk),
-    # (b, lq, lk), (b, 1, lq, lk) or (b, h, lq, lk); kept as (b, lq, lk), or (b, h, lq, lk) when
-    # its heads differ (module docstring, "Masks").
-    mask: np.ndarray | None
-    want_probs: bool
-    # True if some query row masks all of its keys: see "Exactness" above.
-    exact_k_len: bool = field(init=False)
-    # server.graphs' NO_MASK (no mask, or one that masks nothing), KEY_PADDING (every query row
-    # masks the same keys and attends at least one: then key_mask is that (b, lk) row) or
-    # GENERAL (anything else, fully masked rows included: see server.graphs), HEADS (a
-    # (b, h, lq, lk) mask whose heads differ).
-    masking: str = field(init=False)
-    key_mask: np.ndarray | None = field(init=False)
-    # The mask's bytes: as it came (a view of it holds them all) or as a run copies it
-    # ((lq, lk) broadcast over the batch), whichever is more.
-    mask_nbytes: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.masking, self.key_mask = NO_MASK, None
-        sent = self.mask
-        self.mask = mask = canonical_mask(sent, self.query.shape[0])
-        self.mask_nbytes = 0 if sent is None else max(sent.nbytes, mask.nbytes)
-        if mask is None or mask.size == 0:
-            self.exact_k_len = False
-            return
-        self.exact_k_len = not mask.any(axis=-1).all()
-        if mask.ndim == 4:
-            self.masking = HEADS
-            return
-        first = mask[:, :1, :]  # (b, 1, lk)
-        if self.exact_k_len or not np.array_equal(mask, np.broadcast_to(first, mask.shape)):
-            self.masking = GENERAL
-        elif not first.all():
-            self.masking, self.key_mask = KEY_PADDING, first[:, 0, :]  # (b, lk)
-
-    @property
-    def rows(self) -> int:
-        return self.query.shape[0]
-
-    @property
-    def q_len(self) -> int:
-        return self.query.shape[1]
-
-    @property
-    def k_len(self) -> int:
-        return self.key.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of its input arrays: what it holds while it waits in the queue."""
-        return self.query.nbytes + self.key.nbytes + self.value.nbytes + self.mask_nbytes
-
-
-def canonical_mask(mask: np.ndarray | None, rows: int) -> np.ndarray | None:
-    """A mask of any of contract.MASK_SHAPES (shapes checked by the codec) as Work keeps it: a
-    (rows, lq, lk) view, or (rows, h, lq, lk) when its heads differ. Nothing is copied."""
-    if mask is None or mask.ndim == 3:
-        return mask
-    if mask.ndim == 2:  # (lq, lk): the same for every item, as the seeds broadcast it
-        return np.broadcast_to(mask, (rows, *mask.shape))
-    if mask.ndim != 4:
-        raise ValueError(f"mask: rank {mask.ndim}; expected 2, 3 or 4")
-    first = mask[:, 0]  # (rows, lq, lk)
-    if all(np.array_equal(mask[:, h], first) for h in range(1, mask.shape[1])):
-        return first  # (rows, 1, lq, lk), or heads that are all alike
-    return mask
-
-
-@dataclass(slots=True)
-class Result:
-    output: np.ndarray  # (b, lq, out_dim)
-    attn_probs: np.ndarray | None  # (b, h, lq, lk)
-    queue_s: float
-    compute_s: float
-    batch_requests: int
-    # Its share of the memory budget (None without one): the transport releases it once the
-    # answer is sent, or at the latest when the call ends.
-    reservation: Reservation | None = None
-
-    def release(self) -> None:
-        if self.reservation is not None:
-            self.reservation.release()
 
 
 @dataclass(frozen=True)
@@ -224,12 +123,12 @@ class ArrivalSignal(Protocol):
     def arriving(self) -> int: ...
 
 
-class Solitude(Protocol):
+class LoneCallSignal(Protocol):
     """Whether the call being dispatched is the only one the server holds, after a quiet spell
     (the server's lifecycle.Admission): its batch then runs on `run_solo` ("Solo runs")."""
 
     @property
-    def alone(self) -> bool: ...
+    def lone_call(self) -> bool: ...
 
 
 class BatchTracer(Protocol):
@@ -274,13 +173,13 @@ class Batcher:
                  observer: BatchObserver | None = None, arrivals: ArrivalSignal | None = None,
                  scores_of: ScoresOf | None = None, budget: MemoryBudget | None = None,
                  costing: Costing | None = None, run_solo: RunBatch | None = None,
-                 solitude: Solitude | None = None, compute_nice: int = 0,
+                 lone_call_signal: LoneCallSignal | None = None, compute_nice: int = 0,
                  tracer: BatchTracer | None = None) -> None:
         self.name = name
         self._tracer = tracer
         self._run_batch = run_batch
-        self._run_solo = run_solo if solitude is not None else None  # see _runs_solo
-        self._solitude = solitude
+        self._run_solo = run_solo if lone_call_signal is not None else None  # see _runs_solo
+        self._lone_call_signal = lone_call_signal
         # Seconds the last solo run of each shape computed for (_solo_shape), most recent last.
         self._solo_seconds: collections.OrderedDict[tuple, float] = collections.OrderedDict()
         self.policy = policy
@@ -292,7 +191,7 @@ class Batcher:
         self._slots = asyncio.Semaphore(policy.batches_in_flight)
         self._running: set[asyncio.Task] = set()
         self._computing = 0  # batches between dispatch and the release of their slot
-        self._arrivals = arrivals  # see _company_coming
+        self._arrivals = arrivals  # see _worth_waiting
         if (budget is None) != (costing is None):
             raise ValueError("a memory budget needs a costing, and a costing a budget")
         self._budget = budget
@@ -316,7 +215,7 @@ class Batcher:
     def queue_depth(self) -> int:
         return len(self._pending)
 
-    def _company_coming(self) -> bool:
+    def _worth_waiting(self) -> bool:
         """Worth waiting for: another batch runs, or requests are on their way in (received,
         not yet submitted). A lone request on an idle server sees neither and goes at once."""
         return self._computing > 0 or (self._arrivals is not None and self._arrivals.arriving > 0)
@@ -324,7 +223,7 @@ class Batcher:
     def _runs_solo(self, batch: list[_Pending]) -> bool:
         """One request, nothing else queued or running here, none elsewhere ("Solo runs")."""
         return (self._run_solo is not None and len(batch) == 1 and not self._pending and self._computing == 1
-                and self._solitude.alone)
+                and self._lone_call_signal.lone_call)
 
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._collect_forever(), name=f"batcher-{self.name}")
@@ -403,7 +302,7 @@ class Batcher:
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            if self.policy.max_queue_delay_s > 0 and self._company_coming():
+            if self.policy.max_queue_delay_s > 0 and self._worth_waiting():
                 await self._wait_for_company()
             batch, extra = self._take_batch()
             if not batch:
@@ -424,7 +323,7 @@ class Batcher:
         """Company is coming: let a partial batch fill until the oldest request has waited
         max_queue_delay_s, or until no company is coming any more (an idle model never waits)."""
         deadline = self._pending[0].enqueued_at + self.policy.max_queue_delay_s
-        while (self._company_coming() and sum(p.work.rows for p in self._pending) < self.policy.max_batch_size
+        while (self._worth_waiting() and sum(p.work.rows for p in self._pending) < self.policy.max_batch_size
                and not self._closing):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -457,7 +356,8 @@ class Batcher:
                 continue
             if p.deadline is not None and p.deadline <= now:
                 p.future.set_exception(DeadlineExpired(
-                    f"deadline passed after {now - p.enqueued_at:.3f}s in the queue of model {self.name}; not computed"))
+                    f"deadline passed after {now - p.enqueued_at:.3f}s in the queue of model {self.name}; "
+                    "not computed"))
                 p.drop()
                 continue
             w = p.work
@@ -499,7 +399,8 @@ class Batcher:
         self._report_depth()
         extra = None
         if len(chosen) > 1 and self._costing is not None:
-            needed = self._costing.batch_run(rows, q_len, k_len, batch_masking(maskings, same_k_len), want_probs) - shares
+            masking = batch_masking(maskings, same_k_len)
+            needed = self._costing.batch_run(rows, q_len, k_len, masking, want_probs) - shares
             if needed > 0:
                 extra = self._budget.try_reserve(needed)  # fits: checked for each request above
         return chosen, extra
@@ -525,7 +426,7 @@ class Batcher:
             if solo:
                 self._time_solo_run(shape, sum(timings))
             compute_s = time.monotonic() - started
-            for p, (output, attn_probs), waited in zip(batch, results, queue_s):
+            for p, (output, attn_probs), waited in zip(batch, results, queue_s, strict=True):
                 if not p.future.done():
                     p.future.set_result(Result(output, attn_probs, waited, compute_s, len(batch), p.reservation))
                 else:
@@ -573,125 +474,3 @@ class Batcher:
 def _solo_shape(work: Work) -> tuple:
     """What a solo run's time depends on: rows, lengths, the graph its masking and attn_probs take."""
     return work.rows, work.q_len, work.k_len, work.masking, work.want_probs
-
-
-def compute_batch(run_batch: RunBatch, works: list[Work]
-                  ) -> tuple[list[tuple[np.ndarray, np.ndarray | None]], float, tuple[float, float, float]]:
-    """On a worker thread: pad and merge, run, check, split (attnserve.runtime runs it too). Returns per-request outputs, the
-    batch's padding ratio, and the seconds spent merging, running and splitting."""
-    t0 = time.perf_counter()
-    feeds, padding_ratio = merge(works)
-    want_probs = any(w.want_probs for w in works)
-    t1 = time.perf_counter()
-    output, attn_probs = run_batch(feeds, want_probs)
-    t2 = time.perf_counter()
-    rows = feeds["query"].shape[0]
-    if output.shape[0] != rows or (want_probs and (attn_probs is None or attn_probs.shape[0] != rows)):
-        raise RuntimeError(f"run returned {output.shape[0]} rows for a batch of {rows}")
-    results = split(works, output, attn_probs)
-    return results, padding_ratio, (t1 - t0, t2 - t1, time.perf_counter() - t2)
-
-
-def batch_masking(maskings: set[str] | frozenset[str], same_k_len: bool) -> str:
-    """The masking a batch's run needs: that of its requests, KEY_PADDING once keys are padded."""
-    if HEADS in maskings:
-        return HEADS
-    if GENERAL in maskings:
-        return GENERAL
-    if KEY_PADDING in maskings or not same_k_len:
-        return KEY_PADDING
-    return NO_MASK
-
-
-def merge(works: list[Work]) -> tuple[dict[str, np.ndarray], float]:
-    """Pad to the longest query and key, mask padded keys; returns feeds and padding ratio.
-    The feeds carry the least mask the batch needs (module docstring, "Masks")."""
-    rows = sum(w.rows for w in works)
-    q_len = max(w.q_len for w in works)
-    k_len = max(w.k_len for w in works)
-    masking = batch_masking({w.masking for w in works}, all(w.k_len == k_len for w in works))
-    same_lengths = all(w.q_len == q_len and w.k_len == k_len for w in works)
-    if len(works) == 1:
-        w = works[0]
-        feeds = {"query": w.query, "key": w.key, "value": w.value}
-    elif same_lengths:  # copies that keep the GIL (server.stacking): this runs beside the event loop
-        feeds = {name: stack([getattr(w, name) for w in works]) for name in ("query", "key", "value")}
-    else:
-        first = works[0]
-        feeds = {"query": np.zeros((rows, q_len, first.query.shape[2]), dtype=np.float32),  # (B, Lq, q_dim)
-                 "key": np.zeros((rows, k_len, first.key.shape[2]), dtype=np.float32)}  # (B, Lk, kv_dim)
-        feeds["value"] = np.zeros_like(feeds["key"])
-        start = 0
-        for w in works:
-            for name in ("query", "key", "value"):
-                place(feeds[name], start, getattr(w, name))
-            start += w.rows
-    if masking == KEY_PADDING:
-        key_padding = np.zeros((rows, k_len), dtype=np.int32)  # (B, Lk): 1 = a real key to attend
-        start = 0
-        for w in works:
-            end = start + w.rows
-            key_padding[start:end, : w.k_len] = 1 if w.key_mask is None else w.key_mask
-            start = end
-        feeds[KEY_PADDING_MASK] = key_padding
-    elif masking == HEADS:
-        feeds[HEAD_MASK] = _head_mask(works, rows, q_len, k_len, same_lengths)
-    elif masking == GENERAL:
-        if len(works) == 1 or (same_lengths and all(w.mask is not None for w in works)):
-            # A view ((lq, lk) broadcast, a head sliced) becomes the contiguous array a run takes.
-            mask = np.ascontiguousarray(works[0].mask) if len(works) == 1 else stack([w.mask for w in works])
-        else:
-            mask = np.zeros((rows, q_len, k_len), dtype=np.bool_)  # (B, Lq, Lk): padding is masked
-            start = 0
-            for w in works:
-                end = start + w.rows
-                mask[start:end, : w.q_len, : w.k_len] = True if w.mask is None else w.mask
-                start = end
-        feeds["mask"] = mask
-    useful = sum(w.rows * w.q_len * w.k_len for w in works)
-    return feeds, 1.0 - useful / (rows * q_len * k_len)
-
-
-def _head_mask(works: list[Work], rows: int, q_len: int, k_len: int, same_lengths: bool) -> np.ndarray:
-    """(B, H, Lq, Lk) bool of a batch with a mask whose heads differ: each request's own mask,
-    repeated over the heads where it has none; padded keys and query rows masked."""
-    heads = next(w.mask.shape[1] for w in works if w.masking == HEADS)
-    if len(works) == 1:
-        return works[0].mask
-    if same_lengths and all(w.masking == HEADS for w in works):
-        return stack([w.mask for w in works])
-    mask = np.zeros((rows, heads, q_len, k_len), dtype=np.bool_)  # padding is masked
-    start = 0
-    for w in works:
-        end = start + w.rows
-        if w.mask is None:
-            mask[start:end, :, : w.q_len, : w.k_len] = True
-        else:  # (b, h, lq, lk), or (b, lq, lk) broadcast over the heads
-            mask[start:end, :, : w.q_len, : w.k_len] = w.mask if w.mask.ndim == 4 else w.mask[:, None]
-        start = end
-    return mask
-
-
-def dense_mask(feeds: dict[str, np.ndarray]) -> np.ndarray:
-    """The (B, Lq, Lk) bool mask of merged feeds, whichever form they carry it in (True = attend)."""
-    if "mask" in feeds:
-        return feeds["mask"]
-    b, lq, _ = feeds["query"].shape  # batch, query length, query_dim
-    lk = feeds["key"].shape[1]
-    if KEY_PADDING_MASK in feeds:
-        return np.ascontiguousarray(np.broadcast_to(feeds[KEY_PADDING_MASK].astype(np.bool_)[:, None, :], (b, lq, lk)))
-    return np.ones((b, lq, lk), dtype=np.bool_)
-
-
-def split(works: list[Work], output: np.ndarray, attn_probs: np.ndarray | None
-          ) -> list[tuple[np.ndarray, np.ndarray | None]]:
-    """Each request's own rows, padding dropped: output (b, lq, out_dim), attn_probs (b, h, lq, lk)."""
-    results = []
-    start = 0
-    for w in works:
-        end = start + w.rows
-        out = output[start:end, : w.q_len]
-        probs = attn_probs[start:end, :, : w.q_len, : w.k_len] if (w.want_probs and attn_probs is not None) else None
-        results.append((out, probs))
-        start = end
-    return results

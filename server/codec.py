@@ -20,10 +20,16 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import wire
-from attnserve.server.batcher import Result, Work
+from attnserve.server import shm
+from attnserve.server.graphs import HEADS, UNFUSED, GraphSet, attention_bytes
+from attnserve.server.memory import heap
+from attnserve.server.memory.budget import Reservation
+from attnserve.server.quoting import quoted
+from attnserve.server.repository import ModelSpec
+from attnserve.server.tensors import Result, Work
+
 from attnserve.contract import (
     ALL_OUTPUTS,
     DATATYPES,
@@ -37,11 +43,6 @@ from attnserve.contract import (
     OUTPUT_ONLY,
     REQUIRED_INPUTS,
 )
-from attnserve.server import heap, shm
-from attnserve.server.echo import echo
-from attnserve.server.graphs import HEADS, UNFUSED, GraphSet, attention_bytes
-from attnserve.server.lifecycle import Reservation
-from attnserve.server.repository import ModelSpec
 
 # Little-endian on the wire, whatever this machine is.
 _DTYPES = {"FP32": np.dtype("<f4"), "BOOL": np.dtype("?")}
@@ -83,7 +84,7 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits,
     names = [t.name for t in inputs]
     unknown = [n for n in names if n not in INPUT_NAMES]
     if unknown:
-        raise ValueError(f"unknown input {echo(unknown[0])}; model {spec.name} takes {list(INPUT_NAMES)}")
+        raise ValueError(f"unknown input {quoted(unknown[0])}; model {spec.name} takes {list(INPUT_NAMES)}")
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"input {duplicates[0]!r} given more than once")
@@ -111,12 +112,12 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits,
     for tensor in inputs:
         want = _EXPECTED_DATATYPE[tensor.name]
         if tensor.datatype != want:
-            raise ValueError(f"input {tensor.name!r}: expected datatype {want}, got {echo(tensor.datatype)}")
+            raise ValueError(f"input {tensor.name!r}: expected datatype {want}, got {quoted(tensor.datatype)}")
         shape = tuple(tensor.shape)
         if len(shape) not in _RANKS.get(tensor.name, (3,)):
             ranks = " or ".join(map(str, _RANKS.get(tensor.name, (3,))))
             hint = f" ({_mask_shapes(spec)})" if tensor.name == "mask" else ""
-            raise ValueError(f"input {tensor.name!r}: expected rank {ranks}{hint}, got shape {echo(list(shape))}")
+            raise ValueError(f"input {tensor.name!r}: expected rank {ranks}{hint}, got shape {quoted(list(shape))}")
         if any(d < 0 for d in shape):
             raise ValueError(f"input {tensor.name!r}: negative dimension in shape {list(shape)}")
         shapes[tensor.name] = shape
@@ -243,7 +244,7 @@ def _mask_shapes(spec: ModelSpec, b: int | None = None, lq: int | None = None, l
     forms = ["[batch, q_len, k_len]", "[q_len, k_len]", "[batch, 1, q_len, k_len]", f"[batch, {h}, q_len, k_len]"]
     if b is not None:
         sizes = ([b, lq, lk], [lq, lk], [b, 1, lq, lk], [b, h, lq, lk])
-        forms = [f"{form} = {size}" for form, size in zip(forms, sizes)]
+        forms = [f"{form} = {size}" for form, size in zip(forms, sizes, strict=True)]
     return ", ".join(forms[:-1]) + " or " + forms[-1]
 
 
@@ -297,20 +298,20 @@ def _requested_outputs(request: pb.ModelInferRequest, spec: ModelSpec) -> tuple[
     names = [o.name for o in request.outputs]
     for name in names:
         if name not in OUTPUT_NAMES:
-            raise ValueError(f"unknown output {echo(name)}; model {spec.name} has {list(OUTPUT_NAMES)}")
+            raise ValueError(f"unknown output {quoted(name)}; model {spec.name} has {list(OUTPUT_NAMES)}")
     if len(set(names)) != len(names):
-        raise ValueError(f"output requested more than once: {echo(names)}")
+        raise ValueError(f"output requested more than once: {quoted(names)}")
     return tuple(names)
 
 
-def encode(request: "InferRequest | pb.ModelInferRequest", decoded: Decoded, result: Result, version: int
-           ) -> "InferResponse":
+def encode(request: InferRequest | pb.ModelInferRequest, decoded: Decoded, result: Result, version: int
+           ) -> InferResponse:
     response = pb.ModelInferResponse(model_name=request.model_name, model_version=str(version), id=request.id)
     raw_outputs: list[np.ndarray] = []
     for name in decoded.outputs:
         array = result.output if name == "output" else result.attn_probs
         tensor = response.outputs.add(name=name, datatype="FP32", shape=array.shape)
-        if name in decoded.shm_outputs:  # written there already (server.answers)
+        if name in decoded.shm_outputs:  # written there already (server.request_path)
             placement = decoded.shm_outputs[name][0]
             tensor.parameters[shm.REGION].string_param = placement.region
             tensor.parameters[shm.BYTE_SIZE].int64_param = array.nbytes
@@ -357,7 +358,7 @@ class InferRequest:
 class InferResponse:
     """A ModelInferResponse to send: the message, and the raw outputs it will carry, as arrays
     (little-endian fp32, contiguous) written straight into the serialized answer; and its share
-    of the memory budget (lifecycle.Reservation), which the transport gives back with
+    of the memory budget (memory.budget.Reservation), which the transport gives back with
     `release()` once the answer is sent (or its call is over)."""
 
     __slots__ = ("message", "raw_output_contents", "reservation")

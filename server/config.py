@@ -11,9 +11,10 @@ import dataclasses
 import os
 import types
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 ENV_PREFIX = "ATTNSERVE_"
 DEVICES = ("cpu", "cuda", "auto")

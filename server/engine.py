@@ -13,6 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
+from attnserve.server.cuda_probe import why_cuda_cannot_run
+from attnserve.server.graphs import BYTES_PER_SCORE, GraphSet, masking_of
+from attnserve.server.memory import heap
+from attnserve.server.repository import ModelSpec
+from attnserve.server.tensors import dense_mask
 
 from attnserve.contract import (
     ALL_OUTPUTS,
@@ -24,11 +29,6 @@ from attnserve.contract import (
     OUTPUT_ONLY,
     REQUIRED_INPUTS,
 )
-from attnserve.server import heap
-from attnserve.server.batcher import dense_mask
-from attnserve.server.cuda_probe import why_cuda_cannot_run
-from attnserve.server.graphs import BYTES_PER_SCORE, GraphSet, masking_of
-from attnserve.server.repository import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +100,8 @@ class Engine:
     After each such run ONNX Runtime's threads spin a while before they sleep, so a lone
     client's next request finds its cores awake: a short run after an idle gap is otherwise
     slower than back to back. Up to one core's CPU while such requests keep coming; the same
-    graphs, kernels and answers; those graphs' weights held twice. A run whose graph has no solo session takes the regular one. None on CUDA or with
-    one intra-op thread."""
+    graphs, kernels and answers; those graphs' weights held twice. A run whose graph has no solo
+    session takes the regular one. None on CUDA or with one intra-op thread."""
 
     def __init__(self, spec: ModelSpec, device: DeviceChoice, intra_op_threads: int = 0,
                  io_binding: bool | None = None, solo: bool = False) -> None:
@@ -187,7 +187,7 @@ class Engine:
             ) -> tuple[np.ndarray, np.ndarray | None]:
         """feeds: query (B, Lq, q_dim), key/value (B, Lk, kv_dim), and at most one of mask
         (B, Lq, Lk) bool, key_padding_mask (B, Lk) int32 or head_mask (B, H, Lq, Lk) bool
-        (server.batcher.merge). solo: on the spinning session, where there is one.
+        (server.tensors.merge). solo: on the spinning session, where there is one.
         Returns output (B, Lq, out_dim) and attn_probs (B, H, Lq, Lk) or None."""
         kind = self.graph_for(feeds, want_probs)
         session = self._solo_sessions.get(kind) if solo else None
@@ -195,7 +195,7 @@ class Engine:
         try:
             outputs = self._run(session or self._sessions[kind], _graph_feeds(kind, feeds))
         finally:
-            # Crowded (server.heap, "Lean"), a large run's freed buffers go back to the system
+            # Crowded (server.memory.heap, "Lean"), a large run's freed buffers go back to the system
             # now: sized by the batch's (B, H, Lq, Lk) matrix whichever graph ran, the run's scale.
             b, lq, _ = feeds["query"].shape
             heap.release_after(b * self.spec.num_heads * lq * feeds["key"].shape[1] * BYTES_PER_SCORE)

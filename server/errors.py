@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-import grpc
 
+import grpc
 from attnserve.server.batcher import BatcherClosed, BatchFailed, DeadlineExpired, QueueFull
-from attnserve.server.echo import capped
-from attnserve.server.lifecycle import MemoryExhausted, MemoryTooLarge
+from attnserve.server.memory.budget import MemoryExhausted, MemoryTooLarge
 from attnserve.server.models import ModelControlDisabled, ModelLoadFailed, ModelNotFound, ModelUnavailable
+from attnserve.server.quoting import bounded_details
 from attnserve.server.ratelimit import CLIENT_ERRORS
 from attnserve.server.shm import SharedMemoryUnavailable
 
@@ -42,7 +42,8 @@ class MalformedMessage(Exception):
     def __init__(self, error: Exception) -> None:
         # A refusal the deserializer makes on purpose (codec.TypedContentsTooLarge) says why itself.
         refused = getattr(error, "refused_before_parsing", False)
-        super().__init__(str(error) if refused else f"the request message does not parse: {type(error).__name__}: {error}")
+        super().__init__(str(error) if refused
+                         else f"the request message does not parse: {type(error).__name__}: {error}")
 
 
 class BodyTooLarge(Exception):
@@ -114,7 +115,7 @@ def status_for(err: BaseException) -> Status:
     if isinstance(err, NoSuchEndpoint):
         http = err.http
     if code is not grpc.StatusCode.INTERNAL:
-        return Status(code, capped(str(err)), http)  # whatever quoted the client, the trailer stays small
+        return Status(code, bounded_details(str(err)), http)  # whatever quoted the client, the trailer stays small
     if isinstance(err, BatchFailed):
         if not err.logged:
             CLIENT_ERRORS.log(logger, logging.ERROR, "internal error: %s", err, exc_info=err)

@@ -31,17 +31,16 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import grpc
-from grpc_health.v1 import health_pb2
-
 from attnserve.server.errors import MalformedMessage, ShuttingDown, Unauthenticated, abort, status_for
 from attnserve.server.handover import CoreCalls
 from attnserve.server.lifecycle import Admission, Draining
 from attnserve.server.parsing import bounded_infer_request, tolerant_handler
 from attnserve.server.security import REFUSAL, BearerToken
 from attnserve.server.tracing import Calls
+from grpc_health.v1 import health_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +92,7 @@ class ReceiveSlots:
 
     def __init__(self, slots: int | None, on_idle: Callable[[], None] | None = None) -> None:
         """on_idle: called when no message is being received or waits to be, after some waited
-        (the server gives memory back then: server.heap.reclaim)."""
+        (the server gives memory back then: server.memory.heap.reclaim)."""
         if slots is not None and slots < 1:
             raise ValueError(f"receive slots must be >= 1, got {slots}")
         self.slots = slots

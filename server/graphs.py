@@ -25,8 +25,8 @@ fp16) runs the unfused graphs exactly as before; one without the head-mask graph
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from attnserve.contract import (
     ALL_OUTPUTS,

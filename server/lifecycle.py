@@ -3,7 +3,6 @@
     draining = Draining()            # the gate refuses new inference calls, the servicer says not ready
     arrivals = Arrivals()            # each Batcher reads arrivals.arriving
     admission = Admission(arrivals)  # the gate counts inference calls; Server.stop waits on it
-    budget = MemoryBudget(limit)     # every batcher reserves what a request costs; transports release
 
 Knows nothing of gRPC: the gate (server.gate) reports what gRPC tells it, when each call's
 headers arrive and when its handler starts and returns.
@@ -12,10 +11,9 @@ headers arrive and when its handler starts and returns.
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class Draining:
@@ -98,7 +96,7 @@ class Arrivals:
         self._forget_stale()
         return len(self._calls)
 
-    def came(self, *, unary: bool) -> int:
+    def arrived(self, *, unary: bool) -> int:
         """A call's headers arrived; returns its ticket."""
         ticket = next(self._tickets)
         self._forget_stale()  # keeps the table bounded whoever reads it
@@ -150,8 +148,8 @@ class Admission:
         return self._running + self._arrivals.calls
 
     @property
-    def alone(self) -> bool:
-        """The one call in flight is a unary call that arrived after a quiet spell (batcher.Solitude)."""
+    def lone_call(self) -> bool:
+        """The one call in flight is a unary call that arrived after a quiet spell (batcher.LoneCallSignal)."""
         return self._streams == 0 and self.in_flight <= 1 and self._quiet_before_s >= self.QUIET_S
 
     def arrived(self, *, unary: bool) -> int:
@@ -159,7 +157,7 @@ class Admission:
         now = self._clock()
         self._quiet_before_s = now - self._last_change if self.in_flight == 0 else 0.0
         self._last_change = now
-        return self._arrivals.came(unary=unary)
+        return self._arrivals.arrived(unary=unary)
 
     def started(self, ticket: int, *, stream: bool = False) -> None:
         self._arrivals.started(ticket)
@@ -191,202 +189,3 @@ class Admission:
                                                 return_when=asyncio.FIRST_COMPLETED)
             for waiter in pending:
                 waiter.cancel()
-
-
-class MemoryTooLarge(ValueError):
-    """A request that alone could never fit the memory budget (INVALID_ARGUMENT: do not retry as is)."""
-
-
-class MemoryExhausted(Exception):
-    """The memory budget is spent now and the request has no deadline to wait within: shed at
-    once (RESOURCE_EXHAUSTED: retry later)."""
-
-
-class Reservation:
-    """Bytes taken from a MemoryBudget; `release()` gives them back (once; later calls do nothing)."""
-
-    __slots__ = ("_budget", "nbytes")
-
-    def __init__(self, budget: "MemoryBudget | None", nbytes: int) -> None:
-        self._budget = budget
-        self.nbytes = nbytes
-
-    def release(self) -> None:
-        budget, self._budget = self._budget, None
-        if budget is not None:
-            budget._give_back(self.nbytes)
-
-
-class _Waiter:
-    __slots__ = ("total", "first", "future")
-
-    def __init__(self, total: int, first: int, future: asyncio.Future) -> None:
-        self.total = total  # what it needs once admitted
-        self.first = first  # its inputs, counted while it waits (they are in memory already)
-        self.future = future
-
-
-class MemoryBudget:
-    """The process's one memory budget (--memory-limit-bytes), shared by every model and transport.
-
-    What is counted, by whoever holds it (server.batcher reserves each request's
-    memory.request_cost before it queues and the extra of a merged batch before it runs; the
-    transport releases a request's reservation once its answer is sent): queued inputs, runs in
-    flight (their estimated peak working set), and answers encoded but not yet taken by the client.
-
-    A request that does not fit now waits in arrival order (the oldest keeps its place: while one
-    waits, nobody jumps ahead), within its deadline; one without a deadline is shed at once. While
-    it waits its inputs (already in memory) are counted, in a share of the budget that
-    reservations leave for them (WAITING_ROOM). A request larger than the rest runs alone, when
-    nothing else is reserved. A new waiter is taken only if every waiter could still be admitted
-    once the running work is done, so waiting never deadlocks. reserved + waiting <= limit, always."""
-
-    WAITING_ROOM = 1 / 8
-    # on_idle is called when nothing is reserved any more after at least this much was.
-    IDLE_AFTER_BYTES = 64 << 20
-    # A reservation or waiter of this much is a large use; on_crowded is called when two are held.
-    LARGE_BYTES = 16 << 20
-
-    def __init__(self, limit_bytes: int, on_idle: Callable[[], None] | None = None,
-                 on_crowded: Callable[[], None] | None = None) -> None:
-        """on_idle: called (on the event loop) when the budget empties after a large use: the
-        server gives freed heap memory back to the system then (server.heap.reclaim).
-        on_crowded: called (on the event loop) whenever a second large use comes to be held at
-        once (granted or waiting): the heap turns lean (server.heap.crowd)."""
-        if limit_bytes < 1:
-            raise ValueError(f"memory limit must be >= 1 byte, got {limit_bytes}")
-        self.limit_bytes = limit_bytes
-        self._on_idle = on_idle
-        self._on_crowded = on_crowded
-        self.large_uses = 0  # large reservations and waiters held now
-        self._high_water = 0  # most reserved since the budget was last empty
-        self.reserved_bytes = 0  # granted reservations
-        self.waiting_bytes = 0  # inputs of the requests that wait
-        self._room = int(limit_bytes * self.WAITING_ROOM)
-        self._waiters: collections.deque[_Waiter] = collections.deque()
-        # Counted since start (server.metrics exposes them): requests that waited for memory,
-        # shed at once (MemoryExhausted), whose deadline passed while they waited, and refused
-        # as never fitting (MemoryTooLarge).
-        self.waits = 0
-        self.shed = 0
-        self.wait_timeouts = 0
-        self.too_large = 0
-
-    @property
-    def waiters(self) -> int:
-        """Requests waiting for memory now."""
-        return len(self._waiters)
-
-    @property
-    def used_bytes(self) -> int:
-        return self.reserved_bytes + self.waiting_bytes
-
-    @property
-    def free_bytes(self) -> int:
-        """What can be taken now without waiting (nothing while someone waits)."""
-        return 0 if self._waiters else max(self.limit_bytes - self._room - self.reserved_bytes, 0)
-
-    def check_fits(self, nbytes: int, what: str) -> None:
-        """MemoryTooLarge if `nbytes` could never fit, whatever else ran."""
-        if nbytes > self.limit_bytes:
-            self.too_large += 1
-            raise MemoryTooLarge(f"{what} needs an estimated {nbytes:,} bytes of memory, over this server's "
-                                 f"budget of {self.limit_bytes:,} bytes (--memory-limit-bytes); send fewer rows or "
-                                 "shorter sequences, or ask for `output` alone")
-
-    def _admits(self, nbytes: int, waiting_others: int) -> bool:
-        """Whether `nbytes` may be granted now, `waiting_others` bytes of waiters' inputs staying."""
-        if self.reserved_bytes + nbytes <= self.limit_bytes - self._room:
-            return True
-        return self.reserved_bytes == 0 and nbytes + waiting_others <= self.limit_bytes  # alone
-
-    def try_reserve(self, nbytes: int) -> Reservation | None:
-        """Take `nbytes` now if they fit and nobody waits; else None."""
-        if self._waiters or not self._admits(nbytes, self.waiting_bytes):
-            return None
-        self.reserved_bytes += nbytes
-        self._high_water = max(self._high_water, self.reserved_bytes)
-        self._count_large(nbytes, +1)
-        return Reservation(self, nbytes)
-
-    def _count_large(self, nbytes: int, step: int) -> None:
-        if nbytes < self.LARGE_BYTES:
-            return
-        self.large_uses += step
-        if step > 0 and self.large_uses == 2 and self._on_crowded is not None:
-            self._on_crowded()
-
-    async def reserve(self, nbytes: int, deadline: float | None, first: int = 0, what: str = "this request"
-                      ) -> Reservation | None:
-        """Take `nbytes`, waiting in arrival order until `deadline` (time.monotonic()) if they do
-        not fit now. first: the part of it already in memory (its inputs), counted while it waits.
-        Returns None if the deadline passed first; raises MemoryTooLarge (never fits) or
-        MemoryExhausted (does not fit now: no deadline, or no room to wait)."""
-        self.check_fits(nbytes, what)
-        reservation = self.try_reserve(nbytes)
-        if reservation is not None:
-            return reservation
-        first = min(first, nbytes)
-        if deadline is None or not self._can_wait(nbytes, first):
-            self.shed += 1
-            raise MemoryExhausted(f"memory budget: {self.used_bytes:,} of {self.limit_bytes:,} bytes in use "
-                                  f"(--memory-limit-bytes), {len(self._waiters)} request(s) waiting; {what} needs "
-                                  f"{nbytes:,}; retry later" + ("" if deadline is not None else
-                                                               " (a request with a deadline waits within it)"))
-        waiter = _Waiter(nbytes, first, asyncio.get_running_loop().create_future())
-        self.waits += 1
-        self._waiters.append(waiter)
-        self.waiting_bytes += first
-        self._count_large(nbytes, +1)  # waiting or admitted, it stays one large use
-        try:
-            await asyncio.wait_for(asyncio.shield(waiter.future), max(deadline - time.monotonic(), 0.0))
-        except (TimeoutError, asyncio.CancelledError) as err:
-            if waiter.future.done() and not waiter.future.cancelled():
-                self._give_back(nbytes)  # admitted just as it gave up
-            else:
-                if isinstance(err, TimeoutError):
-                    self.wait_timeouts += 1
-                waiter.future.cancel()
-                self._waiters.remove(waiter)
-                self.waiting_bytes -= first
-                self._count_large(nbytes, -1)
-                self._admit_waiters()
-            if isinstance(err, asyncio.CancelledError):
-                raise
-            return None
-        return Reservation(self, nbytes)
-
-    def _can_wait(self, nbytes: int, first: int) -> bool:
-        """Whether its inputs fit the waiting room and, with it added, every waiter could be
-        admitted in turn once nothing else is reserved."""
-        if self.waiting_bytes + first > self._room:
-            return False
-        behind = 0  # inputs of the waiters after the one looked at, which stay while it is admitted
-        for total, own in [(nbytes, first), *((w.total, w.first) for w in reversed(self._waiters))]:
-            if total > self.limit_bytes - self._room and total + behind > self.limit_bytes:
-                return False
-            behind += own
-        return True
-
-    def _give_back(self, nbytes: int) -> None:
-        self.reserved_bytes -= nbytes
-        self._count_large(nbytes, -1)
-        self._admit_waiters()
-        if self.reserved_bytes == 0 and not self._waiters:
-            if self._on_idle is not None and self._high_water >= self.IDLE_AFTER_BYTES:
-                self._on_idle()
-            self._high_water = 0
-
-    def _admit_waiters(self) -> None:
-        while self._waiters:
-            head = self._waiters[0]
-            if head.future.cancelled():
-                self._waiters.popleft()
-                continue
-            if not self._admits(head.total, self.waiting_bytes - head.first):
-                return
-            self._waiters.popleft()
-            self.waiting_bytes -= head.first
-            self.reserved_bytes += head.total
-            self._high_water = max(self._high_water, self.reserved_bytes)
-            head.future.set_result(None)

@@ -23,14 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from attnserve.server.batcher import BatchStats
+from attnserve.server.memory.budget import MemoryBudget
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # `_created` series double the output and no dashboard reads them.
 disable_created_metrics()
-
-from attnserve.server.batcher import BatchStats
-from attnserve.server.lifecycle import MemoryBudget
 
 if TYPE_CHECKING:
     from attnserve.server.shared_stats import StatisticsFile
@@ -151,7 +150,7 @@ class Metrics:
             self._mirror = _Mirror(self.registry)
         self._mirror.add(collector)
 
-    def observer(self, model: str) -> "ModelObserver":
+    def observer(self, model: str) -> ModelObserver:
         self.statistics.setdefault(model, ModelStatistics())
         return ModelObserver(self, model)
 
@@ -208,14 +207,16 @@ class ModelObserver:
 
 
 class _BudgetCollector:
-    """lifecycle.MemoryBudget's figures as Prometheus metrics, read at each scrape."""
+    """memory.budget.MemoryBudget's figures as Prometheus metrics, read at each scrape."""
 
     _GAUGES = (("limit_bytes", "limit_bytes", "The memory budget above idle RSS (--memory-limit-bytes)."),
-               ("reserved_bytes", "reserved_bytes", "Bytes reserved now: queued inputs, runs in flight, unsent answers."),
+               ("reserved_bytes", "reserved_bytes",
+                "Bytes reserved now: queued inputs, runs in flight, unsent answers."),
                ("waiting_bytes", "waiting_bytes", "Inputs of the requests waiting for memory now."),
                ("waiters", "waiters", "Requests waiting for memory now."))
     _COUNTERS = (("waits", "waits", "Requests that waited for memory."),
-                 ("shed", "shed", "Requests shed at once for memory (RESOURCE_EXHAUSTED: no deadline, or no room to wait)."),
+                 ("shed", "shed",
+                  "Requests shed at once for memory (RESOURCE_EXHAUSTED: no deadline, or no room to wait)."),
                  ("wait_timeouts", "wait_timeouts", "Requests whose deadline passed while they waited for memory."),
                  ("too_large", "too_large", "Requests refused as never fitting the budget (INVALID_ARGUMENT)."))
 

@@ -21,11 +21,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
-
-import numpy as np
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable
+
+import numpy as np
+from attnserve.server import priority
+from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, LoneCallSignal
+from attnserve.server.codec import Limits
+from attnserve.server.config import ServerConfig
+from attnserve.server.engine import DeviceChoice
+from attnserve.server.graphs import UNFUSED, GraphSet
+from attnserve.server.memory import heap
+from attnserve.server.memory.budget import MemoryBudget
+from attnserve.server.memory.costs import AttentionDims, Cost, request_cost, run_working_set
+from attnserve.server.metrics import Metrics
+from attnserve.server.quoting import quoted
+from attnserve.server.repository import (
+    ModelLoadError,
+    ModelSpec,
+    model_names,
+    read_model_specs,
+    repository_signature,
+    same_model,
+    version_fingerprint,
+)
+from attnserve.server.tensors import RunBatch, Work
+from attnserve.server.tracing import Tracing
 
 from attnserve.contract import (
     ALL_OUTPUTS,
@@ -40,27 +62,7 @@ from attnserve.contract import (
     Q_LEN,
     SYMBOLIC_SHAPES,
 )
-from attnserve.server import heap, priority
 from attnserve.runtime import AttentionPredictor
-from attnserve.server.batcher import ArrivalSignal, Batcher, BatchPolicy, RunBatch, Solitude, Work
-from attnserve.server.codec import Limits
-from attnserve.server.config import ServerConfig
-from attnserve.server.echo import echo
-from attnserve.server.engine import DeviceChoice
-from attnserve.server.graphs import UNFUSED, GraphSet
-from attnserve.server.lifecycle import MemoryBudget
-from attnserve.server.memory import AttentionDims, Cost, request_cost, run_working_set
-from attnserve.server.metrics import Metrics
-from attnserve.server.tracing import Tracing
-from attnserve.server.repository import (
-    ModelLoadError,
-    ModelSpec,
-    model_names,
-    read_model_specs,
-    repository_signature,
-    same_model,
-    version_fingerprint,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -144,11 +146,11 @@ class ModelRegistry:
     def __init__(self, config: ServerConfig | None = None, device: DeviceChoice | None = None,
                  metrics: Metrics | None = None, arrivals: ArrivalSignal | None = None,
                  run_batch: RunBatchFactory | None = None, listener: StateListener | None = None,
-                 budget: MemoryBudget | None = None, solitude: Solitude | None = None,
+                 budget: MemoryBudget | None = None, lone_call_signal: LoneCallSignal | None = None,
                  tracing: Tracing | None = None) -> None:
         """tracing: the process's tracer (server.tracing): each batcher's runs become spans.
         arrivals: requests received but not yet submitted (each batcher's hint of company).
-        solitude: whether a call is the only one the server holds (a lone request's batch then
+        lone_call_signal: whether a call is the only one the server holds (a lone request's batch then
         runs on the engine's solo sessions: server.batcher, "Solo runs").
         run_batch: makes each model's run instead of an ONNX Runtime Engine (bench.floor).
         listener: told of each change (the server's health service).
@@ -157,7 +159,7 @@ class ModelRegistry:
         self._device = device
         self._metrics = metrics or Metrics()
         self._arrivals = arrivals
-        self._solitude = solitude
+        self._lone_call_signal = lone_call_signal
         self._run_batch = run_batch
         self._budget = budget
         self._tracing = tracing
@@ -178,11 +180,11 @@ class ModelRegistry:
     @classmethod
     def from_repository(cls, config: ServerConfig, device: DeviceChoice, metrics: Metrics,
                         arrivals: ArrivalSignal | None = None, run_batch: RunBatchFactory | None = None,
-                        budget: MemoryBudget | None = None, solitude: Solitude | None = None,
-                        tracing: Tracing | None = None) -> "ModelRegistry":
+                        budget: MemoryBudget | None = None, lone_call_signal: LoneCallSignal | None = None,
+                        tracing: Tracing | None = None) -> ModelRegistry:
         """Load every model of the repository, before serving (blocking); a model that fails is
         logged and kept with its reason."""
-        registry = cls(config, device, metrics, arrivals, run_batch, budget=budget, solitude=solitude,
+        registry = cls(config, device, metrics, arrivals, run_batch, budget=budget, lone_call_signal=lone_call_signal,
                        tracing=tracing)
         for name in model_names(registry.root):
             seen = repository_signature(registry.root / name)
@@ -212,14 +214,14 @@ class ModelRegistry:
         Submit to its batcher before awaiting anything else (see the module's docstring)."""
         model = self._models.get(name)
         if model is None:
-            raise ModelNotFound(f"unknown model {echo(name)}; serving {self.ready_names()}")
+            raise ModelNotFound(f"unknown model {quoted(name)}; serving {self.ready_names()}")
         if not model.versions:
             raise ModelUnavailable(f"model {name} is not ready: {self._why_not(model)}")
         if not version:
             return model.default
         loaded = model.versions.get(int(version)) if version.isdigit() else None
         if loaded is None:
-            raise ModelNotFound(f"model {name} version {echo(version)} is not loaded (loaded: "
+            raise ModelNotFound(f"model {name} version {quoted(version)} is not loaded (loaded: "
                                 f"{sorted(model.versions)}, on disk: {list(model.default.spec.available_versions)})")
         return loaded
 
@@ -319,7 +321,7 @@ class ModelRegistry:
         async with self._lock:
             self._check_open()
             if name not in self._repository_names():
-                raise ModelNotFound(f"no model {echo(name)} in the repository {self.root}")
+                raise ModelNotFound(f"no model {quoted(name)} in the repository {self.root}")
             old = self._models.get(name) or _Model()
             seen = repository_signature(self.root / name)
             try:
@@ -361,7 +363,7 @@ class ModelRegistry:
             model = self._models.get(name)
             if model is None:
                 if name not in self._repository_names():
-                    raise ModelNotFound(f"unknown model {echo(name)}; serving {self.ready_names()}")
+                    raise ModelNotFound(f"unknown model {quoted(name)}; serving {self.ready_names()}")
                 model = _Model()  # in the repository, never loaded: unloaded already
             self._models[name] = _Model(reason="unloaded",
                                         unloaded_versions=tuple(sorted(model.versions)) or model.unloaded_versions)
@@ -452,7 +454,7 @@ class ModelRegistry:
             batcher = Batcher(label, run, policy, self._metrics.observer(name), self._arrivals,
                               scores_of=graphs.scores_held, budget=self._budget,
                               costing=None if self._budget is None else GraphCosting(spec, graphs),
-                              run_solo=run_solo, solitude=self._solitude, compute_nice=cfg.compute_nice,
+                              run_solo=run_solo, lone_call_signal=self._lone_call_signal, compute_nice=cfg.compute_nice,
                               tracer=None if self._tracing is None else self._tracing.batch_tracer(
                                   name, spec.version, graphs))
             limits = Limits(spec.max_q_len, spec.max_kv_len, cfg.max_attention_bytes,
@@ -558,7 +560,7 @@ def check_servable(spec: ModelSpec, sessions: dict) -> None:
                                          f"declare (declared: {', '.join(sorted(declared))})")
                 want = concrete(arg.name)
                 got = tuple(arg.shape)
-                fixed = [(i, w, g) for i, (w, g) in enumerate(zip(want, got))
+                fixed = [(i, w, g) for i, (w, g) in enumerate(zip(want, got, strict=True))
                          if isinstance(g, int) and _SHAPES[arg.name][i] not in _WARM_UP_DIMS and g != w]
                 if len(got) != len(want) or fixed:
                     raise ModelLoadError(f"{where}: {role} {arg.name!r} has shape {list(got)}, config.json's widths "
@@ -571,7 +573,7 @@ def check_servable(spec: ModelSpec, sessions: dict) -> None:
             answers = session.run(None, feeds)
         except Exception as err:  # onnxruntime's own exception types
             raise ModelLoadError(f"{where}: a warm-up run failed: {type(err).__name__}: {err}") from None
-        for arg, answer in zip(session.get_outputs(), answers):
+        for arg, answer in zip(session.get_outputs(), answers, strict=True):
             if tuple(answer.shape) != concrete(arg.name):
                 raise ModelLoadError(f"{where}: a warm-up run answered {arg.name!r} of shape {list(answer.shape)} "
                                      f"for {_WARM_UP_DIMS}; config.json's widths make it {list(concrete(arg.name))}")

@@ -1,6 +1,6 @@
 """The native data plane (prototype): ModelInfer served by C++, Python called once per batch.
 
-    plane = NativePlane(config, registry, answers); port = plane.start(); ...; plane.stop(grace_s)
+    plane = NativePlane(config, registry, request_path); port = plane.start(); ...; plane.stop(grace_s)
 
 attnserve.server._native (native/, built by `make native`) listens on --native-port: it parses
 each ModelInfer request, checks it against the contract (the names and datatypes below are
@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from attnserve import contract
 from attnserve.server.listen import listen_addresses
+
+from attnserve import contract
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +52,13 @@ def new_plane(zeros: bool = False):
     return plane
 
 
-def add_tables(plane, answers, names: list[str]) -> None:
-    """The rare RPCs' answers, serialized from Python's own (server.answers) for these models."""
-    plane.set_answer("ServerMetadata", "", answers.server_metadata().SerializeToString())
+def add_tables(plane, request_path, names: list[str]) -> None:
+    """The rare RPCs' answers, serialized from Python's own (server.request_path) for these models."""
+    plane.set_answer("ServerMetadata", "", request_path.server_metadata().SerializeToString())
     for name in names:
-        plane.set_answer("ModelMetadata", name, answers.model_metadata(name).SerializeToString())
-        plane.set_answer("ModelConfig", name, answers.model_config(name).SerializeToString())
-        plane.set_answer("ModelStatistics", name, answers.model_statistics(name).SerializeToString())
+        plane.set_answer("ModelMetadata", name, request_path.model_metadata(name).SerializeToString())
+        plane.set_answer("ModelConfig", name, request_path.model_config(name).SerializeToString())
+        plane.set_answer("ModelStatistics", name, request_path.model_statistics(name).SerializeToString())
 
 
 def address(host: str, port: int) -> str:
@@ -66,7 +67,7 @@ def address(host: str, port: int) -> str:
 
 
 class NativePlane:
-    def __init__(self, config, registry, answers, zeros: bool = False) -> None:
+    def __init__(self, config, registry, request_path, zeros: bool = False) -> None:
         """zeros: the native floor (bench.native_floor): C++ answers zeros itself, no runner threads."""
         self._config = config
         self._zeros = zeros
@@ -84,7 +85,7 @@ class NativePlane:
                 config.max_attention_bytes, config.max_queue_size, config.max_padding_ratio)
             assert index == len(self._models)
             self._models.append((name, spec, lv.batcher.run_batch, lv.batcher.run_solo))
-        add_tables(self._plane, answers, names)
+        add_tables(self._plane, request_path, names)
 
     def start(self) -> int:
         """Bind --native-port and start a runner thread per model; the bound port."""
@@ -97,7 +98,8 @@ class NativePlane:
             thread = threading.Thread(target=self._run_forever, args=(index,), name=f"native-{name}", daemon=True)
             thread.start()
             self._runners.append(thread)
-        logger.info("native data plane (prototype%s) serving ModelInfer for %s on %s", " answering zeros" if self._zeros else "", [m[0] for m in self._models],
+        logger.info("native data plane (prototype%s) serving ModelInfer for %s on %s",
+                    " answering zeros" if self._zeros else "", [m[0] for m in self._models],
                     f"{target.rsplit(':', 1)[0]}:{port}")
         return port
 

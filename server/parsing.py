@@ -22,10 +22,10 @@ seconds of the event loop to scan or parse, every other client waiting (docs/har
 from __future__ import annotations
 
 import inspect
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
-
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto.wire import FieldsOverLimit, check_fields
 from attnserve.server.errors import MalformedMessage, abort

@@ -21,7 +21,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 T = TypeVar("T")
 

@@ -82,7 +82,7 @@ class VersionPolicy:
     versions: tuple[int, ...] = ()  # specific
 
     @classmethod
-    def from_config(cls, value: Any) -> "VersionPolicy":
+    def from_config(cls, value: Any) -> VersionPolicy:
         if value is None:
             return cls()
         if not isinstance(value, dict) or len(value) != 1:
@@ -161,7 +161,8 @@ def read_model_specs(model_dir: Path, pinned_version: int | None = None) -> tupl
     available = tuple(versions(model_dir))
     if pinned_version is not None:
         if pinned_version not in available:
-            raise ModelLoadError(f"pinned version {pinned_version} of {model_dir.name} not found (have {list(available)})")
+            raise ModelLoadError(f"pinned version {pinned_version} of {model_dir.name} not found "
+                                 f"(have {list(available)})")
         chosen: tuple[int, ...] = (pinned_version,)
     else:
         chosen = policy.select(available, str(model_dir))
@@ -179,7 +180,8 @@ def read_model_specs(model_dir: Path, pinned_version: int | None = None) -> tupl
         max_kv_len=serving.max_kv_len,
         available_versions=available,
         crossover=crossover,
-        d_model=attention["d_model"] if isinstance(attention.get("d_model"), int) and attention["d_model"] > 0 else None,
+        d_model=attention["d_model"] if isinstance(attention.get("d_model"), int) and attention["d_model"] > 0
+        else None,
     )
     return tuple(dataclasses.replace(first, version=v, version_dir=model_dir / str(v)) for v in chosen)
 

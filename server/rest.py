@@ -1,7 +1,7 @@
 """The HTTP/REST port: the Open Inference Protocol's REST binding, a thin adapter over
-server.answers (the request path the gRPC servicer uses), on the gRPC server's event loop.
+server.request_path (the request path the gRPC servicer uses), on the gRPC server's event loop.
 
-    rest = RestPort(answers, admission, draining, token, max_body_bytes, access_log)
+    rest = RestPort(request_path, admission, draining, token, max_body_bytes, access_log)
     port = await rest.start(host, port, ssl_context)   # OSError if it cannot listen
     await rest.close(timeout_s)                        # after the drain: listeners, then connections
 
@@ -9,7 +9,7 @@ Every request meets, in order: the token (all paths but /v2/health/*), the route
 the drain (503 once the server refuses new calls, else counted by lifecycle.Admission until
 answered), then a body bounded by --max-message-bytes after inflating, read within
 BODY_TIMEOUT_S and holding its share of the memory budget (_Held) until parsed. rest_codec turns
-it into the pb.ModelInferRequest that Answers.infer handles like a gRPC one. Every error is
+it into the pb.ModelInferRequest that RequestPath.infer handles like a gRPC one. Every error is
 `{"error": "..."}` with the HTTP column of server.errors' table, aiohttp's own refusals too.
 
 aiohttp's low-level server, no router or middleware chain per request; each connection is a
@@ -25,23 +25,39 @@ import logging
 import re
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestPayloadError
-
-from attnserve.server.answers import Answers
-from attnserve.server.echo import echo
-from attnserve.server.errors import (OK, BodyTooLarge, ClientGone, NoSuchEndpoint, ShuttingDown, Status,
-                                     Unauthenticated, status_for)
-from attnserve.server.lifecycle import Admission, Draining, MemoryBudget, MemoryExhausted, Reservation
-from attnserve.server.ratelimit import CLIENT_ERRORS
+from attnserve.server.errors import (
+    OK,
+    BodyTooLarge,
+    ClientGone,
+    NoSuchEndpoint,
+    ShuttingDown,
+    Status,
+    Unauthenticated,
+    status_for,
+)
+from attnserve.server.lifecycle import Admission, Draining
 from attnserve.server.listen import listen_addresses
-from attnserve.server.rest_codec import (HEADER_LENGTH, as_json, check_json_answer, encode_infer, json_parse_bytes,
-                                         parse_infer, parse_json, parse_shm_register)
-from attnserve.server.security import OPEN_PATH_PREFIXES, REFUSAL, BearerToken
+from attnserve.server.memory.budget import MemoryBudget, MemoryExhausted, Reservation
+from attnserve.server.quoting import quoted
+from attnserve.server.ratelimit import CLIENT_ERRORS
+from attnserve.server.request_path import RequestPath
+from attnserve.server.rest_codec import (
+    HEADER_LENGTH,
+    as_json,
+    check_json_answer,
+    encode_infer,
+    json_parse_bytes,
+    parse_infer,
+    parse_json,
+    parse_shm_register,
+)
+from attnserve.server.security import OPEN_PATH_PREFIXES, BearerToken
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +67,7 @@ MAX_FIELD_BYTES = 8190  # a request line or one header field
 MAX_HEADERS = 64
 KEEPALIVE_S = 75.0
 BODY_TIMEOUT_S = 60.0  # to send a body once its headers came
-# Bytes a body costs while it is received: its chunks and their join (server/memory.py counts
+# Bytes a body costs while it is received: its chunks and their join (server/memory/costs.py counts
 # what a request holds after it is parsed).
 RECEIVE_FACTOR = 2
 _RECEIVE_STEP = 64 << 10  # the first reservation of a body: one read's worth
@@ -110,7 +126,7 @@ def error_response(status: Status) -> web.Response:
 
 
 class RestPort:
-    def __init__(self, answers: Answers, admission: Admission, draining: Draining, token: BearerToken | None,
+    def __init__(self, request_path: RequestPath, admission: Admission, draining: Draining, token: BearerToken | None,
                  max_body_bytes: int, access_log: bool = False, max_json_bytes: int | None = None,
                  budget: MemoryBudget | None = None, max_connections: int = MAX_CONNECTIONS,
                  head_timeout_s: float = HEAD_TIMEOUT_S) -> None:
@@ -119,7 +135,7 @@ class RestPort:
         memory budget, which a body takes from as it is received and parsed (None: unbounded
         but for max_body_bytes). max_connections: open at once (--max-http-connections);
         head_timeout_s: the most a request head may take (--http-header-timeout-s)."""
-        self._answers = answers
+        self._request_path = request_path
         self._budget = budget
         self._max_connections = max_connections
         self._head_timeout_s = head_timeout_s
@@ -181,23 +197,23 @@ class RestPort:
 
     # -- connections: the request head's timer and the waiting order (see _Connection) --------
 
-    def _opened(self, connection: "_Connection") -> None:
+    def _opened(self, connection: _Connection) -> None:
         self._open.add(connection)
         self._waiting[connection] = None
         connection.time_head(self._head_timeout_s)
 
-    def _head_came(self, connection: "_Connection") -> None:
+    def _head_came(self, connection: _Connection) -> None:
         self._waiting.pop(connection, None)
         connection.untime_head()
 
-    def _answered(self, connection: "_Connection") -> None:
+    def _answered(self, connection: _Connection) -> None:
         if connection in self._open:
             self._waiting[connection] = None
 
-    def _head_began(self, connection: "_Connection") -> None:
+    def _head_began(self, connection: _Connection) -> None:
         connection.time_head(self._head_timeout_s)
 
-    def _lost(self, connection: "_Connection") -> None:
+    def _lost(self, connection: _Connection) -> None:
         self._open.discard(connection)
         self._waiting.pop(connection, None)
         connection.untime_head()
@@ -223,8 +239,8 @@ class RestPort:
         self._head_came(request.protocol)
         path = request.path
         call = status = None
-        if self._answers.calls is not None:
-            call = request[_CALL] = self._answers.calls.begin(
+        if self._request_path.calls is not None:
+            call = request[_CALL] = self._request_path.calls.begin(
                 "http", f"{request.method} {path}", str(request.remote), request.headers, request.content_length or 0)
         try:
             if self._token is not None and not path.startswith(OPEN_PATH_PREFIXES) and not self._authorized(request):
@@ -268,7 +284,7 @@ class RestPort:
                 admission.started(ticket)
             admission.finished()
 
-    async def _body(self, request: web.BaseRequest, held: "_Held") -> bytes:
+    async def _body(self, request: web.BaseRequest, held: _Held) -> bytes:
         """The request's body, inflated, read a chunk at a time: `held` takes from the memory
         budget what it holds as it grows (MemoryExhausted, 429, once the budget is spent)."""
         if request.content_length is not None and request.content_length > self._max_body_bytes:
@@ -314,26 +330,26 @@ class RestPort:
         return _json_response({"live": True})
 
     async def _ready(self, request: web.BaseRequest) -> web.Response:
-        ready = self._answers.server_ready()
+        ready = self._request_path.server_ready()
         return _json_response({"ready": ready}, 200 if ready else 503)
 
     async def _server_metadata(self, request: web.BaseRequest) -> web.Response:
-        return _json_response(as_json(self._answers.server_metadata()))
+        return _json_response(as_json(self._request_path.server_metadata()))
 
     async def _model_metadata(self, request: web.BaseRequest, model: str, version: str | None) -> web.Response:
-        return _json_response(as_json(self._answers.model_metadata(model, version or "")))
+        return _json_response(as_json(self._request_path.model_metadata(model, version or "")))
 
     async def _model_ready(self, request: web.BaseRequest, model: str, version: str | None) -> web.Response:
-        ready = self._answers.model_ready(model, version or "")
+        ready = self._request_path.model_ready(model, version or "")
         return _json_response({"name": model, "ready": ready}, 200 if ready else 503)
 
     async def _model_config(self, request: web.BaseRequest, model: str, version: str | None) -> web.Response:
         # Triton's REST answer is the configuration itself (gRPC's is wrapped in {"config": ...}).
-        return _json_response(as_json(self._answers.model_config(model, version or "").config))
+        return _json_response(as_json(self._request_path.model_config(model, version or "").config))
 
     async def _model_stats(self, request: web.BaseRequest, model: str = "", version: str | None = None
                            ) -> web.Response:
-        return _json_response(as_json(self._answers.model_statistics(model, version or "")))
+        return _json_response(as_json(self._request_path.model_statistics(model, version or "")))
 
     async def _repository_index(self, request: web.BaseRequest) -> web.Response:
         ready_only = False
@@ -342,37 +358,37 @@ class RestPort:
             if not isinstance(document, dict) or not isinstance(document.get("ready", False), bool):
                 raise ValueError('the index request body must be {"ready": true|false}')
             ready_only = document.get("ready", False)
-        index = self._answers.repository_index("", ready_only)
+        index = self._request_path.repository_index("", ready_only)
         return _json_response([{k: v for k, v in as_json(m).items() if v != ""} for m in index.models])
 
     async def _load(self, request: web.BaseRequest, model: str) -> web.Response:
         """Triton's load: (re)load the model from the repository. Its parameters (a config or
         files sent with the call) are not supported: refused rather than ignored."""
         await self._parameters(request, "load", allowed=())
-        await self._answers.load("", model)
+        await self._request_path.load("", model)
         return _json_response({})
 
     async def _unload(self, request: web.BaseRequest, model: str) -> web.Response:
         # unload_dependents (tritonclient sends it): there are no ensembles here to unload.
         await self._parameters(request, "unload", allowed=("unload_dependents",))
-        await self._answers.unload("", model)
+        await self._request_path.unload("", model)
         return _json_response({})
 
     async def _shm_status(self, request: web.BaseRequest, region: str = "") -> web.Response:
         return _json_response([{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
-                               for r in self._answers.shm_status(region)])
+                               for r in self._request_path.shm_status(region)])
 
     async def _shm_register(self, request: web.BaseRequest, region: str) -> web.Response:
         document = parse_shm_register(await self._json_body(request, {}), region)
-        self._answers.shm_register(region, document["key"], document["offset"], document["byte_size"])
+        self._request_path.shm_register(region, document["key"], document["offset"], document["byte_size"])
         return _json_response({})
 
     async def _shm_unregister(self, request: web.BaseRequest, region: str = "") -> web.Response:
-        self._answers.shm_unregister(region)
+        self._request_path.shm_unregister(region)
         return _json_response({})
 
     async def _cuda_shm(self, request: web.BaseRequest) -> web.Response:
-        self._answers.cuda_shm()
+        self._request_path.cuda_shm()
         return _json_response({})  # not reached: cuda_shm raises
 
     async def _parameters(self, request: web.BaseRequest, what: str, allowed: tuple[str, ...]) -> None:
@@ -380,7 +396,7 @@ class RestPort:
         parameters = document.get("parameters", {}) if isinstance(document, dict) else None
         if not isinstance(parameters, dict) or set(parameters) - set(allowed):
             raise ValueError(f"{what} takes {'only ' + ', '.join(allowed) if allowed else 'no parameters'} here; "
-                             f"got {echo(str(document))}")
+                             f"got {quoted(str(document))}")
 
     async def _infer(self, request: web.BaseRequest, start: Callable[[], None], model: str,
                      version: str | None) -> web.StreamResponse:
@@ -399,26 +415,28 @@ class RestPort:
             message, binary_outputs = parse_infer(body, length, model, version or "", self._max_json_bytes)
             del body  # what is left is the message, which the batcher's reservation counts
             if self._max_json_bytes is not None:
-                check_json_answer(message, self._answers.spec(model, version or ""), binary_outputs,
+                check_json_answer(message, self._request_path.spec(model, version or ""), binary_outputs,
                                   self._max_json_bytes)
         except Exception as err:  # counted as an inference request's outcome, as gRPC's decode errors are
             status = status_for(err)
             response = error_response(status)
-            self._answers.request_done(model, status, began, request.get(_CALL))
+            self._request_path.request_done(model, status, began, request.get(_CALL))
             return response
         finally:
             held.release()
         start()  # no await from here to the batcher's queue (lifecycle.Arrivals)
         call = request.get(_CALL)
-        answer, status = await self._answers.infer(message, None, call)
+        answer, status = await self._request_path.infer(message, None, call)
         if answer is None:
             return error_response(status)
         try:
             body, json_length = encode_infer(answer, binary_outputs)
-            response = web.Response(body=body, content_type=_JSON if json_length is None else "application/octet-stream")
+            content_type = _JSON if json_length is None else "application/octet-stream"
+            response = web.Response(body=body, content_type=content_type)
             if json_length is not None:
                 response.headers[HEADER_LENGTH] = str(json_length)
-            if "gzip" in request.headers.get("Accept-Encoding", "") or "deflate" in request.headers.get("Accept-Encoding", ""):
+            accepted = request.headers.get("Accept-Encoding", "")
+            if "gzip" in accepted or "deflate" in accepted:
                 response.enable_compression()
             response = await self._sent(request, response)
             if call is not None:

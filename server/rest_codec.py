@@ -22,15 +22,15 @@ import math
 from typing import Any
 
 import numpy as np
+from attnserve.proto import inference_pb2 as pb
+from attnserve.server import shm
+from attnserve.server.codec import InferResponse, output_bytes
+from attnserve.server.quoting import quoted
+from attnserve.server.repository import ModelSpec
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from attnserve.proto import inference_pb2 as pb
 from attnserve.contract import OUTPUT_NAMES
-from attnserve.server import shm
-from attnserve.server.codec import InferResponse, output_bytes
-from attnserve.server.repository import ModelSpec
-from attnserve.server.echo import echo
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _DTYPES = {"FP32": np.dtype("<f4"), "BOOL": np.dtype("?")}
@@ -57,7 +57,7 @@ def _list(value: Any, what: str) -> list:
 def _flag(parameters: dict, key: str, what: str) -> bool:
     value = parameters.get(key, False)
     if not isinstance(value, bool):
-        raise ValueError(f"{what}: parameter {key!r} must be true or false, got {echo(value)}")
+        raise ValueError(f"{what}: parameter {key!r} must be true or false, got {quoted(value)}")
     return value
 
 
@@ -98,17 +98,18 @@ def _json_bytes(data: Any, name: str, datatype: str, count: int) -> bytes:
     be finite numbers within float32's range: JSON has no NaN or Infinity (json reads them, and
     1e999 as inf), and a larger number would silently become inf."""
     if not isinstance(data, list):
-        raise ValueError(f"input {name!r}: data must be a JSON array of {_WHAT[datatype]}, got {echo(data)}")
+        raise ValueError(f"input {name!r}: data must be a JSON array of {_WHAT[datatype]}, got {quoted(data)}")
     try:
         array = np.asarray(data)
     except (ValueError, RecursionError):  # ragged nesting
         raise ValueError(f"input {name!r}: data is not a regular array (ragged nested lists)") from None
     if array.size and array.dtype.kind not in _KINDS[datatype]:
         value = _offending(array, datatype)
-        if datatype == "FP32" and isinstance(value, int) and not isinstance(value, bool):  # beyond 64 bits: numpy keeps it an object
+        # beyond 64 bits: numpy keeps it an object
+        if datatype == "FP32" and isinstance(value, int) and not isinstance(value, bool):
             raise ValueError(f"input {name!r}: FP32 data must be numbers within float32's range, got the integer "
-                             f"{echo(value, 40)}")
-        raise ValueError(f"input {name!r}: {datatype} data must be {_WHAT[datatype]}, got {echo(value)}")
+                             f"{quoted(value, 40)}")
+        raise ValueError(f"input {name!r}: {datatype} data must be {_WHAT[datatype]}, got {quoted(value)}")
     if array.size != count:
         raise ValueError(f"input {name!r}: its shape needs {count} values in data, got {array.size}")
     with np.errstate(over="ignore"):  # too large for float32: inf, refused just below
@@ -124,7 +125,7 @@ def _json_bytes(data: Any, name: str, datatype: str, count: int) -> bytes:
 def _shape(value: Any, name: str) -> list[int]:
     shape = _list(value, f"input {name!r}: shape")
     if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in shape):
-        raise ValueError(f"input {name!r}: shape must be non-negative integers, got {echo(shape)}")
+        raise ValueError(f"input {name!r}: shape must be non-negative integers, got {quoted(shape)}")
     return shape
 
 
@@ -150,7 +151,7 @@ def parse_infer(body: bytes, header_length: int | None, model_name: str, model_v
     request = pb.ModelInferRequest(model_name=model_name, model_version=model_version)
     request_id = document.get("id", "")
     if not isinstance(request_id, str):
-        raise ValueError(f"id must be a string, got {echo(request_id)}")
+        raise ValueError(f"id must be a string, got {quoted(request_id)}")
     request.id = request_id
     parameters = _object(document.get("parameters", {}), "parameters")
     binary_all = _flag(parameters, "binary_data_output", "the request")
@@ -160,10 +161,10 @@ def parse_infer(body: bytes, header_length: int | None, model_name: str, model_v
         entry = _object(entry, "each input")
         name = entry.get("name")
         if not isinstance(name, str):
-            raise ValueError(f"each input needs a string name, got {echo(name)}")
+            raise ValueError(f"each input needs a string name, got {quoted(name)}")
         datatype = entry.get("datatype")
         if not isinstance(datatype, str):
-            raise ValueError(f"input {name!r}: datatype must be a string, got {echo(datatype)}")
+            raise ValueError(f"input {name!r}: datatype must be a string, got {quoted(datatype)}")
         shape = _shape(entry.get("shape"), name)
         tensor = request.inputs.add(name=name, datatype=datatype, shape=shape)
         input_parameters = _object(entry.get("parameters", {}), f"input {name!r}: parameters")
@@ -175,7 +176,7 @@ def parse_infer(body: bytes, header_length: int | None, model_name: str, model_v
             if "data" in entry:
                 raise ValueError(f"input {name!r}: has data and binary_data_size; use one")
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise ValueError(f"input {name!r}: binary_data_size must be a non-negative integer, got {echo(size)}")
+                raise ValueError(f"input {name!r}: binary_data_size must be a non-negative integer, got {quoted(size)}")
             if offset + size > len(binary):
                 raise ValueError(f"input {name!r}: binary_data_size {size} runs past the body's binary section "
                                  f"({len(binary)} bytes, {offset} taken by the inputs before it)")
@@ -197,7 +198,7 @@ def parse_infer(body: bytes, header_length: int | None, model_name: str, model_v
         entry = _object(entry, "each output")
         name = entry.get("name")
         if not isinstance(name, str):
-            raise ValueError(f"each output needs a string name, got {echo(name)}")
+            raise ValueError(f"each output needs a string name, got {quoted(name)}")
         output = request.outputs.add(name=name)
         output_parameters = _object(entry.get("parameters", {}), f"output {name!r}: parameters")
         _shm_parameters(output_parameters, output.parameters, f"output {name!r}")
@@ -215,12 +216,12 @@ def _shm_parameters(parameters: dict, into, what: str) -> bool:
         value = parameters[key]
         if key == shm.REGION:
             if not isinstance(value, str):
-                raise ValueError(f"{what}: {key} must be a string, got {echo(value)}")
+                raise ValueError(f"{what}: {key} must be a string, got {quoted(value)}")
             into[key].string_param = value
             named = True
         else:
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
-                raise ValueError(f"{what}: {key} must be a non-negative integer, got {echo(value)}")
+                raise ValueError(f"{what}: {key} must be a non-negative integer, got {quoted(value)}")
             into[key].int64_param = value
     return named
 
@@ -230,13 +231,13 @@ def parse_shm_register(parsed: object, region: str) -> dict[str, Any]:
     document = _object(parsed, "the register request")
     key = document.get("key")
     if not isinstance(key, str):
-        raise ValueError(f"shared memory region {region!r}: key must be a string, got {echo(key)}")
+        raise ValueError(f"shared memory region {region!r}: key must be a string, got {quoted(key)}")
     numbers = {}
     for field, default in (("offset", 0), ("byte_size", None)):
         value = document.get(field, default)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
             raise ValueError(f"shared memory region {region!r}: {field} must be an unsigned 64-bit integer, "
-                             f"got {echo(value)}")
+                             f"got {quoted(value)}")
         numbers[field] = value
     return {"key": key, **numbers}
 
@@ -275,7 +276,7 @@ def encode_infer(answer: InferResponse, binary_outputs: dict[str, bool]) -> tupl
     if response.id:
         document["id"] = response.id
     outputs, tail = [], []
-    for tensor, raw in zip(response.outputs, answer.raw_output_contents or response.raw_output_contents):
+    for tensor, raw in zip(response.outputs, answer.raw_output_contents or response.raw_output_contents, strict=True):
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
         if shm.REGION in tensor.parameters:  # its bytes are in the caller's region (server.shm)
             entry["parameters"] = {key: getattr(p, p.WhichOneof("parameter_choice"))

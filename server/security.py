@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-
 from attnserve.server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -75,7 +74,7 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
         except (ssl.SSLError, ValueError, UnicodeDecodeError) as err:
             raise SecurityError(f"--tls-client-ca {config.tls_client_ca}: not PEM certificates ({err})") from None
     logger.info("TLS on (certificate %s)%s", config.tls_cert,
-                "; mutual TLS: client certificates signed by %s required" % config.tls_client_ca
+                f"; mutual TLS: client certificates signed by {config.tls_client_ca} required"
                 if client_ca is not None else "")
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
                                        require_client_auth=client_ca is not None)

@@ -1,4 +1,4 @@
-"""The Open Inference Protocol servicer: gRPC's adapter over server.answers (decode -> submit
+"""The Open Inference Protocol servicer: gRPC's adapter over server.request_path (decode -> submit
 -> encode, shared with the REST port); errors -> server.errors.
 
 Also Triton's ModelConfig, ModelStatistics and RepositoryIndex extensions, which perf_analyzer
@@ -14,10 +14,10 @@ import functools
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server import codec
-from attnserve.server.answers import Answers
 from attnserve.server.errors import CANCELLED, Status, abort
+from attnserve.server.memory.budget import MemoryBudget
+from attnserve.server.request_path import RequestPath
 from attnserve.server.tracing import Call, carrier_of
-from attnserve.server.lifecycle import MemoryBudget
 
 # Requests of one ModelStreamInfer stream in the server at once; reading pauses beyond it.
 STREAM_WINDOW = 64
@@ -40,10 +40,10 @@ def _mapped_errors(rpc):
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, answers: Answers, budget: MemoryBudget | None = None) -> None:
-        """answers: the request path both transports share (server.answers).
+    def __init__(self, request_path: RequestPath, budget: MemoryBudget | None = None) -> None:
+        """request_path: the request path both transports share (server.request_path).
         budget: the server's memory budget; a stream's share of it is bounded here."""
-        self._answers = answers
+        self._request_path = request_path
         self._stream_share = None if budget is None else int(budget.limit_bytes * STREAM_BUDGET_SHARE)
 
     # -- health and metadata -----------------------------------------------------------------
@@ -54,83 +54,83 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_mapped_errors
     async def ServerReady(self, request, context):
-        return pb.ServerReadyResponse(ready=self._answers.server_ready())
+        return pb.ServerReadyResponse(ready=self._request_path.server_ready())
 
     @_mapped_errors
     async def ModelReady(self, request, context):
-        return pb.ModelReadyResponse(ready=self._answers.model_ready(request.name, request.version))
+        return pb.ModelReadyResponse(ready=self._request_path.model_ready(request.name, request.version))
 
     @_mapped_errors
     async def ServerMetadata(self, request, context):
-        return self._answers.server_metadata()
+        return self._request_path.server_metadata()
 
     @_mapped_errors
     async def ModelMetadata(self, request, context):
-        return self._answers.model_metadata(request.name, request.version)
+        return self._request_path.model_metadata(request.name, request.version)
 
     @_mapped_errors
     async def ModelConfig(self, request, context):
-        return self._answers.model_config(request.name, request.version)
+        return self._request_path.model_config(request.name, request.version)
 
     @_mapped_errors
     async def RepositoryIndex(self, request, context):
-        return self._answers.repository_index(request.repository_name, request.ready)
+        return self._request_path.repository_index(request.repository_name, request.ready)
 
     @_mapped_errors
     async def RepositoryModelLoad(self, request, context):
-        await self._answers.load(request.repository_name, request.model_name)
+        await self._request_path.load(request.repository_name, request.model_name)
         return pb.RepositoryModelLoadResponse()
 
     @_mapped_errors
     async def RepositoryModelUnload(self, request, context):
-        await self._answers.unload(request.repository_name, request.model_name)
+        await self._request_path.unload(request.repository_name, request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
     @_mapped_errors
     async def ModelStatistics(self, request, context):
-        return self._answers.model_statistics(request.name, request.version)
+        return self._request_path.model_statistics(request.name, request.version)
 
     # -- shared memory (Triton's extension; server.shm) ----------------------------------------
 
     @_mapped_errors
     async def SystemSharedMemoryStatus(self, request, context):
         response = pb.SystemSharedMemoryStatusResponse()
-        for region in self._answers.shm_status(request.name):
+        for region in self._request_path.shm_status(request.name):
             response.regions[region.name].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(
                 name=region.name, key=region.key, offset=region.offset, byte_size=region.byte_size))
         return response
 
     @_mapped_errors
     async def SystemSharedMemoryRegister(self, request, context):
-        self._answers.shm_register(request.name, request.key, request.offset, request.byte_size)
+        self._request_path.shm_register(request.name, request.key, request.offset, request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
     @_mapped_errors
     async def SystemSharedMemoryUnregister(self, request, context):
-        self._answers.shm_unregister(request.name)
+        self._request_path.shm_unregister(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     @_mapped_errors
     async def CudaSharedMemoryStatus(self, request, context):
-        self._answers.cuda_shm()
+        self._request_path.cuda_shm()
 
     @_mapped_errors
     async def CudaSharedMemoryRegister(self, request, context):
-        self._answers.cuda_shm()
+        self._request_path.cuda_shm()
 
     @_mapped_errors
     async def CudaSharedMemoryUnregister(self, request, context):
-        self._answers.cuda_shm()
+        self._request_path.cuda_shm()
 
     # -- inference ---------------------------------------------------------------------------
 
     async def _answered(self, request: codec.InferRequest | pb.ModelInferRequest, context, call: Call | None = None
                         ) -> tuple[codec.InferResponse | None, Status]:
-        return await self._answers.infer(request, context.time_remaining(), call)
+        return await self._request_path.infer(request, context.time_remaining(), call)
 
     def _call(self, method: str, request: codec.InferRequest | pb.ModelInferRequest, context) -> Call | None:
         """The call's record (span, access line: server.tracing), or None when nothing is recorded."""
-        calls = self._answers.calls
+        calls = self._request_path.calls
         if calls is None:
             return None
         return calls.begin("grpc", method, context.peer(), carrier_of(context.invocation_metadata()),
@@ -186,7 +186,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     held.release(pending.result()[1])
                 pending.cancel()
 
-    async def _read_stream(self, request_iterator, context, answers: asyncio.Queue, held: "_StreamHold") -> None:
+    async def _read_stream(self, request_iterator, context, answers: asyncio.Queue, held: _StreamHold) -> None:
         try:
             async for request in request_iterator:
                 held.read()
@@ -195,7 +195,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         finally:
             await answers.put(None)
 
-    async def _stream_answer(self, request: codec.InferRequest | pb.ModelInferRequest, context, held: "_StreamHold"
+    async def _stream_answer(self, request: codec.InferRequest | pb.ModelInferRequest, context, held: _StreamHold
                              ) -> tuple[pb.ModelStreamInferResponse, codec.InferResponse | None]:
         call = self._call("ModelStreamInfer", request, context)
         try:

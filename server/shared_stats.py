@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prometheus_client.mmap_dict import MmapedDict
-
 from attnserve.server.metrics import BatchDurations, Duration, ModelStatistics
+from prometheus_client.mmap_dict import MmapedDict
 
 _DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
 _BATCH_DURATIONS = ("compute_input", "compute_infer", "compute_output")

@@ -34,12 +34,11 @@ import logging
 import mmap
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
-
-from attnserve.server.lifecycle import MemoryBudget, MemoryExhausted, Reservation
+from attnserve.server.memory.budget import MemoryBudget, MemoryExhausted, Reservation
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +229,7 @@ class SystemSharedMemory:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def lease(self) -> "Lease":
+    def lease(self) -> Lease:
         return Lease(self)
 
     def _take(self, name: str) -> _Region:

@@ -1,15 +1,15 @@
-"""Copies of a batch's tensors on the run thread that keep the GIL.
+"""Stacking requests into a batch: copies of their tensors on the run thread that keep the GIL.
 
 numpy's copy loops let go of the GIL for every array of more than 500 values, and take it back
 when the event loop next gives it up: while the loop is busy that is one switch interval later
 (5 ms by default). A batch merged with np.concatenate waited that long for every request in it,
 and under load the run thread spent more of each batch waiting inside its merge than ONNX
-Runtime spent computing it (docs/performance.md, "The event loop first"). These copies are one memcpy each, under the GIL
-(a memoryview's slice assignment), so the run thread waits for the GIL once per batch, not once
-per array:
+Runtime spent computing it (docs/performance.md, "The event loop first"). These copies are one
+memcpy each, under the GIL (a memoryview's slice assignment), so the run thread waits for the GIL
+once per batch, not once per array:
 
-    stacked = stack([w.query for w in works])       # np.concatenate(..., axis=0)
-    place(padded, start, w.query)                   # padded[start:start + b, :l] = w.query
+    merged = concat_rows([w.query for w in works])   # np.concatenate(..., axis=0)
+    place(padded, start, w.query)                    # padded[start:start + b, :l] = w.query
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _bytes_of(array: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 
-def stack(arrays: list[np.ndarray]) -> np.ndarray:
+def concat_rows(arrays: list[np.ndarray]) -> np.ndarray:
     """np.concatenate(arrays) along the first axis, for arrays of one dtype and trailing shape."""
     first = arrays[0]
     out = np.empty((sum(a.shape[0] for a in arrays), *first.shape[1:]), dtype=first.dtype)

@@ -3,7 +3,7 @@
     tracing = Tracing.from_environ(os.environ)       # None unless OTEL_* variables ask for traces
     calls = Calls(tracing, access_log=True)          # what both transports record per call
     call = calls.begin("grpc", "ModelInfer", peer, metadata, bytes_in)  # None when nothing is recorded
-    ...  Answers.infer(request, time_remaining, call) fills in model, shape, queue and run times
+    ...  RequestPath.infer(request, time_remaining, call) fills in model, shape, queue and run times
     call.finish(status, bytes_out)                   # ends the span, writes the access line
 
 Traces are off unless asked through the standard variables (OTEL_TRACES_EXPORTER=otlp|console,
@@ -23,14 +23,16 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
-from attnserve.server.echo import ECHO_CHARS
+from attnserve.server.quoting import QUOTED_CHARS
 
 if TYPE_CHECKING:
-    from attnserve.server.batcher import BatchStats, Work
+    from attnserve.server.batcher import BatchStats
     from attnserve.server.errors import Status
     from attnserve.server.graphs import GraphSet
+    from attnserve.server.tensors import Work
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("attnserve.access")
@@ -113,7 +115,7 @@ class Tracing:
         self.exporter_name = exporter_name
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None, worker: int | None = None) -> "Tracing | None":
+    def from_environ(cls, environ: Mapping[str, str] | None = None, worker: int | None = None) -> Tracing | None:
         """None unless the OTEL_* variables ask for traces (wanted); TracingUnavailable if they
         ask and cannot be served. The sampler (OTEL_TRACES_SAMPLER, _ARG), the exporter's
         endpoint and the batch processor's settings are the SDK's own variables."""
@@ -148,7 +150,7 @@ class Tracing:
         """Export what is pending and stop the exporter's thread (the server's stop)."""
         self.provider.shutdown()
 
-    def batch_tracer(self, model: str, version: int, graphs: "GraphSet | None") -> "BatchTracer":
+    def batch_tracer(self, model: str, version: int, graphs: GraphSet | None) -> BatchTracer:
         return BatchTracer(self, model, version, graphs)
 
 
@@ -156,19 +158,19 @@ class BatchTracer:
     """A batcher's tracer (handed in at construction, so the batcher imports no OpenTelemetry):
     one span per batch run that served a sampled request, after the run, with its times."""
 
-    def __init__(self, tracing: Tracing, model: str, version: int, graphs: "GraphSet | None") -> None:
+    def __init__(self, tracing: Tracing, model: str, version: int, graphs: GraphSet | None) -> None:
         self._tracing = tracing
         self._model = model
         self._version = version
         self._graphs = graphs
 
-    def batch_done(self, stats: "BatchStats", served: list[tuple["Work", Any]]) -> None:
+    def batch_done(self, stats: BatchStats, served: list[tuple[Work, Any]]) -> None:
         """served: each request's Work and the span its Call handed the batcher (None: untraced)."""
         spans = [span for _work, span in served if span is not None and span.get_span_context().trace_flags.sampled]
         if not spans:
             return
         trace = self._tracing._trace
-        from attnserve.server.batcher import batch_masking
+        from attnserve.server.tensors import batch_masking
 
         works = [work for work, _span in served]
         q_len, k_len = max(w.q_len for w in works), max(w.k_len for w in works)
@@ -199,7 +201,7 @@ class BatchTracer:
         span.end(end_time=end_ns)
 
 
-def bounded(text: object, limit: int = ECHO_CHARS) -> str:
+def bounded(text: object, limit: int = QUOTED_CHARS) -> str:
     """Client text as the access log keeps it: at most `limit` characters, marked when cut."""
     text = str(text)
     return text if len(text) <= limit else f"{text[:limit]}...(+{len(text) - limit})"
@@ -215,7 +217,7 @@ class Calls:
         self.on = tracing is not None or access_log
 
     def begin(self, transport: str, method: str, peer: str, headers: Mapping[str, str] | None,
-              bytes_in: int = 0) -> "Call | None":
+              bytes_in: int = 0) -> Call | None:
         if not self.on:
             return None
         return Call(self, transport, method, peer, headers, bytes_in)
@@ -249,7 +251,7 @@ class Call:
         self._parent = headers
         self.finished = False
 
-    # -- filled in by the request path (server.answers) --------------------------------------
+    # -- filled in by the request path (server.request_path) --------------------------------------
 
     def request(self, model: str, version: str, request_id: str) -> None:
         """The inference request is in: its span starts (at the call's arrival) in the caller's trace."""
@@ -265,7 +267,7 @@ class Call:
                         "rpc.method": self.method, "attnserve.request_id": bounded(request_id),
                         "attnserve.request_bytes": self.bytes_in})
 
-    def decoded(self, work: "Work") -> None:
+    def decoded(self, work: Work) -> None:
         """The request was admitted (decoded, checked) and goes to the batcher's queue."""
         self.shape = (work.rows, work.q_len, work.k_len)
         span = self.span
@@ -293,7 +295,7 @@ class Call:
 
     # -- the end -----------------------------------------------------------------------------
 
-    def finish(self, status: "Status", bytes_out: int = 0, http_status: int | None = None) -> None:
+    def finish(self, status: Status, bytes_out: int = 0, http_status: int | None = None) -> None:
         """The call is answered (sent, or refused): end its span, write its access line. Once."""
         if self.finished:
             return
@@ -321,7 +323,7 @@ class Call:
         if self._calls.access_log:
             self._write_access_line(status, duration_s, trace_id, http_status or status.http)
 
-    def _write_access_line(self, status: "Status", duration_s: float, trace_id: str, http_status: int) -> None:
+    def _write_access_line(self, status: Status, duration_s: float, trace_id: str, http_status: int) -> None:
         fields = {
             "transport": self.transport, "peer": self.peer, "method": self.method, "model": self.model,
             "version": self.version, "request_id": self.request_id, "status": status.code.name,

@@ -20,9 +20,10 @@ REST ports, and:
 - splits what the process may use: intra-op threads (CPUs / N each, unless
   --intra-op-threads is given) and the memory budget (--memory-limit-bytes / N each, or each
   worker's default from a 1/N share);
-- writes --ready-file once every worker is ready (their pids under "workers"); forwards SIGTERM, SIGINT and SIGHUP to every worker (each drains; a second signal hurries
-  them) and exits 0 once all have drained; restarts a worker that exits otherwise (logged,
-  counted, after a back-off that grows while replacements die before they have served long).
+- writes --ready-file once every worker is ready (their pids under "workers"); forwards SIGTERM,
+  SIGINT and SIGHUP to every worker (each drains; a second signal hurries them) and exits 0
+  once all have drained; restarts a worker that exits otherwise (logged, counted, after a
+  back-off that grows while replacements die before they have served long).
 A worker dies with its supervisor (PR_SET_PDEATHSIG: SIGTERM, so it drains).
 """
 
@@ -264,10 +265,9 @@ class Supervisor:
         return self.directory / f"ready-{worker.index}-{worker.generation}.json"
 
     def _setup_metrics(self) -> None:
+        from attnserve.server.metrics_http import MetricsEndpoint
         from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
         from prometheus_client.multiprocess import MultiProcessCollector
-
-        from attnserve.server.metrics_http import MetricsEndpoint
 
         disable_created_metrics()  # as the workers' (server.metrics)
         registry = CollectorRegistry()
@@ -458,7 +458,7 @@ class Supervisor:
             await self._spawn(worker)
         started = [w for w in self.workers if w.proc is not None]
         statuses = await asyncio.gather(*(self._until_ready(w) for w in started))
-        failed = [(w, s) for w, s in zip(started, statuses) if s is not None]
+        failed = [(w, s) for w, s in zip(started, statuses, strict=True) if s is not None]
         if failed and not self.draining:
             worker, status = failed[0]
             logger.error("cannot start: worker %d exited with status %d before it was ready", worker.index, status)

@@ -21,7 +21,6 @@ machine's cores are busy and the loop lags.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import select
 import signal
@@ -94,7 +93,7 @@ class GatedServer(ServerProcess):
         env = {**kwargs.pop("env", {}), GATE_ENV: str(self.gate.directory)}
         super().__init__(model_repository, *extra_args, env=env, **kwargs)
 
-    def __enter__(self) -> "GatedServer":
+    def __enter__(self) -> GatedServer:
         return self
 
     def stall_loop(self) -> None:

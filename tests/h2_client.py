@@ -21,8 +21,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 import h2.config
-import h2.errors
 import h2.connection
+import h2.errors
 import h2.events
 import h2.exceptions
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-
 from attnserve.proto import inference_pb2 as pb
 
 _DATATYPE = {np.dtype(np.float32): "FP32", np.dtype(np.bool_): "BOOL"}

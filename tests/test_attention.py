@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-
 from attnserve.export.attention import MultiHeadAttention
 from attnserve.export.checkpoint import build_module, canonical_state_dict
 from attnserve.export.config import PRESETS, AttentionConfig
+
 from tests.seed_reference import Seed000MultiHeadAttention, Seed002Multiheadattention, trained_like_
 
 # The seeds' own arithmetic is reproduced op for op, so anything above float32 noise is a defect.
@@ -22,7 +22,8 @@ def seed000():
     """(seed reference, ours) with the same trained-like weights, both in eval mode."""
     torch.manual_seed(0)
     ref = trained_like_(Seed000MultiHeadAttention(d_model=512, n_heads=8, dropout=0.1), seed=1).eval()
-    ours = build_module(AttentionConfig(query_dim=512, num_heads=8, dropout=0.1), canonical_state_dict(ref.state_dict()))
+    ours = build_module(AttentionConfig(query_dim=512, num_heads=8, dropout=0.1),
+                        canonical_state_dict(ref.state_dict()))
     return ref, ours
 
 
@@ -146,7 +147,8 @@ def test_seed002_with_d_model_unlike_input_dim():
     ref = trained_like_(Seed002Multiheadattention(input_dim=24, heads=4, d_model=32), seed=6).eval()
     ours = build_module(AttentionConfig(query_dim=24, num_heads=4, d_model=32), canonical_state_dict(ref.state_dict()))
     g = torch.Generator().manual_seed(7)
-    q, k, v = torch.randn(3, 11, 24, generator=g), torch.randn(3, 5, 24, generator=g), torch.randn(3, 5, 24, generator=g)
+    q = torch.randn(3, 11, 24, generator=g)
+    k, v = torch.randn(3, 5, 24, generator=g), torch.randn(3, 5, 24, generator=g)
     with torch.no_grad():
         torch.testing.assert_close(ours(q, k, v)[0], ref(q, k, v), **EXACT)
 

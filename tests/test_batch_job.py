@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from attnserve.client import InferenceClient
 from attnserve.client.batch import BatchError, BatchJob, run_batch
 from attnserve.client.options import ClientOptions, RetryPolicy
+
 from tests.gated_proxy import GatedProxy
 from tests.server_process import REPO_ROOT, ServerProcess
 
@@ -77,7 +77,7 @@ def summary_of(stdout: str) -> dict[str, int]:
     match = SUMMARY.search(stdout)
     assert match, f"no summary line in {stdout!r}"
     keys = ("items", "computed", "resumed", "requests", "retries", "errors")
-    return dict(zip(keys, map(int, match.groups())))
+    return dict(zip(keys, map(int, match.groups()), strict=True))
 
 
 def parts_in(parts_dir: Path) -> list[tuple[int, int]]:

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from attnserve.client.batch import BatchError, BatchJob, run_batch
-from attnserve.client.batch import tables
+from attnserve.client.batch import BatchError, BatchJob, run_batch, tables
 from attnserve.client.batch.assemble import merge_outputs
 from attnserve.client.batch.shards import discover_shards, take_share
 from attnserve.client.options import ClientOptions
+
 from tests.test_batch_job import assert_matches_eager, cli, eager, inference_count, make_input, summary_of
 
 TOLERANCE = 1e-5

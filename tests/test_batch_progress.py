@@ -9,6 +9,7 @@ import re
 
 from attnserve.client.batch.progress import Progress
 from attnserve.client.batch.spec import BatchSummary
+
 from tests.test_batch_job import cli, make_input, summary_of
 
 PROGRESS_LINE = re.compile(r"^batch progress: (\d+)/(\d+) items ([\d.]+) items/s eta (\S+) s? ?retries (\d+)$")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from attnserve.client.batch import BatchError, BatchJob, Manifest, WorkDir, discover_shards, fingerprint
+
 from tests.server_process import REPO_ROOT
 
 

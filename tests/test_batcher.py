@@ -19,22 +19,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-
 from attnserve.server.batcher import (
-    BatchFailed,
-    BatcherClosed,
     Batcher,
+    BatcherClosed,
+    BatchFailed,
     BatchPolicy,
     BatchStats,
     DeadlineExpired,
     QueueFull,
-    Work,
-    dense_mask,
-    merge,
-    split,
 )
 from attnserve.server.graphs import GENERAL, KEY_PADDING, NO_MASK
 from attnserve.server.lifecycle import Arrivals
+from attnserve.server.tensors import Work, dense_mask, merge, split
 
 QUERY_DIM = KV_DIM = OUT_DIM = 16
 NUM_HEADS, HEAD_DIM = 2, 8
@@ -272,7 +268,7 @@ def test_each_caller_gets_its_own_rows_and_busy_model_batches():
             for run, wave in enumerate(waves, start=1):
                 tasks += [asyncio.create_task(batcher.submit(w)) for w in wave]
                 if run > 1:  # queued behind the held run, then that run is let go
-                    await wait_until(lambda: batcher.queue_depth == len(wave))
+                    await wait_until(lambda wave=wave: batcher.queue_depth == len(wave))
                     model.release(1)
                 await model.run_started(run)  # this wave's run has begun (and is held)
             model.open()
@@ -282,7 +278,7 @@ def test_each_caller_gets_its_own_rows_and_busy_model_batches():
         return model, works, waves, results
 
     model, works, waves, results = asyncio.run(main())
-    for w, r in zip(works, results):
+    for w, r in zip(works, results, strict=True):
         assert_matches_alone(w, r)
     assert len(model.calls) < len(works)
     assert model.calls[0].rows == works[0].rows  # the first request found the model idle: ran alone
@@ -357,7 +353,7 @@ def test_max_batch_size_is_respected_and_a_larger_request_runs_alone():
         return model, works, results
 
     model, works, results = asyncio.run(main())
-    for w, r in zip(works, results):
+    for w, r in zip(works, results, strict=True):
         assert_matches_alone(w, r)
     big = works[2]
     (big_run,) = model.runs_with(big)
@@ -396,7 +392,7 @@ def test_mixed_lengths_are_padded_and_match_unbatched_runs():
     shared = model.calls[1]
     assert shared.feeds["query"].shape == (7, 7, QUERY_DIM)  # 7 rows padded to lq 7
     assert shared.feeds["key"].shape == (7, 9, KV_DIM)  # and to lk 9
-    for w, r in zip(works, results):
+    for w, r in zip(works, results, strict=True):
         assert r.batch_requests == 4
         assert_matches_alone(w, r)  # shapes are the request's own: padded rows and keys dropped
     assert observer.batches[-1].padding_ratio > 0.3
@@ -420,7 +416,7 @@ def test_padding_ratio_bound_keeps_short_and_long_requests_apart():
         return model, observer, works, results
 
     model, observer, (short, long, near), results = asyncio.run(main())
-    for w, r in zip((short, long, near), results):
+    for w, r in zip((short, long, near), results, strict=True):
         assert_matches_alone(w, r)
     (short_run,) = model.runs_with(short)
     (long_run,) = model.runs_with(long)
@@ -451,7 +447,7 @@ def test_fully_masked_row_only_joins_batches_of_equal_key_length():
             results = await asyncio.gather(*tasks)
         finally:
             await stop(batcher, model)
-        return model, works, dict(zip(works, results))
+        return model, works, dict(zip(works, results, strict=True))
 
     model, works, results = asyncio.run(main())
     assert works["exact"].exact_k_len and not works["plain"].exact_k_len
@@ -492,7 +488,7 @@ def test_want_probs_each_request_gets_what_it_asked_for():
     assert model.runs_with(lone)[0].want_probs is False  # the model was not asked for probs
     (mixed_run,) = model.runs_with(works[1])
     assert mixed_run.want_probs is True
-    for w, r in zip(works, results):
+    for w, r in zip(works, results, strict=True):
         assert r.batch_requests == 3
         assert_matches_alone(w, r)  # None where not asked, the request's own probs where asked
     assert [r.attn_probs is None for r in results] == [True, False, True]
@@ -529,7 +525,7 @@ def test_queue_full_sheds_the_third_concurrent_request_at_once():
         return model, works, results, exc.value, still_held
 
     model, works, results, err, still_held = asyncio.run(main())
-    for w, r in zip(works[:2], results):
+    for w, r in zip(works[:2], results, strict=True):
         assert_matches_alone(w, r)
     assert isinstance(err, QueueFull)
     assert "max_queue_size 2" in str(err)
@@ -685,7 +681,7 @@ def test_close_finishes_every_queued_request_then_refuses_new_ones():
 
     model, works, done_when_closed, results = asyncio.run(main())
     assert all(done_when_closed)
-    for w, r in zip(works, results):
+    for w, r in zip(works, results, strict=True):
         assert_matches_alone(w, r)
     assert len(model.calls) == 4  # 7 requests, max_batch_size 2
 
@@ -733,7 +729,7 @@ def test_two_batches_in_flight_partial_batch_waits_only_while_another_runs():
     model, lone, lone_result, lone_s, works, results, idle_s = asyncio.run(main())
     assert lone_s < FAR_BELOW_S and lone_result.batch_requests == 1
     assert_matches_alone(lone, lone_result)
-    for w, r in zip(works, results):
+    for w, r in zip(works, results, strict=True):
         assert_matches_alone(w, r)
         assert r.batch_requests == 2  # a and b waited for each other
     assert model.runs_with(works[0]) == model.runs_with(works[1])
@@ -770,7 +766,7 @@ def test_idle_model_waits_for_requests_on_their_way_and_only_for_them():
         batcher = await started(model, BatchPolicy(max_batch_size=2, max_queue_delay_s=LONG_DELAY_S),
                                 arrivals=watched)
         try:
-            ticket = arrivals.came(unary=True)  # headers in, message on its way
+            ticket = arrivals.arrived(unary=True)  # headers in, message on its way
             a, b = make_work(), make_work()
             t0 = time.monotonic()
             task_a = asyncio.create_task(batcher.submit(a))
@@ -783,7 +779,7 @@ def test_idle_model_waits_for_requests_on_their_way_and_only_for_them():
             result_a = await task_a
             together_s = time.monotonic() - t0
 
-            arrivals.came(unary=False)  # a stream: not a request on its way
+            arrivals.arrived(unary=False)  # a stream: not a request on its way
             assert arrivals.arriving == 0
             t1 = time.monotonic()
             lone = make_work()
@@ -794,7 +790,7 @@ def test_idle_model_waits_for_requests_on_their_way_and_only_for_them():
         return model, (a, b), (result_a, result_b), together_s, lone, lone_result, lone_s
 
     model, works, results, together_s, lone, lone_result, lone_s = asyncio.run(main())
-    for w, r in zip(works, results):
+    for w, r in zip(works, results, strict=True):
         assert_matches_alone(w, r)
         assert r.batch_requests == 2
     assert together_s < FAR_BELOW_S, f"waited {together_s:.3f}s: the whole max_queue_delay_s, not for its company"
@@ -930,8 +926,9 @@ def test_merged_batch_is_bounded_by_what_its_run_holds():
     """scores_of (the engine's graphs, handed in) decides what a merged batch holds: requests of
     one length stay together when their run holds no scores (flash attention); padding them
     would hold every score, over the bound, so unequal ones run apart."""
-    from attnserve import contract
     from attnserve.server.graphs import GraphSet
+
+    from attnserve import contract
 
     bound = 100
     scores_of = GraphSet(frozenset(contract.GRAPH_FILES)).scores_held  # every graph, fused at any length
@@ -952,12 +949,12 @@ def test_merged_batch_is_bounded_by_what_its_run_holds():
     same = [make_work(1, 8, 8, mask=None, want_probs=False) for _ in range(3)]  # 3 x 64 scores > 100
     model, results = asyncio.run(run(same))
     assert [c.rows for c in model.calls[1:]] == [3]
-    for w, r in zip(same, results):
+    for w, r in zip(same, results, strict=True):
         assert_matches_alone(w, r)
     unequal = [make_work(1, 8, 8, mask=None, want_probs=False), make_work(1, 8, 7, mask=None, want_probs=False)]
     model, results = asyncio.run(run(unequal))
     assert [c.rows for c in model.calls[1:]] == [1, 1]  # padded: 2 x 8 x 8 = 128 scores > 100
-    for w, r in zip(unequal, results):
+    for w, r in zip(unequal, results, strict=True):
         assert_matches_alone(w, r)
 
 
@@ -966,8 +963,9 @@ def test_a_batch_on_the_flash_path_takes_only_requests_that_keep_it_there():
     holds no scores: a request that would pad its keys, bring a key mask or ask for attn_probs
     waits for the next batch (which it then leads) instead of moving the batch onto a graph that
     holds every score. Without the fused graphs (scores_of: every score) they all run together."""
-    from attnserve import contract
     from attnserve.server.graphs import UNFUSED, GraphSet
+
+    from attnserve import contract
 
     async def run(works, scores_of):
         model = Model()
@@ -992,7 +990,7 @@ def test_a_batch_on_the_flash_path_takes_only_requests_that_keep_it_there():
     # path alone (the rest would pad its keys); then the key mask and attn_probs together.
     assert [c.rows for c in model.calls[1:]] == [4, 1, 2]
     assert [sorted(c.feeds) for c in model.calls[1:3]] == [["key", "query", "value"]] * 2
-    for w, r in zip(works, results):
+    for w, r in zip(works, results, strict=True):
         assert_matches_alone(w, r)
     model, _ = asyncio.run(run(works, UNFUSED.scores_held))
     assert [c.rows for c in model.calls[1:]] == [7]
@@ -1057,7 +1055,7 @@ def test_batcher_over_real_onnx_runtime_engine(model_repository):
     # The first three share a padded run; the fully masked one (lk 4) cannot join lk 7.
     assert calls[1] == (6, 9, 7)
     assert calls[2] == (1, 4, 4)
-    for w, r in zip(works, results):
+    for w, r in zip(works, results, strict=True):
         output, probs = engine.run({"query": w.query, "key": w.key, "value": w.value, "mask": w.mask}, True)
         assert r.output.shape == (w.rows, w.q_len, spec.out_dim)
         np.testing.assert_allclose(r.output, output, atol=TOL, rtol=0)
@@ -1072,11 +1070,11 @@ def test_batcher_over_real_onnx_runtime_engine(model_repository):
 # -- solo runs ---------------------------------------------------------------------------------
 
 
-class Solitude:
-    """The server's signal (lifecycle.Admission.alone), set by the test."""
+class LoneCallSignal:
+    """The server's signal (lifecycle.Admission.lone_call), set by the test."""
 
-    def __init__(self, alone: bool) -> None:
-        self.alone = alone
+    def __init__(self, lone_call: bool) -> None:
+        self.lone_call = lone_call
 
 
 def _two_runs() -> tuple[Model, Model]:
@@ -1089,7 +1087,7 @@ def test_a_lone_request_runs_solo_and_gets_the_same_answer():
     work = make_work(1, 4, 6)
 
     async def main():
-        batcher = Batcher("test", regular, BatchPolicy(), run_solo=solo, solitude=Solitude(True))
+        batcher = Batcher("test", regular, BatchPolicy(), run_solo=solo, lone_call_signal=LoneCallSignal(True))
         batcher.start()
         try:
             return await batcher.submit(work)
@@ -1127,7 +1125,7 @@ def test_a_solo_run_computes_on_the_event_loop_once_its_shape_has_run_short(monk
     order = (short, short, short, slow, slow, other, another, short)
 
     async def main():
-        batcher = Batcher("test", regular, BatchPolicy(), run_solo=run_solo, solitude=Solitude(True))
+        batcher = Batcher("test", regular, BatchPolicy(), run_solo=run_solo, lone_call_signal=LoneCallSignal(True))
         batcher.start()
         try:
             return [await batcher.submit(work) for work in order]
@@ -1141,7 +1139,7 @@ def test_a_solo_run_computes_on_the_event_loop_once_its_shape_has_run_short(monk
     # another push short out of the two shapes kept, so its next run is a first run again.
     assert on_loop == [False, True, True, False, False, False, False, False]
     assert len(solo.calls) == len(order) and not regular.calls
-    for work, result in zip(order, results):
+    for work, result in zip(order, results, strict=True):
         assert_matches_alone(work, result)
 
 
@@ -1151,7 +1149,7 @@ def test_without_solitude_or_a_solo_run_a_request_takes_the_regular_run(case):
 
     async def main():
         batcher = Batcher("test", regular, BatchPolicy(), run_solo=None if case == "no solo run" else solo,
-                          solitude=None if case == "no signal" else Solitude(case != "not alone"))
+                          lone_call_signal=None if case == "no signal" else LoneCallSignal(case != "not alone"))
         batcher.start()
         try:
             return await batcher.submit(make_work(1, 4, 6))
@@ -1166,17 +1164,17 @@ def test_a_batch_dispatched_while_another_runs_is_not_solo():
     """The signal says alone, but this batcher runs another batch: the second request runs
     regular too; once both are done a third, alone at last, runs solo."""
     regular, solo = _two_runs()
-    solitude = Solitude(False)
+    lone_call_signal = LoneCallSignal(False)
 
     async def main():
         batcher = Batcher("test", regular, BatchPolicy(max_queue_delay_s=0.0, batches_in_flight=2),
-                          run_solo=solo, solitude=solitude)
+                          run_solo=solo, lone_call_signal=lone_call_signal)
         batcher.start()
         regular.hold()
         try:
             first = asyncio.ensure_future(batcher.submit(make_work(1, 4, 6)))
             await regular.run_started(1)
-            solitude.alone = True  # from here the server reports one call; this batcher knows better
+            lone_call_signal.lone_call = True  # from here the server reports one call; this batcher knows better
             second = asyncio.ensure_future(batcher.submit(make_work(1, 4, 6)))
             await regular.run_started(2)
             assert not solo.calls

@@ -39,7 +39,8 @@ def test_bench_runs_and_writes_its_report(model_repository, tmp_path):
     assert report["rounds"] == 2 and len(data["rounds"]) == 2
     assert report["machine"]["cpu_model"] and report["machine"]["cores"] >= 1
     for got in data["rounds"]:
-        assert set(got["in_process"]) == {"1", "8", "32", "64"} and set(got["server"]) == set(got["floor"]) == {"1", "2"}
+        assert set(got["in_process"]) == {"1", "8", "32", "64"}
+        assert set(got["server"]) == set(got["floor"]) == {"1", "2"}
         assert set(got["derived"]) == {"c1"}
     assert data["derived"]["c1"]["goal_added_ms"] == 0.1 and len(data["derived"]["c1"]["added_ms_per_round"]) == 2
     assert "goal c1 p50 <= floor p50 + b1 call + 0.1 ms" in done.stdout
@@ -48,8 +49,8 @@ def test_bench_runs_and_writes_its_report(model_repository, tmp_path):
 
 def test_the_floor_computes_zeros_of_the_graphs_shapes(model_repository):
     import numpy as np
-
     from attnserve.server.repository import read_model_spec
+
     from bench.floor import zeros
 
     spec = read_model_spec(model_repository / "cross_attention")  # out_dim 32, 2 heads

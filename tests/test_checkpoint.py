@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from attnserve.export.attention import MultiHeadAttention
 from attnserve.export.checkpoint import (
     CheckpointError,
@@ -15,6 +14,7 @@ from attnserve.export.checkpoint import (
     save_checkpoint,
 )
 from attnserve.export.config import PRESETS, AttentionConfig
+
 from tests.seed_reference import Seed000MultiHeadAttention, Seed002Multiheadattention, trained_like_
 
 OUR_NAMES = {f"{p}.{t}" for p in ("to_q", "to_k", "to_v", "to_out") for t in ("weight", "bias")}
@@ -95,7 +95,7 @@ def test_our_format_round_trips_with_its_config(tmp_path, suffix):
     g = torch.Generator().manual_seed(2)
     q, kv = torch.randn(2, 3, 12, generator=g), torch.randn(2, 4, 20, generator=g)
     with torch.no_grad():
-        for got, want in zip(rebuilt(q, kv, kv), module(q, kv, kv)):
+        for got, want in zip(rebuilt(q, kv, kv), module(q, kv, kv), strict=True):
             assert torch.equal(got, want)
 
 
@@ -146,7 +146,8 @@ def test_mismatching_checkpoint_names_tensor_and_both_shapes(tmp_path, seed000_r
 
 
 def test_seed002_checkpoint_refused_by_seed000_config(seed002_ref):
-    with pytest.raises(CheckpointError, match=r"'to_q.weight': checkpoint has shape \(32, 32\), config expects \(512, 512\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"'to_q.weight': checkpoint has shape \(32, 32\), config expects \(512, 512\)"):
         build_module(PRESETS["self_attention"], dict(seed002_ref.state_dict()))
 
 
@@ -158,7 +159,8 @@ def test_missing_tensor_refused(seed002_ref):
 
 
 def test_bias_without_a_place_refused(seed002_ref):
-    with pytest.raises(CheckpointError, match=r"no place for: \['to_k.bias', 'to_out.bias', 'to_q.bias', 'to_v.bias'\]"):
+    with pytest.raises(CheckpointError,
+                       match=r"no place for: \['to_k.bias', 'to_out.bias', 'to_q.bias', 'to_v.bias'\]"):
         build_module(PRESETS["cross_attention"].replace(bias=False), dict(seed002_ref.state_dict()))
 
 

@@ -11,8 +11,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
-
 from attnserve.client import AsyncInferenceClient, InferenceClient, InferenceError, RetryPolicy
+
 from tests.gated_server import GatedServer
 from tests.server_process import ServerProcess
 
@@ -83,12 +83,12 @@ def test_async_infer_matches_eager_pytorch(server, eager_modules):
             # Concurrent requests on one channel: the server may batch them; each gets its own rows.
             results = await asyncio.gather(*(
                 c.infer(m, q, k, v, mask, outputs=("output", "attn_probs"))
-                for (m, *_), (q, k, v, mask) in zip(cases, inputs)))
+                for (m, *_), (q, k, v, mask) in zip(cases, inputs, strict=True)))
             assert await c.server_ready() and await c.model_ready("cross_attention")
             return inputs, results
 
     inputs, results = asyncio.run(main())
-    for (model, *_), (q, k, v, mask), got in zip(cases, inputs, results):
+    for (model, *_), (q, k, v, mask), got in zip(cases, inputs, results, strict=True):
         assert_close(got, eager(eager_modules[model], q, k, v, mask))
 
 
@@ -225,7 +225,7 @@ def test_round_robin_spreads_requests_over_two_servers(server, model_repository)
         with InferenceClient(url) as c:
             for _ in range(20):
                 c.infer("cross_attention", q, k, v)
-        gained = [after - b for after, b in zip(counts(), before)]
+        gained = [after - b for after, b in zip(counts(), before, strict=True)]
         assert sum(gained) == 20
         assert all(g >= 5 for g in gained), f"requests per server: {gained}"
     finally:

@@ -9,9 +9,9 @@ import socket
 import numpy as np
 import pytest
 import torch
-
 from attnserve.client import InferenceClient
 from attnserve.client.__main__ import main
+
 from tests.server_process import ServerProcess
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -137,7 +137,8 @@ def test_infer_separate_npy_files_prints_the_outputs(server, eager_modules, tmp_
     for name, array in dict(q=q, k=k, v=v, m=mask).items():
         np.save(tmp_path / f"{name}.npy", array)
     code = main(["infer", "--url", server.address, "--model", "cross_attention", "--query", str(tmp_path / "q.npy"),
-                 "--key", str(tmp_path / "k.npy"), "--value", str(tmp_path / "v.npy"), "--mask", str(tmp_path / "m.npy"),
+                 "--key", str(tmp_path / "k.npy"), "--value", str(tmp_path / "v.npy"), "--mask",
+                 str(tmp_path / "m.npy"),
                  "--outputs", "attn_probs"])
     assert code == 0
     text = capsys.readouterr().out
@@ -167,13 +168,15 @@ def test_infer_usage_errors_exit_2(server, tmp_path, capsys, monkeypatch, extra,
 def test_infer_input_validation_is_a_usage_error(server, tmp_path, capsys):
     q, k, v, _ = _inputs(32)
     np.savez(tmp_path / "x.npz", query=q, key=k[:1], value=v[:1])
-    assert main(["infer", "--url", server.address, "--model", "cross_attention", "--input", str(tmp_path / "x.npz")]) == 2
+    assert main(["infer", "--url", server.address, "--model", "cross_attention", "--input",
+                 str(tmp_path / "x.npz")]) == 2
     assert "batch sizes disagree" in capsys.readouterr().err
 
 
 def test_server_refusal_exits_1_with_code_and_details(server, tmp_path, capsys):
     q, k, v, _ = _inputs(32)
     np.savez(tmp_path / "x.npz", query=q, key=k, value=v)
-    assert main(["infer", "--url", server.address, "--model", "self_attention", "--input", str(tmp_path / "x.npz")]) == 1
+    assert main(["infer", "--url", server.address, "--model", "self_attention", "--input",
+                 str(tmp_path / "x.npz")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: INVALID_ARGUMENT:") and "512" in err

@@ -8,14 +8,13 @@ import zipfile
 import grpc
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from attnserve.client import codec, npzio
-from attnserve.client.batch import Shard, check_parts, plan_chunks, BatchError
+from attnserve.client.batch import BatchError, Shard, check_parts, plan_chunks
 from attnserve.client.errors import InferenceError
 from attnserve.client.options import ClientOptions, RetryPolicy, TlsConfig, grpc_target, parse_addresses
 from attnserve.proto import inference_pb2 as pb
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 RNG = np.random.default_rng(0)
 
@@ -95,7 +94,8 @@ def test_request_carries_raw_little_endian_bytes_only():
     assert (request.model_name, request.model_version, request.id) == ("m", "3", "r1")
     assert [o.name for o in request.outputs] == ["output", "attn_probs"]
     assert [(t.name, t.datatype, list(t.shape)) for t in request.inputs] == [
-        ("query", "FP32", [2, 3, 8]), ("key", "FP32", [2, 4, 6]), ("value", "FP32", [2, 4, 6]), ("mask", "BOOL", [2, 3, 4]),
+        ("query", "FP32", [2, 3, 8]), ("key", "FP32", [2, 4, 6]), ("value", "FP32", [2, 4, 6]),
+        ("mask", "BOOL", [2, 3, 4]),
     ]
     assert not any(t.HasField("contents") for t in request.inputs)  # no per-element protobuf fields
     assert len(request.raw_input_contents) == 4
@@ -103,7 +103,8 @@ def test_request_carries_raw_little_endian_bytes_only():
     assert request.raw_input_contents[3] == mask.astype(np.uint8).tobytes()  # BOOL: one byte each
     # The message survives the wire.
     again = pb.ModelInferRequest.FromString(request.SerializeToString())
-    np.testing.assert_array_equal(np.frombuffer(again.raw_input_contents[1], "<f4").reshape(2, 4, 6), k.astype(np.float32))
+    np.testing.assert_array_equal(np.frombuffer(again.raw_input_contents[1], "<f4").reshape(2, 4, 6),
+                                  k.astype(np.float32))
 
 
 def test_request_without_outputs_asks_for_all():
@@ -159,7 +160,8 @@ def test_parse_checks_byte_counts_datatypes_and_presence():
     unknown.outputs[0].datatype = "BF17"
     _assert_malformed(unknown, match="cannot read")
 
-    _assert_malformed(_response({"output": output}), ("output", "attn_probs"), match="requested outputs ['attn_probs'] missing")
+    _assert_malformed(_response({"output": output}), ("output", "attn_probs"),
+                      match="requested outputs ['attn_probs'] missing")
 
     count = _response({"output": output}, raw=False)
     del count.outputs[0].contents.fp32_contents[-1]
@@ -202,7 +204,8 @@ def test_metadata_messages_become_dataclasses():
 
 def test_addresses_parse_with_default_port_and_ipv6():
     assert parse_addresses("a:1, b:2,[::1]:3,c") == [("a", 1), ("b", 2), ("::1", 3), ("c", 8001)]
-    for bad, message in (("a:1,", "empty address"), ("a:x", "bad port"), ("a:70000", "port must be in"), (":5", "bad address")):
+    for bad, message in (("a:1,", "empty address"), ("a:x", "bad port"), ("a:70000", "port must be in"),
+                         (":5", "bad address")):
         with pytest.raises(ValueError, match=message):
             parse_addresses(bad)
     with pytest.raises(ValueError, match="bad port"):
@@ -254,7 +257,8 @@ def test_backoff_grows_with_jitter_and_respects_the_deadline():
 
 def test_inference_error_carries_code_and_details():
     err = InferenceError(grpc.StatusCode.NOT_FOUND, "unknown model 'x'")
-    assert (err.code, err.details, str(err)) == (grpc.StatusCode.NOT_FOUND, "unknown model 'x'", "NOT_FOUND: unknown model 'x'")
+    assert (err.code, err.details, str(err)) == (grpc.StatusCode.NOT_FOUND, "unknown model 'x'",
+                                                 "NOT_FOUND: unknown model 'x'")
     assert not err.retryable and InferenceError(grpc.StatusCode.UNAVAILABLE, "").retryable
 
 

@@ -15,10 +15,10 @@ from concurrent import futures
 import grpc
 import numpy as np
 import pytest
-
 from attnserve.client import AsyncInferenceClient, InferenceClient, InferenceError, RetryPolicy, TlsConfig
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
+
 from tests.tls_certs import Pki, make_pki
 
 pytestmark = pytest.mark.e2e  # starts scripted gRPC servers

@@ -11,13 +11,13 @@ import numpy as np
 import onnxruntime
 import pytest
 import torch
-
 from attnserve.export import checkpoint
 from attnserve.export.config import PRESETS
 from attnserve.export.onnx_export import PARITY_TOLERANCE_FP16, export_model
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server.engine import CUDA, Engine, choose_device
 from attnserve.server.repository import read_model_spec
+
 from tests.export_helpers import max_abs, random_mask, random_qkv
 from tests.oip import infer_request, outputs_of
 from tests.server_process import ServerProcess

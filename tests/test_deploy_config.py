@@ -21,6 +21,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 
 from attnserve.server.config import DEVICES, ServerConfig, env_name  # noqa: E402
+
 from tests.server_process import REPO_ROOT  # noqa: E402
 from tests.test_deploy_nginx import NGINX_CONF, UPSTREAM_CONF, UPSTREAM_HTTP_CONF  # noqa: E402
 
@@ -195,7 +196,8 @@ def test_every_attnserve_variable_named_anywhere_is_a_server_setting():
     named = all_variables_named()
     assert any(named.values())
     for path, names in named.items():
-        assert names <= REAL_VARIABLES, f"{path} names settings the server does not read: {sorted(names - REAL_VARIABLES)}"
+        assert names <= REAL_VARIABLES, (
+            f"{path} names settings the server does not read: {sorted(names - REAL_VARIABLES)}")
 
 
 def test_every_value_given_to_the_server_is_one_it_accepts():
@@ -232,7 +234,7 @@ def test_ports_are_the_servers():
 
 
 def upstream_port(path: Path = UPSTREAM_CONF) -> int:
-    (line,) = [l for l in path.read_text().splitlines() if re.match(r"\s*server\s", l)]
+    (line,) = [text for text in path.read_text().splitlines() if re.match(r"\s*server\s", text)]
     return int(re.match(r"\s*server\s+[^\s:]+:(\d+)", line).group(1))
 
 
@@ -347,8 +349,8 @@ def test_nginx_conf_balances_rest_with_keepalive_and_retries_503():
     assert directive("client_max_body_size") == "64m"
     assert int(compose_env("server")["ATTNSERVE_MAX_MESSAGE_BYTES"]) == 64 << 20
     assert re.search(r"upstream attnserve_http \{[^}]*keepalive \d+;", NGINX_CONF.read_text())
-    (line,) = [l for l in UPSTREAM_HTTP_CONF.read_text().splitlines() if re.match(r"\s*server\s", l)]
-    (grpc_line,) = [l for l in UPSTREAM_CONF.read_text().splitlines() if re.match(r"\s*server\s", l)]
+    (line,) = [text for text in UPSTREAM_HTTP_CONF.read_text().splitlines() if re.match(r"\s*server\s", text)]
+    (grpc_line,) = [text for text in UPSTREAM_CONF.read_text().splitlines() if re.match(r"\s*server\s", text)]
     assert line.split()[2:] == grpc_line.split()[2:], "the same failure accounting for both ports"
 
 
@@ -425,7 +427,8 @@ def test_cuda_image_swaps_onnxruntime_for_onnxruntime_gpu_on_a_cuda_runtime():
 
 
 def test_export_job_flags_exist():
-    help_text = subprocess.run([sys.executable, "-m", "attnserve", "export", "--help"], cwd=REPO_ROOT, capture_output=True,
+    help_text = subprocess.run([sys.executable, "-m", "attnserve", "export", "--help"], cwd=REPO_ROOT,
+                               capture_output=True,
                                text=True, check=True).stdout
     script = (DEPLOY / "export-models.sh").read_text()
     calls = re.findall(r"\" export (.*)", script)

@@ -225,7 +225,7 @@ def test_both_replicas_serve_correct_answers_through_nginx(nginx, replicas, clie
     except Exception:
         print(nginx.logs())
         raise
-    served = [successes(r) - b for r, b in zip(replicas, before)]
+    served = [successes(r) - b for r, b in zip(replicas, before, strict=True)]
     print(f"calls served per replica: {served}")
     assert sum(served) == len(cases) + 1, served
     assert min(served) >= 2, f"round robin should spread {len(cases) + 1} calls over both replicas: {served}"
@@ -296,7 +296,7 @@ def test_rest_through_nginx_equals_eager_on_both_presets_and_is_balanced(nginx, 
         raise
     finally:
         client.close()
-    served = [successes(r) - b for r, b in zip(replicas, before)]
+    served = [successes(r) - b for r, b in zip(replicas, before, strict=True)]
     print(f"REST calls served per replica: {served}")
     assert sum(served) == len(cases) + 1 and min(served) >= 2, served
 
@@ -374,7 +374,7 @@ def test_rest_calls_through_nginx_skip_a_draining_replica(model_repository, repl
             np.testing.assert_allclose(got["output"], eager(eager_modules["cross_attention"], **held_x)["output"],
                                        rtol=0, atol=TOLERANCE)
             assert draining.wait(timeout=60) == 0, draining.log()
-            for i in range(2):
+            for _ in range(2):
                 x = random_inputs(rng, 1, 3, 3, *DIMS["cross_attention"])
                 got = rest_infer(client, "cross_attention", x, True, outputs=("output",))
                 np.testing.assert_allclose(got["output"], eager(eager_modules["cross_attention"], **x)["output"],

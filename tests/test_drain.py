@@ -21,10 +21,10 @@ import time
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from tests.gated_server import GatedServer
 from tests.oip import eager, infer_request, outputs_of, random_inputs
 from tests.server_process import REPO_ROOT, ServerProcess
@@ -73,7 +73,7 @@ def test_a_stop_signal_drains_every_accepted_request(model_repository, eager_mod
             stub.ModelInfer(infer_request("self_attention", **_request(rng)), timeout=30)
         assert late.value.code() == grpc.StatusCode.UNAVAILABLE
         proc.gate.release(100)
-        for x, future in zip(cases, futures):
+        for x, future in zip(cases, futures, strict=True):
             assert _close(future.result(timeout=120), x, eager_modules)
         assert proc.wait(timeout=60) == 0, proc.log()
 
@@ -227,7 +227,10 @@ def test_deadline_passed_in_queue_is_never_computed(model_repository):
     with GatedServer(model_repository, "--max-batch-size", "8") as proc, proc.channel() as channel, \
             concurrent.futures.ThreadPoolExecutor(2) as pool:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        stats = lambda: stub.ModelStatistics(pb.ModelStatisticsRequest(name="self_attention")).model_stats[0]
+
+        def stats():
+            return stub.ModelStatistics(pb.ModelStatisticsRequest(name="self_attention")).model_stats[0]
+
         before = stats().inference_count
         (slow,) = _submit_all(pool, stub, [_request(rng, b=8)])
         proc.gate.wait_started()
@@ -256,7 +259,7 @@ def test_queue_full_sheds_with_resource_exhausted(model_repository, eager_module
         shed = [f for f in futures if _code_when_done(f, futures) == grpc.StatusCode.RESOURCE_EXHAUSTED]
         assert len(shed) == 10 and all("max_queue_size" in f.exception().details() for f in shed)
         proc.gate.release(2)
-        served = [(x, f) for x, f in zip(cases, futures) if f not in shed]
+        served = [(x, f) for x, f in zip(cases, futures, strict=True) if f not in shed]
         for x, future in served:
             assert _close(future.result(timeout=120), x, eager_modules)
 
@@ -311,7 +314,7 @@ def test_calls_sent_just_before_the_signal_are_all_served(model_repository, eage
         with proc.channel() as channel, concurrent.futures.ThreadPoolExecutor(24) as pool:
             futures = _submit_all(pool, pb_grpc.GRPCInferenceServiceStub(channel), cases)
             proc.signal(signal.SIGTERM)
-            for x, future in zip(cases, futures):
+            for x, future in zip(cases, futures, strict=True):
                 assert _close(future.result(timeout=120), x, eager_modules)
         assert proc.wait(timeout=120) == 0
     finally:

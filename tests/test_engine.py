@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from attnserve.server.engine import Engine, choose_device
 from attnserve.server.repository import read_model_spec
 
@@ -62,7 +61,6 @@ def test_cuda_probe_graph_runs_on_cpu():
     """server.cuda_probe writes its one-node graph as protobuf bytes by hand: ONNX Runtime
     computes y = -x with them."""
     import onnxruntime
-
     from attnserve.server.cuda_probe import probe_model
 
     session = onnxruntime.InferenceSession(probe_model(), providers=["CPUExecutionProvider"])
@@ -84,7 +82,6 @@ def test_cuda_probe_says_why_a_session_would_not_run_on_cuda():
     """Here the session asked for CUDA runs on CPU (no CUDAExecutionProvider, or one whose
     libraries or GPU are missing): the probe says so. On a GPU machine, test_cuda.py asserts None."""
     import onnxruntime
-
     from attnserve.server.cuda_probe import why_cuda_cannot_run
 
     if "CUDAExecutionProvider" in onnxruntime.get_available_providers() and why_cuda_cannot_run() is None:

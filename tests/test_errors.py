@@ -7,14 +7,22 @@ import re
 
 import grpc
 import pytest
-
+from attnserve.server import errors
 from attnserve.server.batcher import BatcherClosed, BatchFailed, DeadlineExpired, QueueFull
 from attnserve.server.errors import (
-    _STATUS, BodyTooLarge, MalformedMessage, NoSuchEndpoint, ShuttingDown, Status, Unauthenticated, status_for)
-from attnserve.server import errors
+    _STATUS,
+    BodyTooLarge,
+    MalformedMessage,
+    NoSuchEndpoint,
+    ShuttingDown,
+    Status,
+    Unauthenticated,
+    status_for,
+)
 from attnserve.server.models import ModelNotFound, ModelUnavailable
 from attnserve.server.ratelimit import RateLimitedLog
 from attnserve.server.shm import SharedMemoryError, SharedMemoryUnavailable
+
 from tests.server_process import REPO_ROOT
 
 Code = grpc.StatusCode

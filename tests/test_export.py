@@ -12,13 +12,13 @@ import json
 import onnx
 import pytest
 import torch
-
 from attnserve.export import onnx_export
 from attnserve.export.__main__ import main as export_main
 from attnserve.export.checkpoint import demo_module
 from attnserve.export.config import PRESETS, AttentionConfig
 from attnserve.export.onnx_export import ExportError, export_model
 from attnserve.server import repository
+
 from tests.export_helpers import (
     copy_model,
     finish_export,

@@ -8,10 +8,10 @@ import re
 
 import pytest
 import torch
-
 from attnserve.export.attention import MultiHeadAttention
 from attnserve.export.checkpoint import save_checkpoint
 from attnserve.export.config import AttentionConfig
+
 from tests.export_helpers import (
     assert_one_error_line,
     finish_export,
@@ -119,7 +119,8 @@ def test_success_prints_parity_figures(tmp_path):
     figures = {}
     for graph, errors in re.findall(r"^  (\S+)\s+max abs error: (.+)$", out, re.M):
         figures[graph] = {name: float(value) for name, value in (e.split() for e in errors.split(", "))}
-    forms = {f"{kind}.forms" for kind in ("all_outputs", "output_only", "head_mask_all_outputs", "head_mask_output_only")}
+    forms = {f"{kind}.forms" for kind in ("all_outputs", "output_only", "head_mask_all_outputs",
+                                          "head_mask_output_only")}
     assert set(figures) == {"all_outputs", "output_only", "fused", "fused_key_padding", *forms}, out
     assert all(set(figures[g]) == {"output"} for g in ("output_only.forms", "head_mask_output_only.forms"))
     assert set(figures["all_outputs"]) == {"output", "attn_probs"}

@@ -11,11 +11,17 @@ import numpy as np
 import onnx
 import pytest
 import torch
-
 from attnserve.export import checkpoint
 from attnserve.export.config import PRESETS
-from attnserve.export.onnx_export import FP16_MASK_FILL, PARITY_TOLERANCE_FP16, ExportError, export_model, half_precision
+from attnserve.export.onnx_export import (
+    FP16_MASK_FILL,
+    PARITY_TOLERANCE_FP16,
+    ExportError,
+    export_model,
+    half_precision,
+)
 from attnserve.proto import inference_pb2_grpc as pb_grpc
+
 from tests.export_helpers import max_abs, ort_run, ort_session, random_mask, random_qkv, run_export
 from tests.oip import infer_request, outputs_of
 from tests.server_process import ServerProcess

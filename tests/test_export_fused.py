@@ -11,12 +11,12 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import numpy_helper
-
-from attnserve import contract
 from attnserve.export import fused
 from attnserve.export.checkpoint import demo_module
 from attnserve.export.config import PRESETS
+from onnx import numpy_helper
+
+from attnserve import contract
 from tests.export_helpers import eager_output, key_mask, max_abs, ort_session, random_qkv
 
 pytestmark = pytest.mark.e2e  # exports and times fused graphs
@@ -103,7 +103,8 @@ def test_fused_graph_without_bias_matches_eager(tmp_path):
         if kind == contract.FUSED_KEY_PADDING:
             feeds[contract.KEY_PADDING_MASK] = keep.to(torch.int32).numpy()
         (got,) = ort_session(path).run(None, feeds)
-        assert max_abs(got, eager_output(module, query, key, value, keep if kind != contract.FUSED else None)) <= TOLERANCE
+        assert max_abs(got,
+                       eager_output(module, query, key, value, keep if kind != contract.FUSED else None)) <= TOLERANCE
 
 
 

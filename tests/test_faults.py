@@ -17,10 +17,10 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2
-
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2
+
 from attnserve.contract import tensor_contract
 from attnserve.files import write_json_atomic
 from tests.oip import eager, infer_request, outputs_of, random_inputs
@@ -116,7 +116,7 @@ def test_failing_batches_get_internal_and_the_server_goes_on(faulty_server, eage
                             for y in good]
             for f in bad_futures:
                 assert f.exception() is not None and f.exception().code() == grpc.StatusCode.INTERNAL
-            for y, f in zip(good, good_futures):
+            for y, f in zip(good, good_futures, strict=True):
                 want = eager(eager_modules["cross_attention"], **y)
                 got = outputs_of(f.result())
                 for name in ("output", "attn_probs"):

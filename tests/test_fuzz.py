@@ -24,11 +24,11 @@ import time
 import grpc
 import numpy as np
 import pytest
+from attnserve.proto import inference_pb2 as pb
+from attnserve.proto import inference_pb2_grpc as pb_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attnserve.proto import inference_pb2 as pb
-from attnserve.proto import inference_pb2_grpc as pb_grpc
 from tests.oip import eager, infer_request, outputs_of, random_inputs
 from tests.server_process import ServerProcess
 
@@ -121,7 +121,8 @@ def malformed_requests(draw):
         is_bool = datatype == "BOOL"
         if raw or i in both:
             if i < raw_entries:
-                data = (rng.random(n) > 0.3).tobytes() if is_bool else rng.standard_normal(n, dtype=np.float32).tobytes()
+                values = rng.random(n) > 0.3 if is_bool else rng.standard_normal(n, dtype=np.float32)
+                data = values.tobytes()
                 request.raw_input_contents.append(data)
         if not raw or i in both:
             field = typed_field.get(i, "bool_contents" if is_bool else "fp32_contents")
@@ -133,7 +134,7 @@ def malformed_requests(draw):
             elif field in ("int_contents", "int64_contents", "uint_contents"):
                 values = np.abs(values * 100).astype(np.int64)
             getattr(tensor.contents, field).extend(list(values) if field == "bytes_contents" else values.tolist())
-    for i in range(len(tensors), raw_entries):
+    for _ in range(len(tensors), raw_entries):
         request.raw_input_contents.append(b"\x00" * 12)
     for name in outputs:
         request.outputs.add(name=name)

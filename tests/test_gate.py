@@ -10,20 +10,20 @@ import asyncio
 
 import grpc
 import pytest
-from grpc_health.v1 import health
-
 from attnserve.server.app import SERVICE_NAME, method_handlers
 from attnserve.server.gate import CallGate, HandlerTable
 from attnserve.server.lifecycle import Admission, Arrivals, Draining
 from attnserve.server.metrics import Metrics
 from attnserve.server.models import ModelRegistry, _Model
 from attnserve.server.parsing import SUPPORTED_KINDS, handler_kind
-from attnserve.server.answers import Answers
+from attnserve.server.request_path import RequestPath
 from attnserve.server.service import InferenceServicer
+from grpc_health.v1 import health
 
 
 def _served() -> dict[str, grpc.RpcMethodHandler]:
-    return method_handlers(InferenceServicer(Answers(ModelRegistry(), Metrics(), Draining())), health.aio.HealthServicer())
+    return method_handlers(InferenceServicer(RequestPath(ModelRegistry(), Metrics(), Draining())),
+                           health.aio.HealthServicer())
 
 
 def test_every_registered_method_has_a_kind_the_gate_wraps():
@@ -72,9 +72,9 @@ def test_a_kind_the_gate_does_not_wrap_is_refused_at_startup():
 
 def test_arrivals_count_unary_calls_until_their_handler_starts():
     arrivals = Arrivals()
-    first = arrivals.came(unary=True)
-    stream = arrivals.came(unary=False)
-    second = arrivals.came(unary=True)
+    first = arrivals.arrived(unary=True)
+    stream = arrivals.arrived(unary=False)
+    second = arrivals.arrived(unary=True)
     assert (arrivals.arriving, arrivals.calls) == (2, 3)  # streams are not requests on their way
     arrivals.started(first)
     arrivals.started(stream)
@@ -90,11 +90,11 @@ def test_arrivals_whose_handler_never_runs_are_forgotten(monkeypatch):
     now = [1000.0]
     monkeypatch.setattr(lifecycle.time, "monotonic", lambda: now[0])
     arrivals = Arrivals()
-    abandoned = arrivals.came(unary=True)  # headers came, the client went away
-    arrivals.came(unary=False)
+    abandoned = arrivals.arrived(unary=True)  # headers came, the client went away
+    arrivals.arrived(unary=False)
     assert (arrivals.arriving, arrivals.calls) == (1, 2)
     now[0] += Arrivals.TIMEOUT_S / 2
-    recent = arrivals.came(unary=True)
+    recent = arrivals.arrived(unary=True)
     # The batchers' hint counts only calls whose headers came within HINT_S; the drain, all.
     assert (arrivals.arriving, arrivals.calls) == (1, 3)
     now[0] += Arrivals.HINT_S / 2
@@ -138,23 +138,23 @@ def test_admission_is_alone_with_one_unary_call_after_a_quiet_spell():
         admission.started(admission.arrived(unary=not stream), stream=stream)
 
     arrive_after(quiet)
-    assert admission.alone  # the server had been empty QUIET_S
+    assert admission.lone_call  # the server had been empty QUIET_S
     admission.finished()
     arrive_after(quiet / 2)
-    assert not admission.alone  # it came right after the last call: a loop catching up, maybe
+    assert not admission.lone_call  # it came right after the last call: a loop catching up, maybe
     admission.finished()
     arrive_after(quiet * 10)
-    assert admission.alone
+    assert admission.lone_call
     arrive_after(quiet * 10)  # a second call while the first runs
-    assert not admission.alone
+    assert not admission.lone_call
     admission.finished()
-    assert not admission.alone  # the one left arrived while another was in flight
+    assert not admission.lone_call  # the one left arrived while another was in flight
     admission.finished()
     arrive_after(quiet * 10, stream=True)
-    assert admission.in_flight == 1 and not admission.alone  # a stream carries many requests
+    assert admission.in_flight == 1 and not admission.lone_call  # a stream carries many requests
     admission.finished(stream=True)
     arrive_after(quiet * 10)
-    assert admission.alone
+    assert admission.lone_call
 
 
 def test_a_call_whose_message_waited_for_a_receive_slot_leaves_admission_when_done():
@@ -194,7 +194,7 @@ def test_one_draining_state_for_gate_and_servicer():
     draining = Draining()
     registry = ModelRegistry()
     registry._models["m"] = _Model(versions={1: object()})  # a loaded model, as far as readiness goes
-    servicer = InferenceServicer(Answers(registry, Metrics(), draining))
+    servicer = InferenceServicer(RequestPath(registry, Metrics(), draining))
     arrivals = Arrivals()
     infer = f"/{SERVICE_NAME}/ModelInfer"
     gate = CallGate(method_handlers(servicer, health.aio.HealthServicer()), Admission(arrivals), draining,

@@ -13,12 +13,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
-from attnserve import contract
-from attnserve.server.batcher import Work, merge
 from attnserve.server.engine import Engine, choose_device
 from attnserve.server.graphs import GENERAL, KEY_PADDING, NO_MASK, GraphSet
 from attnserve.server.repository import read_model_spec
+from attnserve.server.tensors import Work, merge
+
+from attnserve import contract
 from tests.export_helpers import eager_output, max_abs, old_layout
 
 PRESET_NAMES = ("self_attention", "cross_attention")
@@ -85,7 +85,8 @@ def test_engine_runs_the_chosen_graph_and_matches_eager(model_repository, eager_
         "padded queries only": ([_work(spec, rng, 1, long, long), _work(spec, rng, 2, long - 5, long)],
                                 contract.FUSED),
         "padded, one general mask": ([_work(spec, rng, 1, long, long),
-                                      _work(spec, rng, 1, long - 1, long - 2, rng.random((1, long - 1, long - 2)) > 0.5)],
+                                      _work(spec, rng, 1, long - 1, long - 2,
+                                            rng.random((1, long - 1, long - 2)) > 0.5)],
                                      contract.OUTPUT_ONLY),
         "short": ([_work(spec, rng, 1, 1, 1)], contract.OUTPUT_ONLY),  # below any crossover (>= 16)
     }
@@ -151,7 +152,8 @@ def test_engine_on_an_old_layout_runs_the_unfused_graphs(model_repository, eager
     feeds, _ = merge(works)
     assert engine.graph_for(feeds, False) == contract.OUTPUT_ONLY
     output, _ = engine.run(feeds, False)
-    want = eager_output(eager_modules["self_attention"], *(torch.from_numpy(getattr(works[0], n)) for n in ("query", "key", "value")))
+    want = eager_output(eager_modules["self_attention"],
+                        *(torch.from_numpy(getattr(works[0], n)) for n in ("query", "key", "value")))
     assert max_abs(output, want) <= TOLERANCE
     assert dict(engine.runs) == {contract.OUTPUT_ONLY: 1}
 

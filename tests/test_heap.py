@@ -1,6 +1,6 @@
-"""server.heap: the cyclic collector leaves out what exists when the server has started
+"""server.memory.heap: the cyclic collector leaves out what exists when the server has started
 (gc.freeze) until a model change or the stop gives it back. A real in-process Server on the
-exported models; no mocks. And glibc's allocator (server.heap's two modes), in fresh processes:
+exported models; no mocks. And glibc's allocator (server.memory.heap's two modes), in fresh processes:
 what the roomy mode keeps at the top of a heap, measured in page faults; huge pages on and off
 with the mode (/proc/self/status); the tunable a served process runs with (its environment, read
 from /proc)."""
@@ -18,11 +18,11 @@ import weakref
 from pathlib import Path
 
 import pytest
-from grpc_health.v1 import health_pb2
-
-from attnserve.server import heap
 from attnserve.server.app import Server
 from attnserve.server.config import ServerConfig
+from attnserve.server.memory import heap
+from grpc_health.v1 import health_pb2
+
 from tests.server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e  # starts servers and fresh processes
@@ -36,7 +36,7 @@ class _Cycle:
 def test_settle_leaves_earlier_objects_out_of_collections_and_later_cycles_in():
     before = _Cycle()
     watched_before = weakref.ref(before)
-    heap.settle()
+    heap.freeze_gc()
     try:
         assert gc.get_freeze_count() > 0
         del before
@@ -46,9 +46,9 @@ def test_settle_leaves_earlier_objects_out_of_collections_and_later_cycles_in():
         watched_later = weakref.ref(later)
         del later
         gc.collect()
-        assert watched_later() is None  # made after settle: collected as ever
+        assert watched_later() is None  # made after freeze_gc: collected as ever
     finally:
-        heap.unsettle()
+        heap.unfreeze_gc()
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert watched_before() is None  # given back: collected
@@ -89,7 +89,7 @@ def _nothing_left_frozen():
 # main heap, below the mmap threshold) and takes them again: the page faults of the second take.
 _REUSE_FAULTS = """
 import ctypes, resource
-from attnserve.server import heap
+from attnserve.server.memory import heap
 heap.configure_allocator()
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
@@ -131,23 +131,25 @@ def test_freed_small_blocks_stay_for_the_next_request_unless_the_operator_sets_t
 def test_the_thresholds_are_named_by_the_tunables_or_the_older_variables():
     assert heap.thresholds_named({}) == frozenset()
     assert heap.thresholds_named({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) == frozenset()
-    assert heap.thresholds_named({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.malloc.trim_threshold=1048576"}) == {"trim"}
-    assert heap.thresholds_named({"MALLOC_TRIM_THRESHOLD_": "1048576", "MALLOC_MMAP_THRESHOLD_": "1"}) == {"trim", "mmap"}
+    tunables = "glibc.malloc.hugetlb=1:glibc.malloc.trim_threshold=1048576"
+    assert heap.thresholds_named({"GLIBC_TUNABLES": tunables}) == {"trim"}
+    both = {"MALLOC_TRIM_THRESHOLD_": "1048576", "MALLOC_MMAP_THRESHOLD_": "1"}
+    assert heap.thresholds_named(both) == {"trim", "mmap"}
 
 
 # A fresh process: roomy, then crowded, then quiet again. Per mode: whether huge pages may be
 # faulted in (the kernel's THP_enabled for the process) and whether a large release trims.
 _MODES = """
-from attnserve.server import heap
+from attnserve.server.memory import heap
 def state():
     thp = [line.split()[1] for line in open("/proc/self/status") if line.startswith("THP_enabled:")]
     return [heap.is_lean(), thp[0] if thp else None, heap.release_after(heap.TRIM_MIN_BYTES),
             heap.release_after(heap.TRIM_MIN_BYTES - 1)]
 heap.configure_allocator()
 seen = [state()]
-heap.crowd()
+heap.go_lean()
 seen.append(state())
-heap.uncrowd()
+heap.go_roomy()
 seen.append(state())
 print(seen)
 """

@@ -9,11 +9,11 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
-
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.proto import wire
 from attnserve.server import parsing
+
 from tests.oip import infer_request, random_inputs
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -101,6 +101,7 @@ def test_cancelled_calls_give_their_receive_slots_back_at_once(model_repository,
     from attnserve.server.config import ServerConfig
     from attnserve.server.gate import ReceiveSlots
     from attnserve.server.lifecycle import Arrivals
+
     from tests.h2_client import RawGrpcClient, grpc_frame
 
     monkeypatch.setattr(ReceiveSlots, "STALE_S", 3600.0)

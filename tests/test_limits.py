@@ -13,13 +13,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-
 from attnserve.client import InferenceClient, InferenceError
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server import codec
 from attnserve.server.batcher import BatchPolicy, QueueFull
-from attnserve.contract import TensorSpec
 from attnserve.server.repository import ModelSpec
+
+from attnserve.contract import TensorSpec
 from tests.oip import eager, infer_request, outputs_of, random_inputs
 from tests.server_process import ServerProcess
 from tests.test_batcher import Model, assert_matches_alone, make_work, queue_while_busy, started, stop, wait_until
@@ -53,7 +53,7 @@ def test_queue_is_bounded_in_bytes_and_frees_them_as_it_drains():
 
     model, works, results, later, err, size = asyncio.run(main())
     assert f"{2 * size:,} input bytes queued" in str(err) and "max_queued_bytes 2,620" in str(err)
-    for w, r in zip(works[:2], results[1:]):
+    for w, r in zip(works[:2], results[1:], strict=True):
         assert_matches_alone(w, r)
     assert_matches_alone(works[2], later)
     assert len(model.runs_with(works[2])) == 1  # computed once: when it was taken, not when shed
@@ -102,7 +102,7 @@ def test_merged_batch_stays_within_the_attention_bound():
         return model, works, results
 
     model, works, results = asyncio.run(run(BatchPolicy(max_queue_delay_s=0.0, max_batch_scores=48)))
-    for w, r in zip(works, results):
+    for w, r in zip(works, results, strict=True):
         assert_matches_alone(w, r)
     runs = model.calls[1:]  # after the blocker
     assert [c.rows for c in runs] == [2, 2]
@@ -133,7 +133,8 @@ def test_server_limits_reach_each_model(model_repository):
 
 def _spec(num_heads=8, dim=512) -> ModelSpec:
     return ModelSpec(name="m", version=1, version_dir=Path("."), platform="onnxruntime_onnx", query_dim=dim,
-                     kv_dim=dim, out_dim=dim, num_heads=num_heads, inputs=(), outputs=(TensorSpec("output", "FP32", ()),),
+                     kv_dim=dim, out_dim=dim, num_heads=num_heads, inputs=(),
+                     outputs=(TensorSpec("output", "FP32", ()),),
                      max_batch_size=32, max_queue_delay_ms=1.0, max_q_len=4096, max_kv_len=4096)
 
 
@@ -162,8 +163,9 @@ def test_attention_bound_applies_to_the_graph_that_will_run():
     """(1, 256, 256) over 8 heads is a 2 MiB attention matrix, over a 1 MiB bound: refused where
     the graph that would run holds it, served where that graph is flash attention (no mask,
     `output` alone, a version with the fused graph)."""
-    from attnserve import contract
     from attnserve.server.graphs import GraphSet
+
+    from attnserve import contract
 
     spec = _spec(num_heads=8, dim=16)
     fused = GraphSet(frozenset(contract.GRAPH_FILES), {contract.FUSED: 16, contract.FUSED_KEY_PADDING: 16})

@@ -8,8 +8,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
-
 from attnserve.proto import inference_pb2_grpc as pb_grpc
+
 from tests.export_helpers import old_layout
 from tests.oip import eager, infer_request, outputs_of
 from tests.server_process import ServerProcess

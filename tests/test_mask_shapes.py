@@ -17,16 +17,15 @@ import grpc
 import numpy as np
 import pytest
 import torch
-
-from attnserve import contract
-from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server import codec
-from attnserve.server.batcher import Work, merge
 from attnserve.server.engine import Engine, choose_device
 from attnserve.server.graphs import GENERAL, HEADS, UNFUSED, GraphSet
-from attnserve.server.memory import AttentionDims, run_working_set
+from attnserve.server.memory.costs import AttentionDims, run_working_set
 from attnserve.server.repository import read_model_spec
+from attnserve.server.tensors import Work, merge
+
+from attnserve import contract
 from tests.export_helpers import old_layout
 from tests.oip import eager, infer_request, outputs_of
 from tests.seed_reference import Seed000MultiHeadAttention
@@ -143,7 +142,7 @@ def test_concurrent_mixed_forms_and_lengths_each_equal_the_seed(stub, seed000):
         cases.append(inputs("self_attention", rng, int(rng.integers(1, 3)), lq, lk, (None, *FORMS)[i % 5]))
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda x: stub.ModelInfer.future(infer_request("self_attention", **x)).result(), cases))
-    for x, answer in zip(cases, answers):
+    for x, answer in zip(cases, answers, strict=True):
         assert_close(outputs_of(answer), want(seed000, x))
 
 
@@ -211,7 +210,7 @@ def test_merged_forms_run_the_head_mask_graph_exactly(model_repository, seed000,
         output, probs = engine.run(feeds, want_probs)
         assert engine.runs[kind] == before + 1
         start = 0
-        for x, w in zip(xs, works):
+        for x, w in zip(xs, works, strict=True):
             got = {"output": output[start:start + w.rows, : w.q_len]}
             if want_probs:
                 got["attn_probs"] = probs[start:start + w.rows, :, : w.q_len, : w.k_len]

@@ -1,4 +1,4 @@
-"""server.memory's estimate against real peaks, and lifecycle.MemoryBudget's admission rules.
+"""server.memory's estimate against real peaks, and memory.budget.MemoryBudget's admission rules.
 
 The estimate is measured here, in a process of its own per graph (ONNX Runtime with the
 server's session options, its CPU arena off), over a grid of shapes of both presets: the peak
@@ -19,14 +19,18 @@ import time
 
 import numpy as np
 import pytest
-
-from attnserve.server import heap
-from attnserve.server.lifecycle import MemoryBudget, MemoryExhausted, MemoryTooLarge
+from attnserve.server.memory import heap
+from attnserve.server.memory.budget import MemoryBudget, MemoryExhausted, MemoryTooLarge
+from attnserve.server.memory.costs import (
+    MEASURED_FACTOR_RANGE,
+    AttentionDims,
+    default_memory_limit,
+    process_memory_bytes,
+    run_working_set,
+)
 from attnserve.server.repository import read_model_spec
-from attnserve.contract import (ALL_OUTPUTS, FUSED, FUSED_KEY_PADDING, HEAD_MASK, HEAD_MASK_KINDS,
-                                OUTPUT_ONLY)
-from attnserve.server.memory import (MEASURED_FACTOR_RANGE, AttentionDims, default_memory_limit,
-                                     process_memory_bytes, run_working_set)
+
+from attnserve.contract import ALL_OUTPUTS, FUSED, FUSED_KEY_PADDING, HEAD_MASK, HEAD_MASK_KINDS, OUTPUT_ONLY
 
 pytestmark = pytest.mark.e2e  # measures runs in fresh processes
 
@@ -42,9 +46,9 @@ def _peaks(repository: str, preset: str, kind: str, shapes: list) -> list[int]:
     """In a fresh process: the peak RSS over the RSS before, of one run of graph `kind` per shape
     (every key attended: the unfused graphs get an all-True mask, the key padding one all ones,
     the head-mask ones an all-True (b, h, lq, lk) head mask)."""
-    import onnxruntime as ort
     from pathlib import Path
 
+    import onnxruntime as ort
     from attnserve.server.engine import _graph_feeds, session_options
     from attnserve.server.repository import read_model_spec
 
@@ -54,9 +58,9 @@ def _peaks(repository: str, preset: str, kind: str, shapes: list) -> list[int]:
                 return int(line.split()[1]) * 1024
         raise RuntimeError(field)
 
-    from attnserve.server import heap
+    from attnserve.server.memory import heap
 
-    heap.configure_allocator()  # roomy, as a server whose large runs come alone (server.heap)
+    heap.configure_allocator()  # roomy, as a server whose large runs come alone (server.memory.heap)
     spec = read_model_spec(Path(repository) / preset)
     session = ort.InferenceSession(str(spec.graph_path(kind)), sess_options=session_options(1),
                                    providers=["CPUExecutionProvider"])
@@ -80,7 +84,7 @@ def _peaks(repository: str, preset: str, kind: str, shapes: list) -> list[int]:
 def _measured(model_repository, kinds: tuple[str, ...], monkeypatch) -> list[dict]:
     rows = []
     context = multiprocessing.get_context("spawn")
-    # The processes start with the allocator the server runs with (server.heap, "Roomy").
+    # The processes start with the allocator the server runs with (server.memory.heap, "Roomy").
     environ = heap.huge_pages_environment(os.environ)
     if environ is not None:
         monkeypatch.setenv("GLIBC_TUNABLES", environ["GLIBC_TUNABLES"])
@@ -88,7 +92,7 @@ def _measured(model_repository, kinds: tuple[str, ...], monkeypatch) -> list[dic
         for kind in kinds:
             with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
                 peaks = pool.submit(_peaks, str(model_repository), preset, kind, shapes).result(timeout=600)
-            for (b, lq, lk), peak in zip(shapes, peaks):
+            for (b, lq, lk), peak in zip(shapes, peaks, strict=True):
                 estimate = run_working_set(kind, DIMS[preset], b, lq, lk)
                 rows.append({"preset": preset, "graph": kind, "shape": [b, lq, lk], "peak": peak,
                              "estimate": estimate, "factor": round(estimate / max(peak, 1), 2),

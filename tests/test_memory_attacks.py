@@ -18,10 +18,9 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import pytest
-
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
+
 from tests.h2_client import RawGrpcClient
 from tests.oip import eager, infer_request, outputs_of, random_inputs
 from tests.server_process import ServerProcess
@@ -71,7 +70,8 @@ def _after_attack(proc: ServerProcess, eager_modules, name: str, limit: int, idl
 
 def _assert_bounded(peak: int, after: int, idle: int, limit: int, margin: int = SLACK) -> None:
     assert peak <= idle + limit + margin, (peak - idle) / MIB
-    assert after <= idle + BACK_NEAR_IDLE, f"RSS {after / MIB:.0f} MiB, idle {idle / MIB:.0f} MiB: memory did not go back"
+    assert after <= idle + BACK_NEAR_IDLE, (
+        f"RSS {after / MIB:.0f} MiB, idle {idle / MIB:.0f} MiB: memory did not go back")
 
 
 def _figures(name: str, **values) -> None:
@@ -401,7 +401,8 @@ def test_unary_answers_nobody_reads_are_held_back_by_flow_control_and_the_budget
                 if len(sids) < 40 and client.can_start():
                     sids.append(client.start_call(INFER, message))
                     continue
-                if not client.can_start() and all(client.calls[s].got_headers for s in sids if not client.calls[s].ended):
+                open_sids = [s for s in sids if not client.calls[s].ended]
+                if not client.can_start() and all(client.calls[s].got_headers for s in open_sids):
                     break  # every open stream holds a computed answer: HTTP/2 holds the client back
                 client.pump(0.1)
             held = [s for s in sids if not client.calls[s].ended]
@@ -605,7 +606,6 @@ def _typed_calls(address: str, calls: int) -> list[str]:
     checked against the raw answer (asked first), "SERVED" for one over the limit that was
     answered, or the status and its details."""
     import grpc as grpc_
-
     from attnserve.proto import inference_pb2_grpc as pb_grpc_
 
     rng = np.random.default_rng(6)
@@ -617,7 +617,7 @@ def _typed_calls(address: str, calls: int) -> list[str]:
         want = outputs_of(stub.ModelInfer(infer_request("cross_attention", **within), timeout=300))
         typed = [infer_request("cross_attention", raw=False, **x) for x in (over, within)]
         for _ in range(calls):
-            for request, checked in zip(typed, (False, True)):
+            for request, checked in zip(typed, (False, True), strict=True):
                 try:
                     response = stub.ModelInfer(request, timeout=300)
                     # Read at C speed (its packed bytes), so that this process does not take the

@@ -8,9 +8,9 @@ import shutil
 
 import numpy as np
 import pytest
-
 from attnserve.client import InferenceClient
 from attnserve.server.repository import ModelLoadError, read_model_spec
+
 from tests.oip import eager
 from tests.server_process import ServerProcess
 

@@ -14,10 +14,10 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
-
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
+from tritonclient.utils import InferenceServerException
+
 from tests.gated_server import GatedServer
 from tests.oip import eager, infer_request, outputs_of, random_inputs
 from tests.server_process import ServerProcess
@@ -208,7 +208,7 @@ def _wait_for_queue_depth(proc: ServerProcess, depth: int, timeout_s: float = 60
     line = f'attnserve_queue_depth{{model="{MODEL}"}} '
     while True:
         text = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
-        got = next((float(l[len(line):]) for l in text.splitlines() if l.startswith(line)), None)
+        got = next((float(row[len(line):]) for row in text.splitlines() if row.startswith(line)), None)
         if got == depth:
             return
         assert time.monotonic() < deadline, f"queue depth {got}, expected {depth}"
@@ -242,7 +242,7 @@ def test_a_swap_during_a_drain_loses_no_admitted_call(model_repository, second_v
             stub.ModelInfer(infer_request(MODEL, **cases[0]), timeout=30)
         assert late.value.code() == grpc.StatusCode.UNAVAILABLE
         proc.gate.release(100)
-        for x, future in zip(cases, futures):
+        for x, future in zip(cases, futures, strict=True):
             got = outputs_of(future.result(timeout=120))["output"]
             assert float(np.max(np.abs(got - eager(eager_modules[MODEL], **x)["output"]))) <= TOLERANCE
         assert proc.wait(timeout=60) == 0, proc.log()
@@ -449,7 +449,8 @@ def test_empty_repository_is_an_error_unless_models_can_come_later(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     result = subprocess.run([sys.executable, "-m", "attnserve", "serve", "--model-repository", str(empty),
-                             "--port", "0", "--metrics-port", "-1", "--workers", "1"], cwd=REPO_ROOT, capture_output=True,
+                             "--port", "0", "--metrics-port", "-1", "--workers", "1"], cwd=REPO_ROOT,
+                             capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 3, result.stderr
     assert "holds no model" in result.stderr and "--model-control-mode" in result.stderr

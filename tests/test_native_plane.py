@@ -18,13 +18,13 @@ import zlib
 import grpc
 import numpy as np
 import pytest
-
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server import native
 from attnserve.server.config import ServerConfig
 from attnserve.server.engine import Engine, choose_device
 from attnserve.server.repository import read_model_spec
+
 from tests.oip import infer_request, outputs_of
 from tests.server_process import ServerProcess
 from tests.test_mask_shapes import DIMS, assert_close, inputs, reference, seed000, want  # noqa: F401 (fixture)
@@ -178,7 +178,8 @@ def test_concurrent_calls_form_one_padded_batch_and_each_gets_its_own_rows(model
              for b, lq, lk, form in ((1, 9, 7, "b_q_k"), (2, 10, 6, None), (1, 8, 7, "q_k"), (2, 10, 6, "b_1_q_k"),
                                      (1, 9, 5, "b_h_q_k"), (1, 10, 7, None))]
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch, concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        with (grpc.insecure_channel(f"127.0.0.1:{port}") as ch,
+              concurrent.futures.ThreadPoolExecutor(len(cases)) as pool):
             stub = pb_grpc.GRPCInferenceServiceStub(ch)
             futures = [pool.submit(stub.ModelInfer, infer_request("self_attention", **x), timeout=60) for x in cases]
             deadline = time.monotonic() + QUEUED_WITHIN_S
@@ -198,7 +199,7 @@ def test_concurrent_calls_form_one_padded_batch_and_each_gets_its_own_rows(model
             assert plane.in_flight() == 0
     finally:
         plane.stop(1.0)
-    for x, got in zip(cases, answers):
+    for x, got in zip(cases, answers, strict=True):
         assert_close(got, want(seed000, x))
     counters = plane.counters()
     assert (counters["batches"], counters["requests"]) == (1, len(cases))

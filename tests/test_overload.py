@@ -17,10 +17,10 @@ import time
 import grpc
 import numpy as np
 import pytest
-
 from attnserve.proto import inference_pb2_grpc as pb_grpc
-from tests.oip import eager, infer_request, outputs_of, random_inputs
+
 from tests.gated_server import GatedServer
+from tests.oip import eager, infer_request, outputs_of, random_inputs
 
 QUEUE_SIZE = 4
 QUEUED_BYTES = 1 << 20
@@ -59,14 +59,14 @@ def _hammer(proc, model: str, cases: list[dict], wants: list[dict], waves: int, 
             indices = [wave * CONCURRENCY + i for i in range(CONCURRENCY)]
             futures = [pool.submit(stub.ModelInfer, requests[i % len(cases)], timeout=120) for i in indices]
             proc.gate.wait_started()  # the first batch runs, held
-            _wait_until(lambda: sum(f.done() for f in futures) >= CONCURRENCY - capacity)
+            _wait_until(lambda futures=futures: sum(f.done() for f in futures) >= CONCURRENCY - capacity)
             while True:  # one batch through the gate at a time, until every call is answered
                 proc.gate.release()
-                if _wait_until(lambda: all(f.done() for f in futures) or proc.gate.has_started()):
+                if _wait_until(lambda futures=futures: all(f.done() for f in futures) or proc.gate.has_started()):
                     if all(f.done() for f in futures) and not proc.gate.has_started():
                         break
                     proc.gate.wait_started()
-            for i, future in zip(indices, futures):
+            for i, future in zip(indices, futures, strict=True):
                 err = future.exception()
                 if err is None:
                     got = outputs_of(future.result())["output"]

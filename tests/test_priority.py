@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server import priority
+
 from tests.oip import infer_request, random_inputs
 from tests.server_process import ServerProcess
 

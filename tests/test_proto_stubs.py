@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from google.protobuf import descriptor as _d
-
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
+from google.protobuf import descriptor as _d
 
 pytestmark = pytest.mark.e2e  # imports the stubs in fresh interpreters and regenerates them
 
@@ -69,7 +68,8 @@ def test_declared_floors_are_what_the_stubs_need():
 
     pb2 = (PROTO_DIR / "inference_pb2.py").read_text(encoding="utf-8")
     gencode = ".".join(re.search(
-        r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", pb2).groups())
+        r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),",
+        pb2).groups())
     grpc_generated = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'",
                                (PROTO_DIR / "inference_pb2_grpc.py").read_text(encoding="utf-8")).group(1)
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
@@ -96,7 +96,8 @@ def test_stubs_import_beside_other_inference_definitions():
     code = (
         "from google.protobuf import descriptor_pb2, descriptor_pool\n"
         "def other():\n"
-        "    f = descriptor_pb2.FileDescriptorProto(name='theirs/grpc_service.proto', package='inference', syntax='proto3')\n"
+        "    f = descriptor_pb2.FileDescriptorProto(name='theirs/grpc_service.proto', package='inference',\n"
+        "                                           syntax='proto3')\n"
         "    m = f.message_type.add(name='ServerLiveResponse')\n"
         "    m.field.add(name='live', number=1, type=8, label=1)\n"
         "    return descriptor_pool.Default().AddSerializedFile(f.SerializeToString())\n"
@@ -106,7 +107,8 @@ def test_stubs_import_beside_other_inference_definitions():
         "if sys.argv[1] == 'ours-first': other()\n"
         "wire = inference_pb2.ServerLiveResponse(live=True).SerializeToString()\n"
         "assert wire == b'\\x08\\x01', wire\n"
-        "assert descriptor_pool.Default().FindMessageTypeByName('inference.ServerLiveResponse').file.name == 'theirs/grpc_service.proto'\n"
+        "found = descriptor_pool.Default().FindMessageTypeByName('inference.ServerLiveResponse')\n"
+        "assert found.file.name == 'theirs/grpc_service.proto'\n"
     )
     for order in ("theirs-first", "ours-first"):
         subprocess.run([sys.executable, "-c", code, order], cwd=REPO_ROOT, check=True)
@@ -120,9 +122,8 @@ def test_generate_refuses_output_it_does_not_recognise():
 
 
 def test_reflection_pool_resolves_each_service():
-    from grpc_health.v1 import health_pb2
-
     from attnserve.proto import reflection_pool
+    from grpc_health.v1 import health_pb2
 
     health = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     pool = reflection_pool(["inference.GRPCInferenceService", health])
@@ -157,7 +158,8 @@ SERVICE_RPCS = {
     "RepositoryIndex": ("RepositoryIndexRequest", "RepositoryIndexResponse", False, False),
     "RepositoryModelLoad": ("RepositoryModelLoadRequest", "RepositoryModelLoadResponse", False, False),
     "RepositoryModelUnload": ("RepositoryModelUnloadRequest", "RepositoryModelUnloadResponse", False, False),
-    **{f"{kind}SharedMemory{call}": (f"{kind}SharedMemory{call}Request", f"{kind}SharedMemory{call}Response", False, False)
+    **{f"{kind}SharedMemory{call}": (f"{kind}SharedMemory{call}Request", f"{kind}SharedMemory{call}Response", False,
+                                     False)
        for kind in ("System", "Cuda") for call in ("Status", "Register", "Unregister")},
 }
 

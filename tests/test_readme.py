@@ -7,6 +7,7 @@ import re
 from types import SimpleNamespace
 
 from attnserve.server.config import ServerConfig, env_name
+
 from tests.server_process import REPO_ROOT
 
 README_ONLY = (REPO_ROOT / "README.md").read_text()
@@ -23,9 +24,8 @@ def test_every_setting_is_documented_and_every_documented_one_exists():
 
 def test_metric_names_match_the_code():
     from attnserve.server.gate import ReceiveSlots
-    from attnserve.server.lifecycle import MemoryBudget
+    from attnserve.server.memory.budget import MemoryBudget
     from attnserve.server.metrics import Metrics
-
     from attnserve.server.workers import HUNG_METRIC, RESTARTS_METRIC
 
     metrics = Metrics()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from attnserve.server import codec
 
 
@@ -26,7 +25,8 @@ def test_bool_bytes_check_refuses_the_same_bytes_small_and_large(size):
 def test_bench_derived_goals_are_the_issues_formulas():
     from bench.__main__ import _derived_summary, derived
 
-    in_process = {1: {"ms_per_call": 0.11, "requests_per_s": 9091.0}, 32: {"ms_per_call": 2.26, "requests_per_s": 14134.0}}
+    in_process = {1: {"ms_per_call": 0.11, "requests_per_s": 9091.0},
+                  32: {"ms_per_call": 2.26, "requests_per_s": 14134.0}}
     floor = {1: {"p50_ms": 0.46, "requests_per_s": 2000.0}, 32: {"requests_per_s": 4669.0, "p50_ms": 6.0}}
     server = {1: {"p50_ms": 0.81, "requests_per_s": 1200.0}, 32: {"requests_per_s": 2692.0, "p50_ms": 11.0}}
     got = derived(in_process, server, floor)

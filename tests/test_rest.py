@@ -133,7 +133,8 @@ def test_json_over_the_limit_is_refused_pointing_to_binary_data(rest, server, ea
     is 400 before it is parsed; one whose answer's JSON data could be over it is 400 before it
     is computed; both name the limit and binary data. The same answer as binary is served."""
     x = random_inputs(np.random.default_rng(12), 4, 300, 40, 512, 512)
-    body = json.dumps({"inputs": [{"name": n, "shape": list(x[n].shape), "datatype": "FP32", "data": x[n].ravel().tolist()}
+    body = json.dumps({"inputs": [{"name": n, "shape": list(x[n].shape), "datatype": "FP32",
+                                   "data": x[n].ravel().tolist()}
                                   for n in ("query", "key", "value")]}).encode()
     assert len(body) > 8 << 20
     status, _, answer = _post(server.http_address, "/v2/models/self_attention/infer", body)

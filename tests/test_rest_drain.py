@@ -49,7 +49,7 @@ def test_sigterm_answers_every_admitted_rest_call_and_refuses_later_ones_with_50
         assert headers.get("Connection") == "close"  # go to another replica
         assert _post(proc.http_address, "/v2/health/ready", b"", method="GET")[:1] == (503,)
         proc.gate.release(100)
-        for x, future in zip(cases, futures):
+        for x, future in zip(cases, futures, strict=True):
             status, _, answer = future.result(timeout=120)
             assert status == 200 and _close(answer, x, eager_modules), answer
         assert proc.wait(timeout=60) == 0, proc.log()

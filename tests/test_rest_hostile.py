@@ -8,13 +8,12 @@ import http.client
 import json
 import logging
 import socket
-import threading
 import time
 
 import numpy as np
 import pytest
-
 from attnserve.server.ratelimit import RateLimitedLog
+
 from tests.oip import random_inputs
 from tests.server_process import ServerProcess
 from tests.test_rest import _post, _x_json

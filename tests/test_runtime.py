@@ -11,13 +11,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from attnserve import contract
-from attnserve.runtime import AttentionPredictor
 from attnserve.server.config import ServerConfig
 from attnserve.server.engine import choose_device
 from attnserve.server.models import ModelRegistry
 from attnserve.server.repository import read_model_spec
+
+from attnserve import contract
+from attnserve.runtime import AttentionPredictor
 from tests.oip import eager
 from tests.seed_reference import Seed000MultiHeadAttention, Seed002Multiheadattention
 

@@ -18,15 +18,15 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
 from attnserve.client import AsyncInferenceClient, InferenceClient, InferenceError
 from attnserve.client.options import RetryPolicy, TlsConfig
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server.config import ServerConfig, load_config
 from attnserve.server.security import BearerToken, SecurityError, bearer_token, read_token, server_credentials
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from tests.oip import eager, infer_request, random_inputs
 from tests.server_process import REPO_ROOT, ServerProcess
 from tests.tls_certs import Pki, make_pki
@@ -123,7 +123,8 @@ def test_async_client_with_tls_and_token_is_served(tls_server, pki, eager_module
     _assert_output_close(out["output"], eager(eager_modules["cross_attention"], **x)["output"])
 
 
-@pytest.mark.parametrize("token", [None, "wrong-token", TOKEN + "x", TOKEN[:-1]], ids=["none", "wrong", "longer", "shorter"])
+@pytest.mark.parametrize("token", [None, "wrong-token", TOKEN + "x", TOKEN[:-1]],
+                         ids=["none", "wrong", "longer", "shorter"])
 def test_client_without_the_right_token_is_unauthenticated(tls_server, pki, token):
     x = _cross(3)
     with InferenceClient(tls_server.address, tls=TlsConfig(ca_file=pki.ca), token=token, retry=NO_RETRY) as client:
@@ -269,7 +270,8 @@ def test_mtls_client_with_certificate_is_served(mtls_server, pki, eager_modules)
         out = client.infer("cross_attention", x["query"], x["key"], x["value"], mask=x["mask"])
     _assert_output_close(out["output"], eager(eager_modules["cross_attention"], **x)["output"])
     done = subprocess.run([sys.executable, "-m", "attnserve", "health", "--url", mtls_server.address,
-                           "--tls-ca", str(pki.ca), "--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key)],
+                           "--tls-ca", str(pki.ca), "--tls-cert", str(pki.client_cert), "--tls-key",
+                           str(pki.client_key)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "health: SERVING" in done.stdout, done.stderr
 

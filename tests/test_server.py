@@ -11,12 +11,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from attnserve.proto import inference_pb2 as pb
+from attnserve.proto import inference_pb2_grpc as pb_grpc
 from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from attnserve.proto import inference_pb2 as pb
-from attnserve.proto import inference_pb2_grpc as pb_grpc
 from tests.oip import eager, infer_request, outputs_of, random_inputs
 
 TOLERANCE = 1e-5
@@ -140,13 +140,13 @@ def test_reflection_describes_every_service(server):
         replies = list(stub.ServerReflectionInfo(iter(
             [reflection_pb2.ServerReflectionRequest(file_containing_symbol=name) for name in services])))
     assert len(replies) == len(services) >= 3
-    for name, reply in zip(services, replies):
+    for name, reply in zip(services, replies, strict=True):
         assert reply.WhichOneof("message_response") == "file_descriptor_response", (name, reply.error_response)
         files = [descriptor_pb2.FileDescriptorProto.FromString(b)
                  for b in reply.file_descriptor_response.file_descriptor_proto]
         package, _, service = name.rpartition(".")
         assert any(f.package == package and service in {s.name for s in f.service} for f in files), name
-    ours = next(r for n, r in zip(services, replies) if n == "inference.GRPCInferenceService")
+    ours = next(r for n, r in zip(services, replies, strict=True) if n == "inference.GRPCInferenceService")
     (inference_file,) = [descriptor_pb2.FileDescriptorProto.FromString(b)
                          for b in ours.file_descriptor_response.file_descriptor_proto]
     assert inference_file.name == pb.DESCRIPTOR.name
@@ -201,7 +201,7 @@ def test_concurrent_mixed_lengths_equal_unbatched(server, stub, eager_modules):
     before_sum = _metric(server, "attnserve_batch_requests_sum", "self_attention")
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         responses = list(pool.map(lambda x: stub.ModelInfer(infer_request("self_attention", **x)), cases))
-    for x, response in zip(cases, responses):
+    for x, response in zip(cases, responses, strict=True):
         _assert_close(outputs_of(response), eager(eager_modules["self_attention"], **x))
     runs = _metric(server, "attnserve_batch_requests_count", "self_attention") - before
     merged = _metric(server, "attnserve_batch_requests_sum", "self_attention") - before_sum
@@ -218,7 +218,7 @@ def test_stream_infer_answers_in_order(stub, eager_modules):
     responses = list(stub.ModelStreamInfer(iter(requests)))
     assert [r.infer_response.id for r in responses] == ["a", "bad", "b"]
     assert responses[1].error_message.startswith("INVALID_ARGUMENT") and "key" in responses[1].error_message
-    for x, r in zip(good, (responses[0], responses[2])):
+    for x, r in zip(good, (responses[0], responses[2]), strict=True):
         assert not r.error_message
         _assert_close(outputs_of(r.infer_response), eager(eager_modules["cross_attention"], **x))
 
@@ -334,7 +334,7 @@ def test_bad_request_does_not_harm_its_batch(stub, eager_modules):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         goods = [pool.submit(stub.ModelInfer, infer_request("self_attention", **x)) for x in good]
         bads = [pool.submit(stub.ModelInfer, bad) for _ in range(4)]
-        for x, f in zip(good, goods):
+        for x, f in zip(good, goods, strict=True):
             _assert_close(outputs_of(f.result()), eager(eager_modules["self_attention"], **x))
         for f in bads:
             assert f.exception().code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -382,7 +382,7 @@ def test_one_stream_batches_its_requests_and_answers_in_order(stub, eager_module
         iter([infer_request("cross_attention", request_id=str(i), **x) for i, x in enumerate(xs)]), timeout=60))
     runs = executions() - before
     assert [r.infer_response.id for r in responses] == [str(i) for i in range(24)]
-    for x, r in zip(xs, responses):
+    for x, r in zip(xs, responses, strict=True):
         assert not r.error_message
         _assert_close(outputs_of(r.infer_response), eager(eager_modules["cross_attention"], **x))
     assert runs < 24, "the stream's requests never shared a run"
@@ -459,7 +459,8 @@ def test_reflection_v1_as_grpcurl_and_postman_ask_it(server, tmp_path):
             v1_pb2.ServerReflectionRequest(file_containing_symbol="inference.GRPCInferenceService"),
             v1_pb2.ServerReflectionRequest(file_containing_symbol="grpc.reflection.v1.ServerReflection")]),
             timeout=10))
-    files = [[descriptor_pb2.FileDescriptorProto.FromString(b) for b in r.file_descriptor_response.file_descriptor_proto]
+    files = [[descriptor_pb2.FileDescriptorProto.FromString(b)
+              for b in r.file_descriptor_response.file_descriptor_proto]
              for r in replies]
     (inference,) = [f for f in files[0] if f.package == "inference"]
     assert {"RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"} <= {

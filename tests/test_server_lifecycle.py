@@ -12,11 +12,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2
-
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server.config import ServerConfig, load_config
+from grpc_health.v1 import health_pb2
+
 from tests.oip import eager, infer_request, outputs_of, random_inputs
 from tests.server_process import REPO_ROOT, ServerProcess
 

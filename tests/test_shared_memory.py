@@ -21,11 +21,11 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
+from attnserve.server import shm as server_shm
+from attnserve.server.memory.budget import MemoryBudget
 from tritonclient.utils import InferenceServerException
 
 from attnserve.contract import DATATYPES, INPUT_NAMES, OUTPUT_NAMES
-from attnserve.server import shm as server_shm
-from attnserve.server.lifecycle import MemoryBudget
 from tests.gated_server import GatedServer
 from tests.oip import CASES, WIDTHS, eager, random_inputs
 from tests.seed_reference import Seed000MultiHeadAttention
@@ -209,7 +209,7 @@ def test_each_validation_case_is_refused_and_the_server_serves_on(grpc_client, h
     register = grpc_client.register_system_shared_memory
     # Keys that are not plain shm names; a key that does not exist.
     for key in ("/a/b", "/..", "/.", "/bad\0key", "", "/", "/" + "k" * 300):
-        _refused(lambda: register("r", key, 16), "not a POSIX shm key")
+        _refused(lambda key=key: register("r", key, 16), "not a POSIX shm key")
     _refused(lambda: register("r", "/attnserve-test-absent", 16), "'r'", "cannot open")
     _refused(lambda: register("r", "/../etc/passwd", 16), "not a POSIX shm key")
     # Offsets and sizes against the object (64 KiB), overflow included.
@@ -268,7 +268,7 @@ def test_each_validation_case_is_refused_and_the_server_serves_on(grpc_client, h
     tensor = httpclient.InferInput("query", list(x["query"].shape), "FP32")
     tensor.set_shared_memory("good", nbytes + 4)
     rest_inputs = [tensor] + [httpclient.InferInput(n, list(x[n].shape), "FP32") for n in ("key", "value")]
-    for t, n in zip(rest_inputs[1:], ("key", "value")):
+    for t, n in zip(rest_inputs[1:], ("key", "value"), strict=True):
         t.set_data_from_numpy(x[n])
     _refused(lambda: http_client.infer("self_attention", rest_inputs), "'query'", f"{nbytes:,} bytes")
 
@@ -418,6 +418,7 @@ def test_a_lease_keeps_an_unregistered_region_mapped(regions):
 def test_the_kubernetes_example_shares_dev_shm_and_enables_the_extension():
     yaml = pytest.importorskip("yaml")
     from attnserve.server.config import load_config
+
     from tests.server_process import REPO_ROOT
 
     folder = REPO_ROOT / "deploy" / "k8s" / "shared-memory"
@@ -436,9 +437,8 @@ def test_the_kubernetes_example_shares_dev_shm_and_enables_the_extension():
 
 
 def test_the_messages_are_tritons():
-    from tritonclient.grpc import service_pb2 as triton
-
     from attnserve.proto import inference_pb2 as pb
+    from tritonclient.grpc import service_pb2 as triton
 
     def fields(desc):
         return {(f.name, f.number, f.type, f.label): fields(f.message_type) if f.message_type else None
@@ -447,7 +447,8 @@ def test_the_messages_are_tritons():
     names = [n for n in triton.DESCRIPTOR.message_types_by_name if "SharedMemory" in n]
     assert len(names) == 12
     for name in names:
-        assert fields(pb.DESCRIPTOR.message_types_by_name[name]) == fields(triton.DESCRIPTOR.message_types_by_name[name])
+        theirs = triton.DESCRIPTOR.message_types_by_name[name]
+        assert fields(pb.DESCRIPTOR.message_types_by_name[name]) == fields(theirs)
     ours = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_name
     for method in triton.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
         if "SharedMemory" in method.name:
@@ -459,6 +460,7 @@ def test_the_batch_cli_goes_through_shared_memory_when_the_server_allows_it(shm_
     from attnserve.client.batch import BatchJob, run_batch
     from attnserve.client.options import ClientOptions
     from attnserve.client.shm import same_host
+
     from tests.test_batch_job import assert_matches_eager, cli, make_input
 
     assert same_host(shm_server.address) and same_host("localhost:1") and not same_host("127.0.0.1:1,127.0.0.1:2")

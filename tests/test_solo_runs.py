@@ -10,8 +10,8 @@ import urllib.request
 
 import numpy as np
 import pytest
-
 from attnserve.client import InferenceClient
+
 from tests.server_process import ServerProcess
 
 

@@ -19,8 +19,7 @@ import threading
 
 import numpy as np
 import pytest
-
-from attnserve.server.stacking import place, stack
+from attnserve.server.stacking import concat_rows, place
 
 
 def _lets_go_of_the_gil(copy) -> bool:
@@ -61,7 +60,7 @@ def test_numpy_lets_go_of_the_gil_for_a_batch_and_stack_and_place_do_not():
     # inside one of the copy's windows: on one core that takes a preemption, so a few tries.
     # Holding the GIL (below) is seen on every try: the waiter can never run then.
     assert any(_lets_go_of_the_gil(lambda: np.concatenate(arrays)) for _ in range(10))
-    assert not _lets_go_of_the_gil(lambda: stack(arrays))
+    assert not _lets_go_of_the_gil(lambda: concat_rows(arrays))
     padded = np.zeros((12, 1100, 1024), np.float32)
     assert not _lets_go_of_the_gil(lambda: [place(padded, i, a) for i, a in enumerate(arrays)])
 
@@ -70,7 +69,7 @@ def test_numpy_lets_go_of_the_gil_for_a_batch_and_stack_and_place_do_not():
                                          ((2, 9, 11), np.bool_), ((1, 2, 3, 4), np.bool_), ((0, 4, 8), np.float32)])
 def test_stack_is_concatenate(shape, dtype):
     arrays = _requests(5, shape, dtype)
-    got = stack(arrays)
+    got = concat_rows(arrays)
     assert got.dtype == dtype and got.flags.c_contiguous and got.flags.writeable
     np.testing.assert_array_equal(got, np.concatenate(arrays))
 
@@ -78,12 +77,12 @@ def test_stack_is_concatenate(shape, dtype):
 def test_stack_takes_views_that_are_not_contiguous():
     base = _requests(3, (2, 10, 16))
     views = [a[:, ::2] for a in base]  # every other row
-    np.testing.assert_array_equal(stack(views), np.concatenate(views))
+    np.testing.assert_array_equal(concat_rows(views), np.concatenate(views))
 
 
 def test_place_is_the_padded_slice_assignment():
     rng = np.random.default_rng(0)
-    works = [rng.standard_normal((b, l, 8)).astype(np.float32) for b, l in ((2, 5), (1, 9), (3, 1))]
+    works = [rng.standard_normal((b, length, 8)).astype(np.float32) for b, length in ((2, 5), (1, 9), (3, 1))]
     padded, expected = np.zeros((6, 9, 8), np.float32), np.zeros((6, 9, 8), np.float32)
     start = 0
     for w in works:

@@ -12,11 +12,11 @@ import sys
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from attnserve.client import InferenceClient
+from attnserve.proto import inference_pb2 as pb
 from google.protobuf import descriptor_pool
 
-from attnserve.client import InferenceClient
 from attnserve.contract import DATATYPES, INPUT_NAMES, OUTPUT_NAMES
-from attnserve.proto import inference_pb2 as pb
 from tests.conftest import PRESET_NAMES
 from tests.oip import CASES, WIDTHS, eager, random_inputs
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from google.protobuf.message import DecodeError
-
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import wire
 from attnserve.server import codec
+from google.protobuf.message import DecodeError
 
 
 def _request(raw: list[bytes], typed: bool = False) -> pb.ModelInferRequest:
@@ -75,7 +74,8 @@ def test_codec_takes_the_wire_path_for_large_messages_only():
     data = codec.serialize_infer_response(response)
     assert pb.ModelInferResponse.FromString(data) == pb.ModelInferResponse(model_name="m",
                                                                           raw_output_contents=[array.tobytes()])
-    assert codec.serialize_infer_response(pb.ModelInferResponse(id="x")) == pb.ModelInferResponse(id="x").SerializeToString()
+    bare = pb.ModelInferResponse(id="x")
+    assert codec.serialize_infer_response(bare) == bare.SerializeToString()
 
 
 def test_a_serialized_answer_lets_go_of_its_tensors():
@@ -98,15 +98,15 @@ def test_a_serialized_answer_lets_go_of_its_tensors():
 def test_crowded_a_large_request_hands_freed_heap_back_and_a_small_one_does_not():
     import platform
 
-    from attnserve.server import heap
+    from attnserve.server.memory import heap
 
     assert heap.release_after(heap.TRIM_MIN_BYTES) is False  # roomy: nothing trims
-    heap.crowd()
+    heap.go_lean()
     try:
         assert heap.release_after(heap.TRIM_MIN_BYTES - 1) is False
         assert heap.release_after(heap.TRIM_MIN_BYTES) is (platform.libc_ver()[0] == "glibc")
     finally:
-        heap.uncrowd()
+        heap.go_roomy()
 
 
 # -- malformed bytes: a clear error, never a crash, a hang or a read past the message ----------------

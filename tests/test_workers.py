@@ -20,12 +20,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server.config import ServerConfig
 from attnserve.server.workers import BACKOFF_MAX_S, available_cpus, default_workers, restart_delay
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from tests.gated_server import GatedServer
 from tests.oip import eager, infer_request, outputs_of, random_inputs
 from tests.server_process import REPO_ROOT, ServerProcess

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-
 from attnserve.client import npzio
 from attnserve.client.batch import tables
 from attnserve.client.batch.shards import Shard
@@ -95,7 +94,7 @@ def merge_outputs(parts: list[Path], output: Path) -> int:
     if tables.is_table(output):
         pieces = [tables.read_parquet(p) for p in parts]
         names = list(pieces[0])
-        for path, piece in zip(parts, pieces):
+        for path, piece in zip(parts, pieces, strict=True):
             if list(piece) != names:
                 raise BatchError(f"{path}: columns {list(piece)}, expected {names} as in {parts[0]}")
         columns = {name: np.concatenate([piece[name] for piece in pieces]) for name in names}
@@ -103,7 +102,7 @@ def merge_outputs(parts: list[Path], output: Path) -> int:
         return len(columns[names[0]])
     headers = [npzio.read_headers(p) for p in parts]
     names = list(headers[0])
-    for path, header in zip(parts, headers):
+    for path, header in zip(parts, headers, strict=True):
         if list(header) != names or any(header[n].shape[1:] != headers[0][n].shape[1:] for n in names):
             raise BatchError(f"{path}: arrays {({n: h.shape for n, h in header.items()})} differ from "
                              f"{parts[0]}'s; merge the outputs of one sharded job")

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import IO, Callable
+from collections.abc import Callable
+from typing import IO
 
 DEFAULT_EVERY_S = 5.0  # seconds between progress lines when the stream is not a TTY
 
@@ -55,7 +56,8 @@ class Progress:
     def advance(self, items: int) -> None:
         self.done += items
         now = self._clock()
-        if self._stream is not None and (now - self._last_draw >= self._every_s or (self._tty and self.done == self.total)):
+        due = now - self._last_draw >= self._every_s or (self._tty and self.done == self.total)
+        if self._stream is not None and due:
             self._last_draw = now
             self._draw()
 

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from attnserve.client.batch import tables
 from attnserve.client.batch.spec import BatchError
+
 from attnserve.contract import ITEM_ID, OUTPUT_NAMES
 from attnserve.files import remove_temporaries
 
@@ -276,5 +276,6 @@ def _cause(err: BaseException) -> str:
         if not type(e).__module__.startswith("ray"):
             text = str(e).strip()  # Ray appends lines of its own (how to configure retries)
             return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
-    lines = [line.strip() for line in str(chain[0]).splitlines() if re.match(r"^[\w.]+(Error|Exception): ", line.strip())]
+    lines = [line.strip() for line in str(chain[0]).splitlines()
+             if re.match(r"^[\w.]+(Error|Exception): ", line.strip())]
     return lines[-1] if lines else f"{type(chain[0]).__name__}: {str(chain[0]).strip()[:500]}"

@@ -11,7 +11,6 @@ import asyncio
 from collections import Counter
 
 import numpy as np
-
 from attnserve.client import npzio
 from attnserve.client.batch import tables
 from attnserve.client.batch.plan import Chunk

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-
 from attnserve.client import codec
 from attnserve.client.aio import AsyncInferenceClient
 from attnserve.client.batch.manifest import Manifest
@@ -28,8 +27,8 @@ from attnserve.client.batch.spec import BatchError, BatchJob, BatchSummary
 from attnserve.client.batch.workdir import WorkDir
 from attnserve.client.errors import InferenceError
 from attnserve.client.options import ClientOptions
-from attnserve.client.tracecontext import JobTrace
 from attnserve.client.shm import EXTENSION, SharedMemorySlot, same_host
+from attnserve.client.tracecontext import JobTrace
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,7 +77,8 @@ class BatchJob:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.shared_memory not in SHARED_MEMORY_MODES:
-            raise ValueError(f"shared_memory must be one of {', '.join(SHARED_MEMORY_MODES)}, got {self.shared_memory!r}")
+            raise ValueError(f"shared_memory must be one of {', '.join(SHARED_MEMORY_MODES)}, "
+                             f"got {self.shared_memory!r}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.shard is not None:

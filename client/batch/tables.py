@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from attnserve.files import write_atomic
 from attnserve.contract import ITEM_ID
+from attnserve.files import write_atomic
 
 SUFFIX = ".parquet"
 TENSOR_COLUMNS = ("query", "key", "value", "mask")

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import IO
 
 import numpy as np
-
 from attnserve.client.batch.manifest import Manifest
 from attnserve.client.batch.spec import BatchError
+
 from attnserve.files import read_json, remove_temporaries, write_atomic, write_json_atomic
 
 MANIFEST = "manifest.json"

@@ -113,9 +113,8 @@ def _default_pool_file(symbol: str) -> str:
 # -- children: each runs in its own process ---------------------------------------------------
 
 def child_triton(address: str) -> list[tuple[str, Check]]:
-    import tritonclient.grpc as grpcclient
-
     import attnserve.client  # noqa: F401  (both in this process from here on)
+    import tritonclient.grpc as grpcclient
 
     def one_process() -> str:
         from attnserve.proto import inference_pb2
@@ -156,12 +155,11 @@ def child_triton(address: str) -> list[tuple[str, Check]]:
 def child_kserve(address: str) -> list[tuple[str, Check]]:
     import asyncio
 
+    import attnserve.client  # noqa: F401
     import grpc
     import kserve
     from kserve.protocol.grpc import grpc_predict_v2_pb2 as kserve_pb
     from kserve.protocol.grpc import grpc_predict_v2_pb2_grpc as kserve_pb_grpc
-
-    import attnserve.client  # noqa: F401
 
     def one_process() -> str:
         from attnserve.proto import inference_pb2
@@ -288,7 +286,8 @@ def child_proto_plus(installed: str) -> list[tuple[str, Check]]:
 
         assert isinstance(proto.Message, type), proto.Message
         theirs = importlib.metadata.distribution("proto-plus").locate_file("proto/__init__.py")
-        assert Path(proto.__file__).resolve() == Path(theirs).resolve(), f"`proto` is {proto.__file__}, not proto-plus's"
+        assert Path(proto.__file__).resolve() == Path(theirs).resolve(), (
+            f"`proto` is {proto.__file__}, not proto-plus's")
         return f"proto-plus {importlib.metadata.version('proto-plus')}, {proto.__file__}"
 
     def attnserve_import() -> str:

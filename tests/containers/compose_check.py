@@ -273,7 +273,8 @@ def check_drain(port: int, http_port: int, modules, victim: str) -> None:
         with InferenceClient(f"127.0.0.1:{port}", timeout_s=30.0) as c:
             while not stop.is_set():
                 try:
-                    infer_and_check(c, modules, ("self_attention", "cross_attention")[counts[index] % 2], rng, 1, 6, 6, False)
+                    infer_and_check(c, modules, ("self_attention", "cross_attention")[counts[index] % 2], rng, 1, 6, 6,
+                                    False)
                     counts[index] += 1
                 except Exception as err:  # noqa: BLE001 - every failure is reported
                     errors.append(f"{type(err).__name__}: {err}")
@@ -394,7 +395,8 @@ def check_cuda_image_without_cuda() -> None:
                      "attnserve:cuda-standin", check_rc=False, timeout=180)
         text = run.stdout + run.stderr
         lines = [line for line in text.splitlines() if "cannot start:" in line]
-        check(run.returncode == 3 and len(lines) == 1 and "CUDAExecutionProvider is listed but cannot run here" in lines[0]
+        check(run.returncode == 3 and len(lines) == 1
+              and "CUDAExecutionProvider is listed but cannot run here" in lines[0]
               and "libcublasLt.so.12" in lines[0],
               "attnserve:cuda-standin (ATTNSERVE_DEVICE=cuda) exits 3 with one line naming the library that does "
               f"not load: {lines[0].split('cannot start: ', 1)[-1][:200] if lines else ''}",

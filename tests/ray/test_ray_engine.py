@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from attnserve.client.batch import BatchError, tables
 from attnserve.client.batch.ray_job import RayJob, part_paths, read_output, run_ray_job, written_ids
+
 from tests.gated_proxy import GatedProxy
 from tests.server_process import REPO_ROOT, ServerProcess
 from tests.test_batch_job import inference_count
@@ -82,7 +82,8 @@ def test_client_fleet_round_robin_equals_the_seed(ray_cluster, model_repository,
         assert sum(counts) == 48 and min(counts) > 0, counts  # round robin: each server took some
         got = read_output(tmp_path / "out")
         assert got["id"].tolist() == list(range(48))
-        assert_close({"output": got["output"]}, {"output": seed_answer("self_attention", seeds, eager_modules, x)["output"]})
+        assert_close({"output": got["output"]},
+                     {"output": seed_answer("self_attention", seeds, eager_modules, x)["output"]})
     finally:
         for s in servers:
             s.stop()
@@ -121,7 +122,8 @@ def test_a_killed_fleet_job_resumes_sending_only_what_no_part_holds(ray_cluster,
         assert 48 - written < 48 / 2  # the rerun sent well under the whole input
         got = read_output(out)
         assert got["id"].tolist() == list(range(48))
-        assert_close({"output": got["output"]}, {"output": seed_answer("cross_attention", seeds, eager_modules, x)["output"]})
+        assert_close({"output": got["output"]},
+                     {"output": seed_answer("cross_attention", seeds, eager_modules, x)["output"]})
     finally:
         proxy.stop()
         server.stop()

@@ -1,9 +1,9 @@
 """What the server answers, whichever transport asked: the Open Inference Protocol's messages.
 
-    answers = Answers(registry, metrics, draining)
-    answers.server_ready()                            # health: bool
-    answers.model_metadata(name, version)            # pb.ModelMetadataResponse (and config, stats, index)
-    response, status = await answers.infer(request, time_remaining_s)  # decode -> batcher -> encode
+    request_path = RequestPath(registry, metrics, draining)
+    request_path.server_ready()                            # health: bool
+    request_path.model_metadata(name, version)            # pb.ModelMetadataResponse (and config, stats, index)
+    response, status = await request_path.infer(request, time_remaining_s)  # decode -> batcher -> encode
     response.release()                                # once sent: its memory budget share back
 
 Both transports are thin adapters over this one request path: the gRPC servicer (server.service)
@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import time
 
-from attnserve.contract import TensorSpec
 from attnserve.proto import inference_pb2 as pb
 from attnserve.server import __version__, codec, shm
-from attnserve.server.echo import echo
 from attnserve.server.errors import CANCELLED, OK, Status, status_for
 from attnserve.server.lifecycle import Draining
 from attnserve.server.metrics import Metrics
 from attnserve.server.models import ModelNotFound, ModelRegistry
+from attnserve.server.quoting import quoted
 from attnserve.server.repository import ModelSpec
 from attnserve.server.tracing import Call, Calls
+
+from attnserve.contract import TensorSpec
 
 SERVER_NAME = "attnserve"
 # "model_repository" also means load/unload; binary_tensor_data is the REST port's.
@@ -43,7 +44,7 @@ def _duration(d) -> pb.StatisticDuration:
     return pb.StatisticDuration(count=d.count, ns=d.ns)
 
 
-class Answers:
+class RequestPath:
     def __init__(self, registry: ModelRegistry, metrics: Metrics, draining: Draining,
                  calls: Calls | None = None, shared_memory: shm.SystemSharedMemory | None = None) -> None:
         """draining: the server's (shared with the gates): not ready from SIGTERM on.
@@ -221,5 +222,5 @@ class Answers:
 
 def _check_repository(name: str) -> None:
     if name:
-        raise ModelNotFound(f"unknown repository {echo(name)}: this server serves one, "
+        raise ModelNotFound(f"unknown repository {quoted(name)}: this server serves one, "
                             "ask with an empty repository_name")

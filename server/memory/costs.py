@@ -30,7 +30,7 @@ FLOAT = 4  # bytes of a float32
 # never below the peak, and not so far above it that the budget turns away what would fit.
 MEASURED_FACTOR_RANGE = (1.0, 2.2)
 SAFETY = 1.1  # over the fitted figure, which a fresh process's peak may pass by a little
-# Runs of this much or more get their blocks on 2 MiB huge pages (server.heap, "Roomy"), which
+# Runs of this much or more get their blocks on 2 MiB huge pages (server.memory.heap, "Roomy"), which
 # round each block's last page up, so the peaks of such runs can pass the fitted figure by a few
 # MiB (tests/test_memory.py's grid). They get HUGE_PAGE_SLACK_BYTES more.
 HUGE_PAGE_SLACK_FROM_BYTES = 16 << 20

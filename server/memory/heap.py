@@ -3,8 +3,8 @@ crowded (the one place that sets it up and trims).
 
     huge_pages_environment(env)  # the environment main() re-executes the server with, or None
     configure_allocator()        # once at startup: the roomy mode
-    crowd()                      # a second large use of the memory budget began: the lean mode
-    uncrowd()                    # the budget is quiet again: the roomy mode
+    go_lean()                    # a second large use of the memory budget began: the lean mode
+    go_roomy()                   # the budget is quiet again: the roomy mode
     release_after(nbytes)        # lean mode: trim after a large message parsed or a large run
     reclaim()                    # once large work is over: collect cycles, trim
     trim()                       # give freed heap back now
@@ -17,8 +17,8 @@ crowded (the one place that sets it up and trims).
   it freed for itself, and a long request's buffers cannot reuse each other.
 - Reclaim collects reference cycles before trimming: a refused request's exception holds its
   tensors until the cyclic collector runs.
-- settle() freezes what exists at startup out of the collector's walk (a collection holds the
-  GIL); unsettle() gives it back when a model version goes.
+- freeze_gc() freezes what exists at startup out of the collector's walk (a collection holds the
+  GIL); unfreeze_gc() gives it back when a model version goes.
 An operator's own glibc tunables are left as they are. Elsewhere than glibc on Linux nothing is
 set or trimmed. Figures and history: docs/design.md ("The heap") and docs/server.md (Memory).
 """
@@ -51,7 +51,7 @@ _TUNABLES = "GLIBC_TUNABLES"
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 _libc: ctypes.CDLL | None | bool = None  # looked up once; False where it is not glibc
-_lean = False  # the mode: crowd() .. uncrowd()
+_lean = False  # the mode: go_lean() .. go_roomy()
 _operator_set = frozenset[str]()  # the thresholds the environment sets: "mmap", "trim"
 
 
@@ -117,7 +117,7 @@ def configure_allocator(environ: Mapping[str, str] = os.environ) -> None:
         libc.mallopt(_M_ARENA_MAX, ARENA_MAX)
 
 
-def crowd() -> None:
+def go_lean() -> None:
     """A second large use of the memory budget is held: the lean mode. The caller trims next
     (off the event loop), giving back what the roomy mode kept."""
     global _lean
@@ -125,7 +125,7 @@ def crowd() -> None:
     _set(LEAN_MMAP_THRESHOLD_BYTES, LEAN_TRIM_THRESHOLD_BYTES, huge_pages=False)
 
 
-def uncrowd() -> None:
+def go_roomy() -> None:
     """The budget is quiet again: back to the roomy mode."""
     global _lean
     _lean = False
@@ -152,15 +152,15 @@ def release_after(nbytes: int) -> bool:
     return _lean and nbytes >= TRIM_MIN_BYTES and trim()
 
 
-def settle() -> None:
+def freeze_gc() -> None:
     """Once the server has started: every object that exists now is left out of the cyclic
     collector's walks from now on (module docstring, "The cyclic collector")."""
     gc.freeze()
 
 
-def unsettle() -> None:
-    """Undo settle(): what it left out is collectable again (a model version was unloaded or
-    replaced; collections walk everything again, as before settle)."""
+def unfreeze_gc() -> None:
+    """Undo freeze_gc(): what it left out is collectable again (a model version was unloaded or
+    replaced; collections walk everything again, as before freeze_gc)."""
     gc.unfreeze()
 
 
