@@ -69,6 +69,17 @@ LIMITS: tuple[Limit, ...] = (
           8190, ("rest.RestPort",), constant="rest.MAX_FIELD_BYTES"),
     Limit("REST headers", "header fields of one REST request (431)",
           64, ("rest.RestPort",), constant="rest.MAX_HEADERS"),
+    Limit("request parameters", "entries of one `parameters` map of a ModelInfer request, counted on the wire "
+          "before a large message is parsed (INVALID_ARGUMENT)",
+          64, ("parsing.bounded_infer_request",), constant="parsing.MAX_PARAMETERS"),
+    Limit("request parameters bytes", "bytes of a ModelInfer request's `parameters` maps together (INVALID_ARGUMENT)",
+          16 << 10, ("parsing.bounded_infer_request",), constant="parsing.MAX_PARAMETERS_BYTES"),
+    Limit("request fields", "top-level fields of one ModelInfer message (INVALID_ARGUMENT)",
+          4096, ("parsing.bounded_infer_request",), constant="parsing.MAX_REQUEST_FIELDS"),
+    Limit("shared memory regions", "system shared memory regions registered at once (INVALID_ARGUMENT)",
+          64, ("shm.SystemSharedMemory.register",), setting="shared_memory_max_regions"),
+    Limit("shared memory bytes", "bytes of all registered regions together, also reserved in the memory budget "
+          "(INVALID_ARGUMENT)", 4 * GiB, ("shm.SystemSharedMemory.register",), setting="shared_memory_max_bytes"),
     Limit("quoted text", "characters of client text an error message quotes",
           100, ("quoting.quoted",), constant="quoting.QUOTED_CHARS"),
     Limit("error details", "characters of an error's details (the grpc-message trailer)",
