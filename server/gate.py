@@ -283,7 +283,16 @@ class CallGate(grpc.GenericRpcHandler):
                 try:
                     if taken is None:
                         taken = await receive.take()
-                    request = await anext(aiter(request_iterator), None)
+                    messages = aiter(request_iterator)
+                    request = await anext(messages, None)
+                    if request is not None:
+                        # Read the end of the stream too: grpcio 1.72 keeps a call's HTTP/2 stream
+                        # open until it is read (max_concurrent_streams then refuses new calls).
+                        try:
+                            async with asyncio.timeout(ReceiveSlots.STALE_S):
+                                await anext(messages, None)
+                        except TimeoutError:
+                            pass  # a client that never half-closes: its message is here, go on
                 except BaseException:  # cancelled, or the peer went away, before the message came
                     admission.started(ticket)
                     admission.finished()
