@@ -187,9 +187,15 @@ class RestPort:
                 return _Closing()  # every connection has a request in hand
             oldest = next(iter(self._waiting))
             self._waiting.pop(oldest)
+            self._open.discard(oldest)
             self.evictions += 1
-            oldest.force_close()
-        return _Connection(self, self._web, loop=asyncio.get_running_loop(), **self._web_options)
+            oldest.evict()
+        connection = _Connection(self, self._web, loop=asyncio.get_running_loop(), **self._web_options)
+        # Counted from here, not from connection_made: asyncio accepts a burst of connections
+        # (and a TLS handshake runs) before any of them is made.
+        self._open.add(connection)
+        self._waiting[connection] = None
+        return connection
 
     @property
     def open_connections(self) -> int:
@@ -198,8 +204,6 @@ class RestPort:
     # -- connections: the request head's timer and the waiting order (see _Connection) --------
 
     def _opened(self, connection: _Connection) -> None:
-        self._open.add(connection)
-        self._waiting[connection] = None
         connection.time_head(self._head_timeout_s)
 
     def _head_came(self, connection: _Connection) -> None:
@@ -549,10 +553,20 @@ class _Connection(web.RequestHandler):
         self._port = port
         self._head_timer: asyncio.TimerHandle | None = None
         self._idle = False  # between requests: the next byte starts a head
+        self._evicted = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self._port._opened(self)
+        if self._evicted:  # closed for a newer connection before it was made
+            self.force_close()
+        else:
+            self._port._opened(self)
+
+    def evict(self) -> None:
+        """Close this connection (or, not yet made, close it when it is) without an answer."""
+        self._evicted = True
+        self.untime_head()
+        self.force_close()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._port._lost(self)

@@ -4,9 +4,11 @@ as JSON, numbers JSON cannot carry, and client faults that log little and count 
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import logging
+import select
 import socket
 import time
 
@@ -73,6 +75,57 @@ def test_connections_that_never_finish_their_heads_cannot_hold_the_port(capped_s
     finally:
         for sock in held:
             sock.close()
+
+
+def test_connections_accepted_in_one_burst_count_against_the_cap_each():
+    """asyncio accepts a burst of connections before it makes any of them: each one of the burst
+    counts against the cap from its acceptance, so the port never holds more than the cap."""
+    from attnserve.server.lifecycle import Admission, Arrivals, Draining
+    from attnserve.server.metrics import Metrics
+    from attnserve.server.models import ModelRegistry
+    from attnserve.server.request_path import RequestPath
+    from attnserve.server.rest import RestPort
+
+    def connect_all(port: int, count: int) -> list[socket.socket]:
+        """`count` connections, each established (in the listener's queue) before this returns:
+        the event loop is not run meanwhile, so it finds them all at once."""
+        socks = [socket.socket() for _ in range(count)]
+        for sock in socks:
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", port))
+        for sock in socks:
+            _, writable, _ = select.select([], [sock], [], 30)
+            assert writable and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+        return socks
+
+    async def until(predicate, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not predicate():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.01)
+
+    async def main() -> tuple[int, int, int, int]:
+        draining = Draining()
+        rest = RestPort(RequestPath(ModelRegistry(), Metrics(), draining), Admission(Arrivals()), draining, None, 1 << 20,
+                        max_connections=4, head_timeout_s=60)
+        port = await rest.start("127.0.0.1", 0)
+        held = []
+        try:
+            held += connect_all(port, 2)
+            await until(lambda: rest.open_connections == 2, "the first two connections made")
+            held += connect_all(port, 4)  # one burst, two over the cap
+            await until(lambda: rest.evictions >= 2, "two evictions for the burst")
+            burst = (rest.open_connections, rest.evictions)
+            held += connect_all(port, 2)
+            await until(lambda: rest.evictions >= 4, "two more evictions")
+            await asyncio.sleep(0.05)  # let the evicted connections' losses arrive
+            return (*burst, rest.open_connections, rest.evictions)
+        finally:
+            for sock in held:
+                sock.close()
+            await rest.close(0)
+
+    assert asyncio.run(main()) == (4, 2, 4, 4)
 
 
 def _closed_without_an_answer(sock: socket.socket) -> bool:
