@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING
 from attnserve.server.config import ServerConfig, load_config
 
 if TYPE_CHECKING:
-    from attnserve.server.models import RunBatchFactory, WarmUpHold
+    from collections.abc import Callable
+
+    from attnserve.server.app import Server
+    from attnserve.server.models import RunBatchFactory
 
 logger = logging.getLogger("attnserve.server")
 
@@ -26,7 +29,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 async def serve(config: ServerConfig, run_batch: RunBatchFactory | None = None,
-                warm_up_hold: WarmUpHold | None = None) -> int:
+                warm_up_hold: Callable[[Server, str, int], None] | None = None) -> int:
     """Serve until a stop signal, then drain; the exit status. run_batch, warm_up_hold: see app.Server."""
     from attnserve.server.app import Server
     from attnserve.server.engine import DeviceUnavailable
@@ -84,7 +87,7 @@ def configure_logging(config: ServerConfig) -> None:
 
 
 def run(config: ServerConfig, argv: list[str], command: list[str], run_batch: RunBatchFactory | None = None,
-        warm_up_hold: WarmUpHold | None = None) -> int:
+        warm_up_hold: Callable[[Server, str, int], None] | None = None) -> int:
     """Serve in this process, or as the supervisor of --workers processes, each `command argv`
     (server.workers). The supervisor imports no ONNX Runtime and loads no model."""
     from attnserve.server.workers import WorkerContext, default_workers, supervise

@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -35,7 +36,7 @@ from attnserve.server.memory.costs import DEFAULT_SHARE, default_memory_limit
 from attnserve.server.memory.reclaim import Reclaimer
 from attnserve.server.metrics import Metrics
 from attnserve.server.metrics_http import MetricsEndpoint
-from attnserve.server.models import ModelRegistry, RunBatchFactory, WarmUpHold
+from attnserve.server.models import ModelRegistry, RunBatchFactory
 from attnserve.server.repository import ModelLoadError
 from attnserve.server.request_path import RequestPath
 from attnserve.server.rest import RestPort
@@ -133,12 +134,14 @@ def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.Server
 
 class Server:
     def __init__(self, config: ServerConfig, run_batch: RunBatchFactory | None = None,
-                 worker: WorkerContext | None = None, warm_up_hold: WarmUpHold | None = None) -> None:
+                 worker: WorkerContext | None = None,
+                 warm_up_hold: Callable[[Server, str, int], None] | None = None) -> None:
         """run_batch: how each model's batches are computed, made from its spec; None (the
         server) is ONNX Runtime. bench.floor passes one that returns zeros, to measure this
         stack's own cost with the real gate, servicer and batchers. worker: this process is one
         of several serving the same ports (server.workers); None: the server is this process.
-        warm_up_hold: called before each version's warm-up, on its thread (a test's hold)."""
+        warm_up_hold: called (this server, model, version) before each version's warm-up, on its
+        thread: a test's hold (tests.warmup_held_server)."""
         self.config = config
         self._warm_up_hold = warm_up_hold
         self.worker = worker
@@ -197,7 +200,8 @@ class Server:
                                  "poll to load models later")
         self.registry.started_at = started
         self.registry.listener = self._model_changed
-        self.registry.warm_up_hold = self._warm_up_hold
+        if self._warm_up_hold is not None:
+            self.registry.warm_up_hold = functools.partial(self._warm_up_hold, self)
         self.registry.start()
         if cfg.allow_shared_memory:
             self._shared_memory = SystemSharedMemory(cfg.shared_memory_max_regions, cfg.shared_memory_max_bytes,
