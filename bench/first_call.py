@@ -3,8 +3,8 @@ without warm-up (server.warmup; docs/performance.md, "Warm-up: first calls after
 
 For each --warmup mode, a fresh server per round: once its ready file is written, each probe (a
 request shape that takes one graph; the first one per model absorbs the request path's own first
-use) is sent once (its first call), then `--calls` more times (steady state: their median). The ratio first / steady is what a caller right after readiness
-pays. Writes bench/results/first-call.json; prints a table.
+use) is sent once (its first call), then `--calls` more times (steady state: their median). The
+ratio first / steady is what a caller right after readiness pays. Writes bench/results/first-call.json; prints a table.
 
     python -m bench.first_call --repository models [--rounds 2] [--calls 15]
 """
@@ -38,7 +38,8 @@ def probes(spec) -> dict[str, tuple[int, str, tuple[str, ...]]]:
     padding mask, one asking for attn_probs."""
     crossover = max((n for _k, n in spec.crossover), default=0)
     long = crossover if crossover > 16 else 512
-    return {"model's first call, L=8": (8, "none", ("output",)), "short": (16, "none", ("output",)), f"crossover L={long}": (long, "none", ("output",)),
+    return {"model's first call, L=8": (8, "none", ("output",)), "short": (16, "none", ("output",)),
+            f"crossover L={long}": (long, "none", ("output",)),
             "short, key padding mask": (16, "key_padding", ("output",)),
             "short, attn_probs": (16, "none", ("output", "attn_probs"))}
 
