@@ -242,9 +242,6 @@ class Server:
 
         for name in self.registry.known_names():
             await self._model_changed(name, self.registry.ready(name))
-        if cfg.data_plane == "native":
-            self.native_port = self._start_native(request_path)
-
         if cfg.http_port >= 0:
             self._rest = RestPort(request_path, self._admission, self._draining, token, cfg.max_message_bytes,
                                   cfg.access_log, cfg.max_json_bytes, budget=self.budget,
@@ -274,6 +271,8 @@ class Server:
         # Readiness stays false (index: WARMING) until each model's graphs have run (server.warmup);
         # the ready file is written after, so it still means ready.
         await self.registry.warm_up_at_start()
+        if cfg.data_plane == "native":  # it serves the models ready now: warmed
+            self.native_port = self._start_native(request_path)
         # What exists now lives as long as the server: the cyclic collector need not walk it
         # again (server.memory.heap.freeze_gc; a model change gives it back: _model_changed).
         heap.freeze_gc()
