@@ -25,6 +25,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from attnserve.server import priority
@@ -128,6 +129,17 @@ class LoadedVersion:
     fingerprint: tuple = ()  # repository.version_fingerprint when it was loaded
     warm_up: WarmUp | None = None  # None: nothing to warm (a run_batch given, not ONNX Runtime)
 
+
+
+class _Opened(NamedTuple):
+    """One version's sessions opened (ModelRegistry._open), not yet installed."""
+
+    run: RunBatch
+    runs_on: str
+    fingerprint: tuple
+    graphs: GraphSet
+    run_solo: RunBatch | None
+    warm_up: WarmUp | None
 
 
 @dataclass(frozen=True)
@@ -373,9 +385,9 @@ class ModelRegistry:
                 # Warmed before it is installed: what served before serves meanwhile (a hot swap).
                 self._warming_loads[name] = tuple(sorted(built))
                 try:
-                    for version, parts in sorted(built.items()):
-                        if parts[5] is not None:
-                            await asyncio.to_thread(self._warm, name, version, parts[5])
+                    for version, opened in sorted(built.items()):
+                        if opened.warm_up is not None:
+                            await asyncio.to_thread(self._warm, name, version, opened.warm_up)
                 except Exception as err:  # a run of a graph that check_servable's tiny run passed
                     failures[min(built)] = f"warm-up failed: {_reason(err)}"
                 finally:
@@ -448,7 +460,7 @@ class ModelRegistry:
     def _read(self, name: str) -> tuple[ModelSpec, ...]:
         return read_model_specs(self.root / name, self.config.pinned_versions.get(name))
 
-    def _open(self, spec: ModelSpec) -> tuple[RunBatch, str, tuple, GraphSet, RunBatch | None, WarmUp | None]:
+    def _open(self, spec: ModelSpec) -> _Opened:
         """Blocking: the run of one version (its ONNX Runtime sessions), what it runs on, its
         fingerprint as read before opening (a change while opening is seen next time), the
         graphs it runs (a run_batch without an Engine: UNFUSED, every run counts its whole matrix)
@@ -456,8 +468,8 @@ class ModelRegistry:
         its warm-up (None with a run_batch given: no ONNX Runtime sessions to warm)."""
         fingerprint = version_fingerprint(spec)
         if self._run_batch is not None:
-            return (self._run_batch(spec), "a run_batch given to the server, no ONNX Runtime", fingerprint, UNFUSED,
-                    None, None)
+            return _Opened(self._run_batch(spec), "a run_batch given to the server, no ONNX Runtime", fingerprint,
+                           UNFUSED, None, None)
         device = self._device
         if device is None:
             raise RuntimeError("ModelRegistry has no device to open models on")
@@ -473,7 +485,8 @@ class ModelRegistry:
         def warm() -> dict:
             return warm_up(engine, spec, runs, ran)
 
-        return predictor.run_feeds, ",".join(engine.providers), fingerprint, engine.graphs, predictor.run_solo, warm
+        return _Opened(predictor.run_feeds, ",".join(engine.providers), fingerprint, engine.graphs, predictor.run_solo,
+                       warm)
 
     def _warms(self, lv: LoadedVersion) -> bool:
         return lv.warm_up is not None and self.config.warmup != "none"
@@ -526,7 +539,7 @@ class ModelRegistry:
         for spec in specs:
             if spec.version not in built:
                 continue
-            run, runs_on, fingerprint, graphs, run_solo, warm = built[spec.version]
+            run, runs_on, fingerprint, graphs, run_solo, warm = built[spec.version]  # an _Opened
             policy = BatchPolicy(
                 max_batch_size=cfg.max_batch_size or spec.max_batch_size,
                 max_queue_delay_s=(cfg.max_queue_delay_ms if cfg.max_queue_delay_ms is not None
