@@ -16,10 +16,14 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from attnserve.server.graphs import GENERAL, HEADS, KEY_PADDING, NO_MASK, GraphSet
 from attnserve.server.repository import ModelSpec
+
+if TYPE_CHECKING:
+    from attnserve.server.engine import Engine
 
 from attnserve.contract import (
     ALL_OUTPUTS,
@@ -89,7 +93,7 @@ def warm_feeds(spec: ModelSpec, run: WarmRun) -> dict[str, np.ndarray]:
     return feeds
 
 
-def warm_up(engine, spec: ModelSpec, runs: list[WarmRun],
+def warm_up(engine: Engine, spec: ModelSpec, runs: list[WarmRun],
             ran: Callable[[str, str], None] | None = None) -> collections.Counter[tuple[str, str]]:
     """Blocking: each run on the regular session of its graph and, where the engine has one, on
     its solo session. ran(graph, session) after each run. Returns {(graph, session): runs}."""
