@@ -183,6 +183,11 @@ class Engine:
     def has_solo_sessions(self) -> bool:
         return bool(self._solo_sessions)
 
+    @property
+    def solo_kinds(self) -> frozenset[str]:
+        """The graph kinds that have a solo session (what server.warmup runs on both)."""
+        return frozenset(self._solo_sessions)
+
     def run(self, feeds: dict[str, np.ndarray], want_probs: bool, solo: bool = False
             ) -> tuple[np.ndarray, np.ndarray | None]:
         """feeds: query (B, Lq, q_dim), key/value (B, Lk, kv_dim), and at most one of mask
