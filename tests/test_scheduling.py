@@ -139,9 +139,9 @@ def test_higher_priority_leaves_the_batchers_queue_first():
             works = [make_work() for _ in range(4)]
             levels = [2, 2, 1, 1]  # the low ones queue first
             tasks = []
-            for work, level in zip(works, levels, strict=True):
+            for queued, (work, level) in enumerate(zip(works, levels, strict=True), start=1):
                 tasks.append(asyncio.create_task(batcher.submit(work, priority=level)))
-                await wait_until(lambda n=len(tasks): batcher.queue_depth == n)
+                await wait_until(lambda n=queued: batcher.queue_depth == n)
             model.open()
             await asyncio.gather(blocker, *tasks)
             assert _ran(model, works) == [2, 3, 0, 1]
