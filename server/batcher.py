@@ -159,8 +159,7 @@ class _Pending:
     run_share: int = 0  # the run of this request alone, reserved in `reservation`
     trace: object = None  # its call's span, for the batch's (BatchTracer); None: untraced
     priority: int = 1  # its level, 1 the highest (server.scheduling)
-    passed_over: int = 0  # batches formed without it while it waited (its aging)
-    arrived: int = 0  # its place in arrival order (set by the queue)
+    since: int = 0  # the queue's batch count when it arrived: its aging (set by the queue)
     expiry: asyncio.TimerHandle | None = None  # refuses it when its deadline passes in the queue
 
     def drop(self) -> None:

@@ -152,8 +152,7 @@ class Queued(Protocol):
     """What the queue orders a waiting request by (the batcher's _Pending carries these)."""
 
     priority: int  # its level, 1 the highest
-    passed_over: int  # batches formed without it while it waited
-    arrived: int  # its place in arrival order
+    since: int  # the queue's count of batches formed when it arrived (set by the queue)
 
 
 class PriorityQueue:
@@ -165,7 +164,10 @@ class PriorityQueue:
             raise ValueError(f"aging_batches must be >= 1, got {aging_batches}")
         self.aging_batches = aging_batches
         self._items: list[Queued] = []  # in arrival order
-        self._arrivals = 0
+        # Batches formed that took requests: each passed over every request still queued, so a
+        # request's count of batches that passed it over is this minus its `since`.
+        self._formed = 0
+        self._arrival_order = True  # the last in_service_order() was arrival order
 
     def __len__(self) -> int:
         return len(self._items)
@@ -177,8 +179,7 @@ class PriorityQueue:
         return iter(self._items)  # arrival order
 
     def append(self, item: Queued) -> None:
-        item.arrived = self._arrivals
-        self._arrivals += 1
+        item.since = self._formed
         self._items.append(item)
 
     def oldest(self) -> Queued:
@@ -186,27 +187,38 @@ class PriorityQueue:
 
     def level(self, item: Queued) -> int:
         """Its level now: one better for every aging_batches batches that passed it over."""
-        return max(1, item.priority - item.passed_over // self.aging_batches)
+        return max(1, item.priority - (self._formed - item.since) // self.aging_batches)
 
     def in_service_order(self) -> list[Queued]:
-        return sorted(self._items, key=lambda p: (self.level(p), p.arrived))
+        items = self._items
+        first = items[0].priority if items else 0
+        # One priority (the usual case): the older a request, the better its aged level, so
+        # arrival order is service order.
+        self._arrival_order = all(p.priority == first for p in items)
+        if self._arrival_order:
+            return list(items)
+        levels = [self.level(p) for p in items]
+        ranked = sorted(range(len(levels)), key=levels.__getitem__)  # stable: arrival order within a level
+        return [items[i] for i in ranked]
 
     def remove(self, item: Queued) -> bool:
         """Take one request out (its deadline passed); False if it was not queued."""
-        try:
-            self._items.remove(item)
-        except ValueError:
-            return False
-        return True
+        for i, p in enumerate(self._items):
+            if p is item:  # by identity: a request's equality would compare its tensors
+                del self._items[i]
+                return True
+        return False
 
     def batch_formed(self, kept: Iterable[Queued], batch_taken: bool) -> None:
-        """A batch was formed: `kept` (in any order) wait on; if it took requests, each kept one
-        was passed over once more."""
-        kept = sorted(kept, key=lambda p: p.arrived)
+        """A batch was formed from in_service_order()'s list: `kept`, in that list's order, wait
+        on; if it took requests, each of them was passed over once more."""
+        if self._arrival_order:
+            self._items = list(kept)  # a subsequence of arrival order already
+        else:
+            staying = {id(p) for p in kept}
+            self._items = [p for p in self._items if id(p) in staying]
         if batch_taken:
-            for p in kept:
-                p.passed_over += 1
-        self._items = kept
+            self._formed += 1
 
     def clear(self) -> list[Queued]:
         items, self._items = self._items, []

@@ -105,14 +105,14 @@ def test_malformed_schedule_parameters_are_refused_naming_the_parameter(values, 
 def test_the_queue_serves_by_level_then_arrival_and_ages_what_it_passes_over():
     class Item:
         def __init__(self, name: str, priority: int) -> None:
-            self.name, self.priority, self.passed_over, self.arrived = name, priority, 0, 0
+            self.name, self.priority, self.since = name, priority, 0
 
     queue = PriorityQueue(aging_batches=2)
     low, high1, high2 = Item("low", 2), Item("high1", 1), Item("high2", 1)
     for item in (low, high1, high2):
         queue.append(item)
     assert [i.name for i in queue.in_service_order()] == ["high1", "high2", "low"]
-    queue.batch_formed([low, high2], batch_taken=True)  # high1 went
+    queue.batch_formed([high2, low], batch_taken=True)  # high1 went
     assert [i.name for i in queue.in_service_order()] == ["high2", "low"]
     queue.batch_formed([low], batch_taken=True)  # high2 went: low passed over twice, now level 1
     high3 = Item("high3", 1)
