@@ -381,6 +381,8 @@ def _batch_on_ray(args: argparse.Namespace, options: ClientOptions) -> int:
 
     if args.shard is not None:
         raise UsageError("--shard is for --engine client: Ray splits the input itself")
+    if args.priority or args.timeout_us:  # refused, not silently dropped
+        raise UsageError("--priority and --timeout-us are for --engine client: the Ray engine does not send them yet")
     try:
         job = RayJob(input_path=args.input, output_dir=args.output, model=args.model,
                      model_dir=None if args.model_repository is None else args.model_repository / args.model,

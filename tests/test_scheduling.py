@@ -387,3 +387,14 @@ def test_the_batch_clis_priority_reaches_the_server(server, tmp_path, capsys):
     assert cli([*args, "--output", str(tmp_path / "bad.npz"), "--priority", "3"]) != 0
     assert "parameter 'priority': this model has priority levels 1..2" in capsys.readouterr().err
     assert cli([*args, "--output", str(tmp_path / "ok.npz"), "--priority", "2", "--timeout-us", "60000000"]) == 0
+
+
+def test_the_batch_cli_refuses_schedule_flags_it_cannot_send(tmp_path, capsys):
+    from attnserve.client.__main__ import main as cli
+
+    args = ["batch", "--url", "127.0.0.1:1", "--model", MODEL, "--input", str(tmp_path / "in.npz"),
+            "--output", str(tmp_path / "out.npz")]
+    assert cli([*args, "--priority", "-1"]) == 2
+    assert "priority must be >= 0" in capsys.readouterr().err
+    assert cli([*args, "--engine", "ray", "--timeout-us", "5"]) == 2
+    assert "the Ray engine does not send them yet" in capsys.readouterr().err
