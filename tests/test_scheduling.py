@@ -327,6 +327,29 @@ def test_higher_priority_leaves_first_behind_a_gated_batch_on_grpc_and_rest(mode
     assert order == [4, 5, 2, 3]
 
 
+def test_a_low_priority_request_is_not_starved_on_a_real_server(model_repository):
+    """--priority-aging-batches 2: the low request (2 rows) runs third among a stream of high ones
+    (1 row), one queued before each batch forms; at the default (4) it would run fifth."""
+    with GatedServer(model_repository, "--max-batch-size", "1", "--priority-aging-batches", "2") as proc, \
+            proc.channel() as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        pool = futures.ThreadPoolExecutor(max_workers=8)
+        calls = [pool.submit(stub.ModelInfer, _grpc_request(1), timeout=WAIT_S)]
+        assert proc.gate.wait_started() == 1
+        calls.append(pool.submit(stub.ModelInfer, _grpc_request(2, priority=("uint64_param", 2)), timeout=WAIT_S))
+        _wait_queue_depth(proc, 1)
+        order = []
+        for _ in range(5):
+            calls.append(pool.submit(stub.ModelInfer, _grpc_request(1), timeout=WAIT_S))
+            _wait_queue_depth(proc, 2)
+            proc.gate.release()
+            order.append(proc.gate.wait_started())
+        proc.gate.release(10)
+        for call in calls:
+            call.result()
+    assert order == [1, 1, 2, 1, 1]
+
+
 def test_malformed_schedule_parameters_are_refused_and_unknown_ones_ignored(server):
     with server.channel() as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
