@@ -173,6 +173,9 @@ HEAD_MASK_KINDS = (HEAD_MASK_ALL_OUTPUTS, HEAD_MASK_OUTPUT_ONLY)
 # sqrt(Lq * Lk) >= its L (below it the unfused graph was measured faster); a kind without an L
 # runs at every length.
 CROSSOVER = "crossover"
+# config.json's priorities and queue timeout, under Triton's names (server.scheduling reads it;
+# an export keeps what the user wrote there).
+DYNAMIC_BATCHING = "dynamic_batching"
 
 
 def versions(model_dir: Path) -> list[int]:

@@ -157,6 +157,12 @@ def _parser(prog: str = "attnserve") -> argparse.ArgumentParser:
     batch.add_argument("--shared-memory", choices=SHARED_MEMORY_MODES, default="auto",
                        help="auto (default): tensors through system shared memory when the server is on this "
                             "host and allows it (docs/shared-memory.md); off: always in the messages")
+    batch.add_argument("--priority", type=int, default=0, metavar="N",
+                       help="priority level of every request, 1 the highest (default 0: the model's default; "
+                            "a batch job sends a lower one to yield to online callers)")
+    batch.add_argument("--timeout-us", type=int, default=0, metavar="N",
+                       help="the longest each request may wait in the server's queue, in microseconds; "
+                            "past it the server refuses it unrun (DEADLINE_EXCEEDED) (default 0: the model's)")
     batch.add_argument("--progress-every-s", type=float, default=DEFAULT_EVERY_S, metavar="S",
                        help="when stderr is not a terminal (a file, a pipe): a progress line every S seconds "
                             f"(default {DEFAULT_EVERY_S:g}; a terminal gets a bar)")
@@ -375,6 +381,8 @@ def _batch_on_ray(args: argparse.Namespace, options: ClientOptions) -> int:
 
     if args.shard is not None:
         raise UsageError("--shard is for --engine client: Ray splits the input itself")
+    if args.priority or args.timeout_us:  # refused, not silently dropped
+        raise UsageError("--priority and --timeout-us are for --engine client: the Ray engine does not send them yet")
     try:
         job = RayJob(input_path=args.input, output_dir=args.output, model=args.model,
                      model_dir=None if args.model_repository is None else args.model_repository / args.model,
@@ -405,7 +413,7 @@ def _batch(args: argparse.Namespace, options: ClientOptions) -> int:
         job = BatchJob(model=args.model, input_path=args.input, output_path=args.output,
                        outputs=_names(args.outputs), batch_size=args.batch_size, concurrency=args.concurrency,
                        model_version=args.model_version, timeout_s=args.timeout, shard=_shard(args.shard),
-                       shared_memory=args.shared_memory)
+                       shared_memory=args.shared_memory, priority=args.priority, timeout_us=args.timeout_us)
     except ValueError as err:
         raise UsageError(str(err)) from None
     if not args.progress_every_s >= 0:

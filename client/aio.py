@@ -134,10 +134,13 @@ class AsyncInferenceClient:
         *,
         model_version: str = "",
         timeout_s: float | None = None,
+        priority: int = 0,
+        timeout_us: int = 0,
     ) -> dict[str, Any]:
         """The requested outputs by name, as read-only numpy arrays (empty `outputs`: all of them)."""
         result = await self.infer_result(model, query, key, value, mask, outputs,
-                                         model_version=model_version, timeout_s=timeout_s)
+                                         model_version=model_version, timeout_s=timeout_s,
+                                         priority=priority, timeout_us=timeout_us)
         return result.outputs
 
     async def infer_result(
@@ -151,12 +154,15 @@ class AsyncInferenceClient:
         *,
         model_version: str = "",
         timeout_s: float | None = None,
+        priority: int = 0,
+        timeout_us: int = 0,
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> codec.InferResult:
         """metadata: sent with this call besides the client's own (a `traceparent`: client.tracecontext)."""
         outputs = tuple(outputs)
         inputs = codec.validate_inputs(query, key, value, mask)
-        request = codec.build_infer_request(model, inputs, outputs, model_version=model_version)
+        request = codec.build_infer_request(model, inputs, outputs, model_version=model_version,
+                                            priority=priority, timeout_us=timeout_us)
         response = await self._call(self._stub.ModelInfer, request, timeout_s, metadata=tuple(metadata))
         result = codec.parse_infer_response(response, outputs)
         codec.check_output_shapes(result.outputs, inputs)

@@ -147,10 +147,13 @@ class InferenceClient:
         *,
         model_version: str = "",
         timeout_s: float | None = None,
+        priority: int = 0,
+        timeout_us: int = 0,
     ) -> dict[str, Any]:
         """The requested outputs by name, as read-only numpy arrays (empty `outputs`: all of them)."""
         return self.infer_result(model, query, key, value, mask, outputs,
-                                 model_version=model_version, timeout_s=timeout_s).outputs
+                                 model_version=model_version, timeout_s=timeout_s,
+                                 priority=priority, timeout_us=timeout_us).outputs
 
     def infer_result(
         self,
@@ -163,11 +166,14 @@ class InferenceClient:
         *,
         model_version: str = "",
         timeout_s: float | None = None,
+        priority: int = 0,
+        timeout_us: int = 0,
     ) -> codec.InferResult:
         """Like `infer`, with the model name and version that answered."""
         outputs = tuple(outputs)
         inputs = codec.validate_inputs(query, key, value, mask)
-        request = codec.build_infer_request(model, inputs, outputs, model_version=model_version)
+        request = codec.build_infer_request(model, inputs, outputs, model_version=model_version,
+                                            priority=priority, timeout_us=timeout_us)
         result = codec.parse_infer_response(self._call(self._stub.ModelInfer, request, timeout_s), outputs)
         codec.check_output_shapes(result.outputs, inputs)
         return result

@@ -114,13 +114,20 @@ def build_infer_request(
     *,
     model_version: str = "",
     request_id: str = "",
+    priority: int = 0,
+    timeout_us: int = 0,
 ) -> pb.ModelInferRequest:
     """A ModelInferRequest carrying every input as raw little-endian bytes (no typed contents).
 
     `inputs` come from `validate_inputs`; an empty `outputs` asks for every output.
+    priority, timeout_us: Triton's schedule policy parameters (1 the highest priority; a timeout
+    in the server's queue, in microseconds); 0 sends none (the model's defaults).
     """
     if not model:
         raise ValueError("model name must not be empty")
+    for name, number in (("priority", priority), ("timeout_us", timeout_us)):
+        if not isinstance(number, int) or isinstance(number, bool) or not 0 <= number < 2**63:
+            raise ValueError(f"{name} must be an integer >= 0 (0: the model's default), got {number!r}")
     if len(set(outputs)) != len(outputs):
         raise ValueError(f"outputs listed twice: {list(outputs)}")
     tensors = []
@@ -129,7 +136,7 @@ def build_infer_request(
         datatype = _datatype_of(array.dtype)
         tensors.append(pb.ModelInferRequest.InferInputTensor(name=name, datatype=datatype, shape=array.shape))
         raw.append(array.tobytes())  # C order; the dtypes above are little-endian
-    return pb.ModelInferRequest(
+    request = pb.ModelInferRequest(
         model_name=model,
         model_version=model_version,
         id=request_id,
@@ -137,6 +144,11 @@ def build_infer_request(
         outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name=name) for name in outputs],
         raw_input_contents=raw,
     )
+    if priority:  # the parameters' types tritonclient sends
+        request.parameters["priority"].uint64_param = priority
+    if timeout_us:
+        request.parameters["timeout"].int64_param = timeout_us
+    return request
 
 
 def _datatype_of(dtype: np.dtype) -> str:

@@ -111,12 +111,14 @@ class SharedMemorySlot:
 
     async def infer(self, client, model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], *,
                     model_version: str = "", timeout_s: float | None = None,
-                    metadata: tuple[tuple[str, str], ...] = ()) -> codec.InferResult:
+                    metadata: tuple[tuple[str, str], ...] = (), priority: int = 0,
+                    timeout_us: int = 0) -> codec.InferResult:
         """`inputs` from codec.validate_inputs; every requested output comes back through the region.
         metadata: sent with the call (a `traceparent`: client.tracecontext)."""
         b, lq, _ = inputs["query"].shape
         lk = inputs["key"].shape[1]
-        request = codec.build_infer_request(model, {}, outputs, model_version=model_version)
+        request = codec.build_infer_request(model, {}, outputs, model_version=model_version, priority=priority,
+                                            timeout_us=timeout_us)
         in_region = await self._ensure(client, "in", sum(a.nbytes for a in inputs.values()))
         offset = 0
         for name, array in inputs.items():

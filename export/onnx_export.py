@@ -25,7 +25,7 @@ from attnserve.export.config import AttentionConfig
 from torch import Tensor, nn
 
 from attnserve import contract
-from attnserve.contract import ServingDefaults
+from attnserve.contract import DYNAMIC_BATCHING, ServingDefaults
 from attnserve.files import fsync_dir, read_json, write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -327,8 +327,9 @@ def export_model(
     kept: dict[str, Any] = {}  # what a user put in config.json that outlives exports
     if config_path.exists():
         existing = read_json(config_path)
-        if "version_policy" in existing:  # the user's choice of versions served
-            kept["version_policy"] = existing["version_policy"]
+        for key in ("version_policy", DYNAMIC_BATCHING):  # the versions served; priorities, queue timeout
+            if key in existing:
+                kept[key] = existing[key]
         if not _same_interface(existing, new_config):
             raise ExportError(
                 f"{config_path} describes a model with other dims ({existing.get('attention')}); "

@@ -295,21 +295,49 @@ class ModelOutput(_message.Message):
     dims: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ModelQueuePolicy(_message.Message):
+    __slots__ = ("timeout_action", "default_timeout_microseconds", "allow_timeout_override")
+    class TimeoutAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        REJECT: _ClassVar[ModelQueuePolicy.TimeoutAction]
+        DELAY: _ClassVar[ModelQueuePolicy.TimeoutAction]
+    REJECT: ModelQueuePolicy.TimeoutAction
+    DELAY: ModelQueuePolicy.TimeoutAction
+    TIMEOUT_ACTION_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TIMEOUT_MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_TIMEOUT_OVERRIDE_FIELD_NUMBER: _ClassVar[int]
+    timeout_action: ModelQueuePolicy.TimeoutAction
+    default_timeout_microseconds: int
+    allow_timeout_override: bool
+    def __init__(self, timeout_action: _Optional[_Union[ModelQueuePolicy.TimeoutAction, str]] = ..., default_timeout_microseconds: _Optional[int] = ..., allow_timeout_override: bool = ...) -> None: ...
+
+class ModelDynamicBatching(_message.Message):
+    __slots__ = ("priority_levels", "default_priority_level", "default_queue_policy")
+    PRIORITY_LEVELS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_PRIORITY_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_QUEUE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    priority_levels: int
+    default_priority_level: int
+    default_queue_policy: ModelQueuePolicy
+    def __init__(self, priority_levels: _Optional[int] = ..., default_priority_level: _Optional[int] = ..., default_queue_policy: _Optional[_Union[ModelQueuePolicy, _Mapping]] = ...) -> None: ...
+
 class ModelConfig(_message.Message):
-    __slots__ = ("name", "platform", "max_batch_size", "input", "output", "backend")
+    __slots__ = ("name", "platform", "max_batch_size", "input", "output", "dynamic_batching", "backend")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_BATCHING_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     name: str
     platform: str
     max_batch_size: int
     input: _containers.RepeatedCompositeFieldContainer[ModelInput]
     output: _containers.RepeatedCompositeFieldContainer[ModelOutput]
+    dynamic_batching: ModelDynamicBatching
     backend: str
-    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., backend: _Optional[str] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class ModelConfigRequest(_message.Message):
     __slots__ = ("name", "version")

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from attnserve.server import priority
+from attnserve.server import priority, scheduling
 from attnserve.server.memory.budget import MemoryBudget, Reservation
 from attnserve.server.memory.costs import Cost
 from attnserve.server.tensors import Result, RunBatch, Work, batch_masking, compute_batch
@@ -83,9 +83,13 @@ class BatchPolicy:
     # rows x Lq x Lk of a merged, padded batch (its attention matrix per head); a request only
     # joins a batch that stays within it (the oldest request always goes). None: no bound.
     max_batch_scores: int | None = None
+    # A waiting request gains a priority level per this many batches formed without it
+    # (server.scheduling: no level starves).
+    priority_aging_batches: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_queue_size", "batches_in_flight", "max_queued_bytes"):
+        for name in ("max_batch_size", "max_queue_size", "batches_in_flight", "max_queued_bytes",
+                     "priority_aging_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue_delay_s < 0:
@@ -154,6 +158,9 @@ class _Pending:
     reservation: Reservation | None = None
     run_share: int = 0  # the run of this request alone, reserved in `reservation`
     trace: object = None  # its call's span, for the batch's (BatchTracer); None: untraced
+    priority: int = 1  # its level, 1 the highest (server.scheduling)
+    since: int = 0  # the queue's batch count when it arrived: its aging (set by the queue)
+    expiry: asyncio.TimerHandle | None = None  # refuses it when its deadline passes in the queue
 
     def drop(self) -> None:
         """It will not be answered with a Result: its memory goes back."""
@@ -185,7 +192,7 @@ class Batcher:
         self.policy = policy
         self._scores_of = scores_of or _all_scores  # what a merged batch's run holds, for max_batch_scores
         self._observer = observer
-        self._pending: collections.deque[_Pending] = collections.deque()
+        self._pending = scheduling.PriorityQueue(policy.priority_aging_batches)
         self._queued_bytes = 0  # sum of work.nbytes over _pending
         self._wakeup = asyncio.Event()
         self._slots = asyncio.Semaphore(policy.batches_in_flight)
@@ -228,10 +235,13 @@ class Batcher:
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._collect_forever(), name=f"batcher-{self.name}")
 
-    async def submit(self, work: Work, deadline: float | None = None, trace: object = None) -> Result:
+    async def submit(self, work: Work, deadline: float | None = None, trace: object = None,
+                     priority: int = 1) -> Result:
         """Queue one request and wait for its own result. Raises QueueFull, DeadlineExpired,
         BatcherClosed or BatchFailed; cancelling the caller drops the request if not yet run.
-        trace: its call's span, handed to the tracer with its batch's (server.tracing)."""
+        deadline (time.monotonic()): refused unrun once it passes while queued.
+        trace: its call's span, handed to the tracer with its batch's (server.tracing).
+        priority: its level, 1 the highest (server.scheduling's queue order)."""
         if self._closing:
             raise BatcherClosed(f"model {self.name} is shutting down")
         if len(self._pending) >= self.policy.max_queue_size:
@@ -256,12 +266,16 @@ class Batcher:
             if self._closing:
                 reservation.release()
                 raise BatcherClosed(f"model {self.name} is shutting down")
-        future = asyncio.get_running_loop().create_future()
-        pending = _Pending(work, deadline, future, time.monotonic(), reservation, run_share, trace)
-        self._pending.append(pending)
-        self._queued_bytes += nbytes
-        self._wakeup.set()
-        self._report_depth()
+        now = time.monotonic()
+        if deadline is not None and deadline <= now:
+            if reservation is not None:
+                reservation.release()
+            raise DeadlineExpired(f"model {self.name}: the request's deadline passed before it was queued; "
+                                  "not computed")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        pending = _Pending(work, deadline, future, now, reservation, run_share, trace, priority=priority)
+        self._enqueue(pending, loop)
         try:
             return await future  # cancelling the caller cancels the future: the batcher skips it
         except BaseException:
@@ -271,13 +285,42 @@ class Batcher:
                 pending.drop()
             raise
 
+    def _enqueue(self, pending: _Pending, loop: asyncio.AbstractEventLoop) -> None:
+        self._pending.append(pending)
+        self._queued_bytes += pending.work.nbytes
+        if pending.deadline is not None:
+            # The loop's clock is time.monotonic(): refused when it expires, not when a batch forms.
+            pending.expiry = loop.call_at(pending.deadline, self._expire, pending)
+        self._wakeup.set()
+        self._report_depth()
+
+    def _expire(self, pending: _Pending) -> None:
+        """Its deadline passed while it waited: out of the queue and refused, never computed."""
+        pending.expiry = None
+        if not self._pending.remove(pending):
+            return  # taken into a batch meanwhile
+        self._queued_bytes -= pending.work.nbytes
+        if not pending.future.done():
+            pending.future.set_exception(DeadlineExpired(
+                f"deadline passed after {time.monotonic() - pending.enqueued_at:.3f}s in the queue of model "
+                f"{self.name} ({len(self._pending)} requests still queued); not computed"))
+        pending.drop()
+        self._report_depth()
+
+    @staticmethod
+    def _dequeued(pending: _Pending) -> None:
+        """It leaves the queue (into a batch, or dropped): its expiry timer goes."""
+        if pending.expiry is not None:
+            pending.expiry.cancel()
+            pending.expiry = None
+
     async def close(self, abandon_queued: bool = False) -> None:
         """Take no new requests, finish every running one and, unless `abandon_queued`, every
         queued one; abandoned requests fail with BatcherClosed (never computed: safe to retry)."""
         self._closing = True
         if abandon_queued:
-            while self._pending:
-                p = self._pending.popleft()
+            for p in self._pending.clear():
+                self._dequeued(p)
                 if not p.future.done():
                     p.future.set_exception(BatcherClosed(
                         f"model {self.name}: shutting down, not started within the grace period; "
@@ -322,7 +365,7 @@ class Batcher:
     async def _wait_for_company(self) -> None:
         """Company is coming: let a partial batch fill until the oldest request has waited
         max_queue_delay_s, or until no company is coming any more (an idle model never waits)."""
-        deadline = self._pending[0].enqueued_at + self.policy.max_queue_delay_s
+        deadline = self._pending.oldest().enqueued_at + self.policy.max_queue_delay_s
         while (self._worth_waiting() and sum(p.work.rows for p in self._pending) < self.policy.max_batch_size
                and not self._closing):
             remaining = deadline - time.monotonic()
@@ -335,13 +378,14 @@ class Batcher:
                 return
 
     def _take_batch(self) -> tuple[list[_Pending], Reservation | None]:
-        """The oldest live request plus every compatible one that waits, in arrival order, and
-        the memory the merged run needs beyond its requests' own reservations (padding)."""
+        """The first live request in service order (priority, aged, then arrival:
+        server.scheduling) plus every compatible one that waits, in that order, and the memory
+        the merged run needs beyond its requests' own reservations (padding)."""
         now = time.monotonic()
         extra_free = self._budget.free_bytes if self._budget is not None else 0
         shares = 0  # sum of run_share over chosen requests
         chosen: list[_Pending] = []
-        kept: collections.deque[_Pending] = collections.deque()
+        kept: list[_Pending] = []
         rows = q_len = k_len = 0
         useful = 0  # sum of rows * lq * lk over chosen requests
         exact_k_lens: set[int] = set()
@@ -349,12 +393,13 @@ class Batcher:
         same_k_len = True  # every chosen request has the batch's key length (no key is padded)
         want_probs = False
         held = 0  # scores per head the chosen batch's run holds (scores_of)
-        while self._pending:
-            p = self._pending.popleft()
+        for p in self._pending.in_service_order():
             if p.future.done():  # cancelled by its caller (client gone, deadline hit in gRPC)
+                self._dequeued(p)
                 p.drop()
                 continue
-            if p.deadline is not None and p.deadline <= now:
+            if p.deadline is not None and p.deadline <= now:  # expired, its timer not yet run
+                self._dequeued(p)
                 p.future.set_exception(DeadlineExpired(
                     f"deadline passed after {now - p.enqueued_at:.3f}s in the queue of model {self.name}; "
                     "not computed"))
@@ -385,6 +430,7 @@ class Batcher:
             else:
                 held = self._scores_of(w.rows, w.q_len, w.k_len, w.masking, w.want_probs)
             same_k_len = not chosen or (same_k_len and k_len == w.k_len)
+            self._dequeued(p)
             chosen.append(p)
             shares += p.run_share
             rows += w.rows
@@ -394,7 +440,7 @@ class Batcher:
                 exact_k_lens.add(w.k_len)
             maskings.add(w.masking)
             want_probs = want_probs or w.want_probs
-        self._pending = kept
+        self._pending.batch_formed(kept, batch_taken=bool(chosen))
         self._queued_bytes = sum(p.work.nbytes for p in kept)
         self._report_depth()
         extra = None

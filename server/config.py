@@ -52,6 +52,9 @@ class ServerConfig:
     compute_nice: int = 5
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_queued_bytes: int = 1024**3  # input bytes waiting per model; beyond it RESOURCE_EXHAUSTED
+    # A waiting request gains one priority level per this many batches formed without it, so a
+    # low-priority request is never starved by a stream of higher ones (server.scheduling).
+    priority_aging_batches: int = 4
     # RSS above idle for queued inputs, runs in flight and answers not yet sent (server.memory);
     # None: a share of the cgroup's (or machine's) memory, memory.default_memory_limit().
     memory_limit_bytes: int | None = None
@@ -146,7 +149,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be in -1..65535, got {getattr(self, name)}")
         for name in ("max_queue_size", "batches_in_flight", "max_message_bytes", "max_attention_bytes",
                      "max_queued_bytes", "max_concurrent_streams", "max_typed_bytes", "max_json_bytes",
-                     "max_http_connections"):
+                     "max_http_connections", "priority_aging_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_receiving_bytes is not None and self.max_receiving_bytes < 1:
@@ -233,6 +236,8 @@ _HELP: dict[str, str] = {
                     "so that the event loop goes first where they want the same core (0 = the loop's priority)",
     "max_message_bytes": "largest gRPC message received or sent; largest REST body received (inflated)",
     "max_queued_bytes": "input bytes queued per model before RESOURCE_EXHAUSTED",
+    "priority_aging_batches": "a queued request gains one priority level per this many batches formed without "
+                              "it (no level starves)",
     "memory_limit_bytes": "memory budget above idle RSS: queued inputs, runs in flight, unsent answers "
                           "(default: 60%% of the cgroup's or machine's memory, less idle)",
     "max_concurrent_streams": "HTTP/2 streams (calls) at once per client connection",

@@ -550,6 +550,7 @@ class ModelRegistry:
                 max_queued_bytes=cfg.max_queued_bytes,
                 # A merged batch's attention matrix obeys the same bound as one request's.
                 max_batch_scores=max(cfg.max_attention_bytes // (4 * spec.num_heads), 1),
+                priority_aging_batches=cfg.priority_aging_batches,
             )
             label = name if len(specs) == 1 else f"{name}-v{spec.version}"
             # A merged batch's run, like a request's, is bounded by what the graph that runs it holds.

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from attnserve.server.scheduling import DYNAMIC_BATCHING, QueuePolicy
+
 from attnserve.contract import (
     CONFIG_FILE,
     CROSSOVER,
@@ -53,6 +55,8 @@ class ModelSpec:
     # config.json's "crossover": fused graph kind -> sqrt(Lq * Lk) from which it runs (server.graphs)
     crossover: tuple[tuple[str, int], ...] = ()
     d_model: int | None = None  # projection width (num_heads * head_dim); server.memory's estimate
+    # config.json's "dynamic_batching": priority levels and queue timeout (server.scheduling)
+    queue_policy: QueuePolicy = QueuePolicy()
 
     @property
     def graph_all_outputs(self) -> Path:
@@ -154,6 +158,10 @@ def read_model_specs(model_dir: Path, pinned_version: int | None = None) -> tupl
         policy = VersionPolicy.from_config(config.get("version_policy"))
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ModelLoadError(f"{where}: unreadable ({type(err).__name__}: {err})") from None
+    try:
+        queue_policy = QueuePolicy.from_config(config.get(DYNAMIC_BATCHING))
+    except ValueError as err:
+        raise ModelLoadError(f"{where}: {err}") from None
     if tuple(t.name for t in inputs) != INPUT_NAMES or tuple(t.name for t in outputs) != OUTPUT_NAMES:
         raise ModelLoadError(f"{where}: expected inputs {INPUT_NAMES} and outputs {OUTPUT_NAMES}")
     if (inputs, outputs) != tensor_specs(**dims):
@@ -182,6 +190,7 @@ def read_model_specs(model_dir: Path, pinned_version: int | None = None) -> tupl
         crossover=crossover,
         d_model=attention["d_model"] if isinstance(attention.get("d_model"), int) and attention["d_model"] > 0
         else None,
+        queue_policy=queue_policy,
     )
     return tuple(dataclasses.replace(first, version=v, version_dir=model_dir / str(v)) for v in chosen)
 

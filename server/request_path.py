@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 
 from attnserve.proto import inference_pb2 as pb
-from attnserve.server import __version__, codec, shm
+from attnserve.server import __version__, codec, scheduling, shm
 from attnserve.server.errors import CANCELLED, OK, Status, status_for
 from attnserve.server.lifecycle import Draining
 from attnserve.server.metrics import Metrics
@@ -109,7 +109,8 @@ class RequestPath:
             input=[pb.ModelInput(name=t.name, data_type=_DATA_TYPES[t.datatype], dims=t.shape, optional=t.optional)
                    for t in spec.inputs],
             output=[pb.ModelOutput(name=t.name, data_type=_DATA_TYPES[t.datatype], dims=t.shape)
-                    for t in spec.outputs])
+                    for t in spec.outputs],
+            dynamic_batching=_dynamic_batching(spec.queue_policy))
         return pb.ModelConfigResponse(config=config)
 
     def repository_index(self, repository_name: str = "", ready_only: bool = False) -> pb.RepositoryIndexResponse:
@@ -160,15 +161,19 @@ class RequestPath:
         if call is not None:
             call.request(request.model_name, request.model_version, request.id)
         model = self._registry.get(request.model_name, request.model_version)
+        # Triton's schedule policy (`priority`, `timeout`): checked before any tensor is read.
+        schedule = scheduling.request_schedule(request.parameters, model.spec.queue_policy)
         lease = self.shared_memory.lease() if self.shared_memory is not None else None
         try:
             decoded = codec.decode(request, model.spec, model.limits, lease)
-            deadline = None if time_remaining is None else time.monotonic() + time_remaining
+            now = time.monotonic()
+            deadline = scheduling.earliest(None if time_remaining is None else now + time_remaining,
+                                           None if schedule.timeout_s is None else now + schedule.timeout_s)
             if call is None:
-                result = await model.batcher.submit(decoded.work, deadline)
+                result = await model.batcher.submit(decoded.work, deadline, priority=schedule.priority)
             else:
                 call.decoded(decoded.work)
-                result = await model.batcher.submit(decoded.work, deadline, call.span)
+                result = await model.batcher.submit(decoded.work, deadline, call.span, schedule.priority)
                 call.computed(result.queue_s, result.compute_s, result.batch_requests, model.spec.version)
             try:
                 if decoded.shm_outputs:
@@ -218,6 +223,15 @@ class RequestPath:
             if not call.model:
                 call.model = model_name
             call.finish(status)
+
+
+def _dynamic_batching(policy: scheduling.QueuePolicy) -> pb.ModelDynamicBatching:
+    """config.json's dynamic_batching as Triton's ModelConfig reports it (defaults filled in)."""
+    return pb.ModelDynamicBatching(
+        priority_levels=policy.priority_levels, default_priority_level=policy.default_priority_level,
+        default_queue_policy=pb.ModelQueuePolicy(timeout_action=pb.ModelQueuePolicy.REJECT,
+                                                 default_timeout_microseconds=policy.default_timeout_us,
+                                                 allow_timeout_override=policy.allow_timeout_override))
 
 
 def _check_repository(name: str) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 from attnserve.proto import inference_pb2 as pb
-from attnserve.server import shm
+from attnserve.server import scheduling, shm
 from attnserve.server.codec import InferResponse, output_bytes
 from attnserve.server.quoting import quoted
 from attnserve.server.repository import ModelSpec
@@ -155,6 +155,9 @@ def parse_infer(body: bytes, header_length: int | None, model_name: str, model_v
     request.id = request_id
     parameters = _object(document.get("parameters", {}), "parameters")
     binary_all = _flag(parameters, "binary_data_output", "the request")
+    for key in scheduling.SCHEDULE_PARAMETERS:  # checked where gRPC's are (server.scheduling)
+        if key in parameters:
+            _schedule_parameter(parameters[key], request.parameters[key], key)
 
     offset = 0
     for entry in _list(document.get("inputs", []), "inputs"):
@@ -204,6 +207,23 @@ def parse_infer(body: bytes, header_length: int | None, model_name: str, model_v
         _shm_parameters(output_parameters, output.parameters, f"output {name!r}")
         binary_outputs[name] = _flag(output_parameters, "binary_data", f"output {name!r}") or binary_all
     return request, binary_outputs
+
+
+def _schedule_parameter(value: Any, into: pb.InferParameter, key: str) -> None:
+    """A JSON `priority` or `timeout` as the InferParameter a gRPC client would send; a value of
+    another type keeps its type, for server.scheduling to refuse with the gRPC wording."""
+    if isinstance(value, bool):
+        into.bool_param = value
+    elif isinstance(value, int) and -2**63 <= value < 2**63:
+        into.int64_param = value
+    elif isinstance(value, int) and 0 <= value < 2**64:
+        into.uint64_param = value
+    elif isinstance(value, str):
+        into.string_param = value
+    elif isinstance(value, float):
+        into.double_param = value
+    else:
+        raise ValueError(f"parameter {key!r} must be an integer, got {quoted(value)}")
 
 
 def _shm_parameters(parameters: dict, into, what: str) -> bool:

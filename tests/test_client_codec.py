@@ -114,6 +114,18 @@ def test_request_without_outputs_asks_for_all():
         codec.build_infer_request("m", inputs, ("output", "output"))
 
 
+def test_request_carries_the_schedule_policy_as_tritonclient_sends_it():
+    inputs = codec.validate_inputs(*_inputs())
+    assert not codec.build_infer_request("m", inputs).parameters  # 0: the model's defaults, nothing sent
+    request = codec.build_infer_request("m", inputs, priority=2, timeout_us=1500)
+    assert request.parameters["priority"].WhichOneof("parameter_choice") == "uint64_param"
+    assert request.parameters["timeout"].WhichOneof("parameter_choice") == "int64_param"
+    assert (request.parameters["priority"].uint64_param, request.parameters["timeout"].int64_param) == (2, 1500)
+    for bad in ({"priority": -1}, {"timeout_us": -5}, {"priority": 1.5}):
+        with pytest.raises(ValueError, match="must be an integer >= 0"):
+            codec.build_infer_request("m", inputs, **bad)
+
+
 def _response(outputs: dict[str, np.ndarray], *, raw: bool = True) -> pb.ModelInferResponse:
     response = pb.ModelInferResponse(model_name="m", model_version="1", id="x")
     for name, array in outputs.items():

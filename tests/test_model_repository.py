@@ -39,11 +39,14 @@ def second_version(tmp_path_factory, model_repository):
     root = tmp_path_factory.mktemp("v2")
     shutil.copytree(model_repository / MODEL, root / MODEL)
     _set_policy(root, {"latest": {"num_versions": 2}})
+    queue_policy = {"priority_levels": 2, "default_queue_policy": {"default_timeout_microseconds": 0}}
+    _set_config(root, "dynamic_batching", queue_policy)
     module = checkpoint.demo_module(PRESETS[MODEL], seed=1)
     export_model(module, root, MODEL, weights={"source": "demo", "seed": 1})
-    # An export rewrites config.json and keeps the version policy a user put there.
-    assert json.loads((root / MODEL / "config.json").read_text())["version_policy"] == {
-        "latest": {"num_versions": 2}}
+    # An export rewrites config.json and keeps the version policy and queue policy a user put there.
+    config = json.loads((root / MODEL / "config.json").read_text())
+    assert config["version_policy"] == {"latest": {"num_versions": 2}}
+    assert config["dynamic_batching"] == queue_policy
     return root / MODEL / "2", module
 
 
@@ -63,9 +66,13 @@ def _add_version(root: Path, version_dir: Path) -> None:
 
 
 def _set_policy(root: Path, policy) -> None:
+    _set_config(root, "version_policy", policy)
+
+
+def _set_config(root: Path, key: str, value) -> None:
     path = root / MODEL / "config.json"
     config = json.loads(path.read_text())
-    config["version_policy"] = policy
+    config[key] = value
     path.write_text(json.dumps(config))
 
 

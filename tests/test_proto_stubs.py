@@ -273,6 +273,13 @@ WIRE_TABLE = [
     ("ModelOutput", "name", 1, STR, OPTIONAL, None),
     ("ModelOutput", "data_type", 2, ENUM, OPTIONAL, "DataType"),
     ("ModelOutput", "dims", 3, I64, REPEATED, None),
+    ("ModelConfig", "dynamic_batching", 11, MSG, OPTIONAL, "ModelDynamicBatching"),
+    ("ModelDynamicBatching", "priority_levels", 4, U64, OPTIONAL, None),
+    ("ModelDynamicBatching", "default_priority_level", 5, U64, OPTIONAL, None),
+    ("ModelDynamicBatching", "default_queue_policy", 6, MSG, OPTIONAL, "ModelQueuePolicy"),
+    ("ModelQueuePolicy", "timeout_action", 1, ENUM, OPTIONAL, "ModelQueuePolicy.TimeoutAction"),
+    ("ModelQueuePolicy", "default_timeout_microseconds", 2, U64, OPTIONAL, None),
+    ("ModelQueuePolicy", "allow_timeout_override", 3, BOOL, OPTIONAL, None),
     ("ModelStatisticsRequest", "name", 1, STR, OPTIONAL, None),
     ("ModelStatisticsRequest", "version", 2, STR, OPTIONAL, None),
     ("ModelStatisticsResponse", "model_stats", 1, MSG, REPEATED, "ModelStatistics"),
@@ -410,6 +417,8 @@ def test_datatype_enum():
     fmt = pb.ModelInput.DESCRIPTOR.enum_types_by_name["Format"]
     assert [(v.name, v.number) for v in fmt.values] == [
         ("FORMAT_NONE", 0), ("FORMAT_NHWC", 1), ("FORMAT_NCHW", 2)]
+    action = pb.ModelQueuePolicy.DESCRIPTOR.enum_types_by_name["TimeoutAction"]
+    assert [(v.name, v.number) for v in action.values] == [("REJECT", 0), ("DELAY", 1)]
 
 
 # --------------------------------------------------------------------------
@@ -496,3 +505,13 @@ def test_repository_rpcs_are_tritons():
     for name in ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"):
         assert (ours[name].input_type.full_name, ours[name].output_type.full_name) == (
             theirs[name].input_type.full_name, theirs[name].output_type.full_name)
+
+
+@pytest.mark.parametrize("message", ["ModelConfig", "ModelDynamicBatching", "ModelQueuePolicy"])
+def test_model_configuration_fields_are_tritons(message):
+    """The fields of Triton's model configuration we define have Triton's numbers and types
+    (tritonclient's model_config.proto), so its clients read our dynamic_batching."""
+    config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+    theirs = {f.name: (f.number, f.type) for f in config_pb2.DESCRIPTOR.message_types_by_name[message].fields}
+    ours = {f.name: (f.number, f.type) for f in _message(message).fields}
+    assert ours.items() <= theirs.items()

@@ -111,12 +111,13 @@ class Runner:
             return await client.infer_result(
                 self._job.model, inputs["query"], inputs["key"], inputs["value"], inputs.get("mask"),
                 self._job.outputs, model_version=self.version, timeout_s=self._job.timeout_s,
-                metadata=self._trace.call_metadata())
+                metadata=self._trace.call_metadata(), priority=self._job.priority, timeout_us=self._job.timeout_us)
         slot = await self._slots.get()
         try:
             checked = codec.validate_inputs(inputs["query"], inputs["key"], inputs["value"], inputs.get("mask"))
             result = await slot.infer(client, self._job.model, checked, self._job.outputs, model_version=self.version,
-                                      timeout_s=self._job.timeout_s, metadata=self._trace.call_metadata())
+                                      timeout_s=self._job.timeout_s, metadata=self._trace.call_metadata(),
+                                      priority=self._job.priority, timeout_us=self._job.timeout_us)
             codec.check_output_shapes(result.outputs, checked)
             return result
         finally:

@@ -67,6 +67,10 @@ class BatchJob:
     # auto: tensors through system shared memory when the server is on this host and allows it
     # (docs/shared-memory.md); off: always in the messages.
     shared_memory: str = "off"
+    # Triton's schedule policy, on every request: 1 the highest priority, and the longest wait in
+    # the server's queue in microseconds; 0: the model's defaults (docs/server.md).
+    priority: int = 0
+    timeout_us: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_path", Path(self.input_path))
@@ -81,6 +85,9 @@ class BatchJob:
                              f"got {self.shared_memory!r}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        for name in ("priority", "timeout_us"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: the model's default), got {getattr(self, name)}")
         if self.shard is not None:
             index, count = self.shard
             if not (count >= 1 and 0 <= index < count):
