@@ -76,8 +76,34 @@ int Plane::Start(const std::string& address, int max_message_bytes, int max_conc
   return port;
 }
 
+void Plane::Answer(grpc::ServerUnaryReactor* reactor, Queue* queue, const Status& status) {
+  const auto code = static_cast<size_t>(status.error_code());
+  (queue != nullptr ? queue->codes : unknown_codes_)[code < kCodes ? code : static_cast<size_t>(StatusCode::UNKNOWN)]++;
+  reactor->Finish(status);
+}
+
+void Plane::Left(int64_t calls) {
+  if (in_flight_.fetch_sub(calls) != calls) return;
+  { std::lock_guard<std::mutex> lock(idle_mu_); }  // a waiter between its check and its wait is woken
+  idle_.notify_all();
+}
+
+bool Plane::WaitIdle(int64_t timeout_ms) {
+  std::unique_lock<std::mutex> lock(idle_mu_);
+  return idle_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return in_flight_ <= 0; });
+}
+
+std::array<uint64_t, kCodes> Plane::FinalCodes(size_t index) const {
+  const Codes& codes = index < models_.size() ? models_[index]->codes : unknown_codes_;
+  std::array<uint64_t, kCodes> out{};
+  for (size_t i = 0; i < kCodes; ++i) out[i] = codes[i].load();
+  return out;
+}
+
 void Plane::Stop(double grace_s) {
   stopping_ = true;
+  refusing_ = true;
+  ready_ = false;
   for (auto& queue : models_) {
     std::deque<Pending> refused;
     {
@@ -85,8 +111,8 @@ void Plane::Stop(double grace_s) {
       refused.swap(queue->pending);
     }
     queue->arrived.notify_all();
-    in_flight_ -= static_cast<int64_t>(refused.size());
-    for (auto& p : refused) p.reactor->Finish(Status(StatusCode::UNAVAILABLE, "the server is stopping; not computed"));
+    for (auto& p : refused) Answer(p.reactor, queue.get(), Status(StatusCode::UNAVAILABLE, "the server is stopping; not computed"));
+    if (!refused.empty()) Left(static_cast<int64_t>(refused.size()));
   }
   if (server_) {
     // Batches being computed finish meanwhile (their runner threads call Complete).
@@ -213,20 +239,21 @@ Status Plane::Check(const Queue& queue, const inference::ModelInferRequest& requ
                                        " at " + std::to_string(i));
     }
     const int64_t items = ms.size() == 2 ? 1 : p.rows;
-    for (int64_t b = 0; b < items && heads > 1; ++b) {
+    for (int64_t b = 0; b < items && heads > 1 && !p.heads_differ; ++b) {
       const uint8_t* first = bytes + b * p.mask_row_stride;
-      for (int64_t h = 1; h < heads; ++h) {
-        if (std::memcmp(first, first + h * plane, plane) != 0) {
-          return Invalid(c.mask + ": masks whose heads differ are not served by the native data plane (prototype)");
-        }
-      }
+      for (int64_t h = 1; h < heads && !p.heads_differ; ++h) p.heads_differ = std::memcmp(first, first + h * plane, plane) != 0;
     }
+    if (p.heads_differ && !m.head_masks) return Invalid(m.why_no_head_masks);
+    p.mask_head_stride = p.heads_differ ? plane : 0;
     p.mask = bytes;
     // A query row that masks every key is uniform over the keys it sees: its keys are never padded.
+    const int64_t planes = p.heads_differ ? heads : 1;
     for (int64_t b = 0; b < items && !p.exact_k_len; ++b) {
-      for (int64_t i = 0; i < p.q_len && !p.exact_k_len; ++i) {
-        const uint8_t* row = bytes + b * p.mask_row_stride + i * p.k_len;
-        p.exact_k_len = std::find(row, row + p.k_len, uint8_t{1}) == row + p.k_len;
+      for (int64_t h = 0; h < planes && !p.exact_k_len; ++h) {
+        for (int64_t i = 0; i < p.q_len && !p.exact_k_len; ++i) {
+          const uint8_t* row = bytes + b * p.mask_row_stride + h * plane + i * p.k_len;
+          p.exact_k_len = std::find(row, row + p.k_len, uint8_t{1}) == row + p.k_len;
+        }
       }
     }
   }
@@ -273,7 +300,8 @@ float* AddOutput(inference::ModelInferResponse* response, const std::string& nam
 
 }  // namespace
 
-void Plane::AnswerZeros(Pending& p, const ModelLimits& m) {
+void Plane::AnswerZeros(Pending& p, Queue& queue) {
+  const ModelLimits& m = queue.limits;
   p.response->set_model_name(m.name);
   p.response->set_model_version(m.version);
   p.response->set_id(p.request->id());
@@ -286,7 +314,7 @@ void Plane::AnswerZeros(Pending& p, const ModelLimits& m) {
                 static_cast<size_t>(p.rows * p.q_len * m.out_dim));
     }
   }
-  p.reactor->Finish(Status::OK);
+  Answer(p.reactor, &queue, Status::OK);
 }
 
 grpc::ServerUnaryReactor* Plane::ModelInfer(grpc::CallbackServerContext* context,
@@ -295,38 +323,41 @@ grpc::ServerUnaryReactor* Plane::ModelInfer(grpc::CallbackServerContext* context
   auto* reactor = context->DefaultReactor();
   const auto started = Clock::now();
   counters_.requests++;
-  if (stopping_) {
-    reactor->Finish(Status(StatusCode::UNAVAILABLE, "the server is stopping; not computed"));
-    return reactor;
-  }
   auto found = by_name_.find(request->model_name());
-  if (found == by_name_.end()) {
+  Queue* known = found == by_name_.end() ? nullptr : models_[found->second].get();
+  if (refusing_) {  // draining: never computed, retry elsewhere (the Python plane's words)
     counters_.refused++;
-    reactor->Finish(Status(StatusCode::NOT_FOUND, "unknown model '" + request->model_name() + "'"));
+    Answer(reactor, known, Status(StatusCode::UNAVAILABLE, "server is shutting down; retry on another replica"));
     return reactor;
   }
-  Queue& queue = *models_[found->second];
+  if (known == nullptr) {
+    counters_.refused++;
+    Answer(reactor, nullptr, Status(StatusCode::NOT_FOUND, "unknown model '" + request->model_name() + "'"));
+    return reactor;
+  }
+  Queue& queue = *known;
   Pending p;
   Status status = Check(queue, *request, p);
   if (!status.ok()) {
     counters_.refused++;
-    reactor->Finish(status);
+    Answer(reactor, &queue, status);
     return reactor;
   }
+  p.started = started;
   p.reactor = reactor;
   p.request = request;
   p.response = response;
   p.arrived = Clock::now();
   counters_.check_ns += NanosSince(started);
   if (zeros_) {
-    AnswerZeros(p, queue.limits);
+    AnswerZeros(p, queue);
     return reactor;
   }
   {
     std::lock_guard<std::mutex> lock(queue.mu);
     if (static_cast<int64_t>(queue.pending.size()) >= queue.limits.max_queue_size) {
       counters_.refused++;
-      reactor->Finish(Status(StatusCode::RESOURCE_EXHAUSTED,
+      Answer(reactor, &queue, Status(StatusCode::RESOURCE_EXHAUSTED,
                              "model " + queue.limits.name + "'s queue is full (" +
                                  std::to_string(queue.limits.max_queue_size) + " requests, --max-queue-size)"));
       return reactor;
@@ -366,8 +397,10 @@ std::unique_ptr<Batch> Plane::Form(size_t index, Queue& queue) {
     useful += p.rows * p.q_len * p.k_len;
     if (p.exact_k_len) exact_k = p.k_len;
     batch->want_probs = batch->want_probs || p.want_probs;
+    if (p.heads_differ) batch->mask_heads = m.num_heads;
     batch->items.push_back(std::move(p));
   }
+  batch->padding_ratio = 1.0 - static_cast<double>(useful) / (static_cast<double>(batch->rows) * batch->q_len * batch->k_len);
   queue.pending.swap(kept);
   return batch;
 }
@@ -396,7 +429,8 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
   batch->value.assign(static_cast<size_t>(rows * lk * m.kv_dim), 0.0f);
   bool need_mask = false;
   for (const auto& p : batch->items) need_mask = need_mask || p.mask != nullptr || p.k_len != lk;
-  if (need_mask) batch->mask.assign(static_cast<size_t>(rows * lq * lk), 0);  // padding is masked
+  const int64_t mh = batch->mask_heads;
+  if (need_mask) batch->mask.assign(static_cast<size_t>(rows * mh * lq * lk), 0);  // padding is masked
   for (size_t i = 0; i < batch->items.size(); ++i) {
     const Pending& p = batch->items[i];
     const int64_t r0 = batch->first_row[i];
@@ -408,17 +442,21 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
       std::memcpy(&batch->value[((r0 + r) * lk) * m.kv_dim], p.value + r * p.k_len * m.kv_dim,
                   static_cast<size_t>(p.k_len * m.kv_dim) * 4);
       if (!need_mask) continue;
-      for (int64_t q = 0; q < p.q_len; ++q) {
-        uint8_t* to = &batch->mask[((r0 + r) * lq + q) * lk];
-        if (p.mask == nullptr) {
-          std::memset(to, 1, static_cast<size_t>(p.k_len));
-        } else {
-          std::memcpy(to, p.mask + r * p.mask_row_stride + q * p.k_len, static_cast<size_t>(p.k_len));
+      for (int64_t hh = 0; hh < mh; ++hh) {
+        for (int64_t q = 0; q < p.q_len; ++q) {
+          uint8_t* to = &batch->mask[(((r0 + r) * mh + hh) * lq + q) * lk];
+          if (p.mask == nullptr) {
+            std::memset(to, 1, static_cast<size_t>(p.k_len));
+          } else {  // heads alike (head stride 0) read their first for every head
+            std::memcpy(to, p.mask + r * p.mask_row_stride + hh * p.mask_head_stride + q * p.k_len,
+                        static_cast<size_t>(p.k_len));
+          }
         }
       }
     }
-    counters_.queue_ns += static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(started - p.arrived).count());
+    const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(started - p.arrived).count();
+    counters_.queue_ns += static_cast<uint64_t>(waited);
+    batch->queue_s.push_back(static_cast<double>(waited) * 1e-9);
   }
   counters_.batches++;
   counters_.rows += static_cast<uint64_t>(rows);
@@ -430,7 +468,6 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
 void Plane::Complete(Batch& batch, const float* output, const float* attn_probs) {
   if (batch.settled) return;
   batch.settled = true;
-  in_flight_ -= static_cast<int64_t>(batch.items.size());
   auto started = Clock::now();
   counters_.python_ns += static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(started - batch.formed).count());
@@ -440,7 +477,7 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
     Pending& p = batch.items[i];
     const int64_t r0 = batch.first_row[i];
     if (p.want_probs && attn_probs == nullptr) {
-      p.reactor->Finish(Status(StatusCode::INTERNAL, "the run returned no attn_probs"));
+      Answer(p.reactor, models_.at(batch.model).get(), Status(StatusCode::INTERNAL, "the run returned no attn_probs"));
       continue;
     }
     p.response->set_model_name(m.name);
@@ -464,17 +501,19 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
     const auto finishing = Clock::now();
     counters_.split_ns += static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(finishing - started).count());
-    p.reactor->Finish(Status::OK);  // gRPC may send the answer on this thread
+    batch.done_s.push_back(static_cast<double>(NanosSince(p.started)) * 1e-9);
+    Answer(p.reactor, models_.at(batch.model).get(), Status::OK);  // gRPC may send the answer on this thread
     counters_.finish_ns += NanosSince(finishing);
     started = Clock::now();
   }
+  Left(static_cast<int64_t>(batch.items.size()));
 }
 
 void Plane::Fail(Batch& batch, StatusCode code, const std::string& message) {
   if (batch.settled) return;
   batch.settled = true;
-  in_flight_ -= static_cast<int64_t>(batch.items.size());
-  for (auto& p : batch.items) p.reactor->Finish(Status(code, message));
+  for (auto& p : batch.items) Answer(p.reactor, models_.at(batch.model).get(), Status(code, message));
+  Left(static_cast<int64_t>(batch.items.size()));
 }
 
 grpc::ServerUnaryReactor* Plane::Table(grpc::CallbackServerContext* context, const std::string& method,
@@ -499,7 +538,7 @@ grpc::ServerUnaryReactor* Plane::ServerLive(grpc::CallbackServerContext* context
 
 grpc::ServerUnaryReactor* Plane::ServerReady(grpc::CallbackServerContext* context, const inference::ServerReadyRequest*,
                                              inference::ServerReadyResponse* response) {
-  response->set_ready(!stopping_);
+  response->set_ready(ready_ && !stopping_);
   auto* reactor = context->DefaultReactor();
   reactor->Finish(Status::OK);
   return reactor;
@@ -508,7 +547,7 @@ grpc::ServerUnaryReactor* Plane::ServerReady(grpc::CallbackServerContext* contex
 grpc::ServerUnaryReactor* Plane::ModelReady(grpc::CallbackServerContext* context,
                                             const inference::ModelReadyRequest* request,
                                             inference::ModelReadyResponse* response) {
-  response->set_ready(!stopping_ && by_name_.count(request->name()) > 0);
+  response->set_ready(ready_ && !stopping_ && by_name_.count(request->name()) > 0);
   auto* reactor = context->DefaultReactor();
   reactor->Finish(Status::OK);
   return reactor;
