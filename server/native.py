@@ -42,6 +42,7 @@ assert contract.OUTPUT_NAMES == ("output", "attn_probs")
 
 _WAIT_MS = 100  # how often an idle runner thread looks whether the plane is stopping
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}  # as the Python plane labels them
+IN_FLIGHT_METRIC = "attnserve_native_in_flight"  # registered only while the plane serves
 UNKNOWN_MODEL = "_unknown"  # the label of calls naming no known model (server.request_path's)
 
 
@@ -111,7 +112,7 @@ class NativePlane:
         if metrics is not None:
             from prometheus_client import Gauge
 
-            self._in_flight_gauge = Gauge("attnserve_native_in_flight", "Calls queued or computing on the native "
+            self._in_flight_gauge = Gauge(IN_FLIGHT_METRIC, "Calls queued or computing on the native "
                                           "data plane (--data-plane native).", registry=metrics.registry)
             metrics.add_refresh(self.refresh_metrics)
 
