@@ -82,6 +82,8 @@ PYBIND11_MODULE(_native, m) {
         p.SetAnswer(method, name, std::string(data));
       })
       .def("set_zeros", &Plane::SetZeros)
+      .def("set_stream_window", &Plane::SetStreamWindow,
+           "requests of one ModelStreamInfer stream in the plane at once; reading pauses beyond it")
       .def("start", &Plane::Start, py::call_guard<py::gil_scoped_release>())
       .def("next_batch", &Plane::NextBatch, py::call_guard<py::gil_scoped_release>(),
            "the next batch of model `index` (blocks up to timeout_ms), or None")

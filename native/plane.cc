@@ -76,10 +76,23 @@ int Plane::Start(const std::string& address, int max_message_bytes, int max_conc
   return port;
 }
 
-void Plane::Answer(grpc::ServerUnaryReactor* reactor, Queue* queue, const Status& status) {
+void Plane::Count(Queue* queue, const Status& status) {
   const auto code = static_cast<size_t>(status.error_code());
   (queue != nullptr ? queue->codes : unknown_codes_)[code < kCodes ? code : static_cast<size_t>(StatusCode::UNKNOWN)]++;
+}
+
+void Plane::Answer(grpc::ServerUnaryReactor* reactor, Queue* queue, const Status& status) {
+  Count(queue, status);
   reactor->Finish(status);
+}
+
+void Plane::Settle(const Pending& p, Queue* queue, const Status& status) {
+  if (p.stream == nullptr) {
+    Answer(p.reactor, queue, status);
+    return;
+  }
+  Count(queue, status);
+  p.stream->Answered(p.seq, status);
 }
 
 void Plane::Left(int64_t calls) {
@@ -111,7 +124,7 @@ void Plane::Stop(double grace_s) {
       refused.swap(queue->pending);
     }
     queue->arrived.notify_all();
-    for (auto& p : refused) Answer(p.reactor, queue.get(), Status(StatusCode::UNAVAILABLE, "the server is stopping; not computed"));
+    for (auto& p : refused) Settle(p, queue.get(), Status(StatusCode::UNAVAILABLE, "the server is stopping; not computed"));
     if (!refused.empty()) Left(static_cast<int64_t>(refused.size()));
   }
   if (server_) {
@@ -314,59 +327,180 @@ void Plane::AnswerZeros(Pending& p, Queue& queue) {
                 static_cast<size_t>(p.rows * p.q_len * m.out_dim));
     }
   }
-  Answer(p.reactor, &queue, Status::OK);
+  Settle(p, &queue, Status::OK);
 }
 
 grpc::ServerUnaryReactor* Plane::ModelInfer(grpc::CallbackServerContext* context,
                                             const inference::ModelInferRequest* request,
                                             inference::ModelInferResponse* response) {
   auto* reactor = context->DefaultReactor();
-  const auto started = Clock::now();
-  counters_.requests++;
-  auto found = by_name_.find(request->model_name());
-  Queue* known = found == by_name_.end() ? nullptr : models_[found->second].get();
-  if (refusing_) {  // draining: never computed, retry elsewhere (the Python plane's words)
-    counters_.refused++;
-    Answer(reactor, known, Status(StatusCode::UNAVAILABLE, "server is shutting down; retry on another replica"));
-    return reactor;
-  }
-  if (known == nullptr) {
-    counters_.refused++;
-    Answer(reactor, nullptr, Status(StatusCode::NOT_FOUND, "unknown model '" + request->model_name() + "'"));
-    return reactor;
-  }
-  Queue& queue = *known;
   Pending p;
-  Status status = Check(queue, *request, p);
-  if (!status.ok()) {
-    counters_.refused++;
-    Answer(reactor, &queue, status);
-    return reactor;
-  }
-  p.started = started;
   p.reactor = reactor;
   p.request = request;
   p.response = response;
+  Admit(std::move(p));
+  return reactor;
+}
+
+void Plane::Admit(Pending p) {
+  const auto started = Clock::now();
+  const inference::ModelInferRequest& request = *p.request;
+  counters_.requests++;
+  auto found = by_name_.find(request.model_name());
+  Queue* known = found == by_name_.end() ? nullptr : models_[found->second].get();
+  if (refusing_) {  // draining: never computed, retry elsewhere (the Python plane's words)
+    counters_.refused++;
+    Settle(p, known, Status(StatusCode::UNAVAILABLE, "server is shutting down; retry on another replica"));
+    return;
+  }
+  if (known == nullptr) {
+    counters_.refused++;
+    Settle(p, nullptr, Status(StatusCode::NOT_FOUND, "unknown model '" + request.model_name() + "'"));
+    return;
+  }
+  Queue& queue = *known;
+  Status status = Check(queue, request, p);
+  if (!status.ok()) {
+    counters_.refused++;
+    Settle(p, &queue, status);
+    return;
+  }
+  p.started = started;
   p.arrived = Clock::now();
   counters_.check_ns += NanosSince(started);
   if (zeros_) {
     AnswerZeros(p, queue);
-    return reactor;
+    return;
   }
   {
-    std::lock_guard<std::mutex> lock(queue.mu);
+    std::unique_lock<std::mutex> lock(queue.mu);
     if (static_cast<int64_t>(queue.pending.size()) >= queue.limits.max_queue_size) {
+      lock.unlock();
       counters_.refused++;
-      Answer(reactor, &queue, Status(StatusCode::RESOURCE_EXHAUSTED,
-                             "model " + queue.limits.name + "'s queue is full (" +
-                                 std::to_string(queue.limits.max_queue_size) + " requests, --max-queue-size)"));
-      return reactor;
+      Settle(p, &queue, Status(StatusCode::RESOURCE_EXHAUSTED,
+                               "model " + queue.limits.name + "'s queue is full (" +
+                                   std::to_string(queue.limits.max_queue_size) + " requests, --max-queue-size)"));
+      return;
     }
     queue.pending.push_back(std::move(p));
     in_flight_++;
   }
   queue.arrived.notify_one();
-  return reactor;
+}
+
+grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>* Plane::ModelStreamInfer(
+    grpc::CallbackServerContext*) {
+  return new StreamCall(this);  // deletes itself in OnDone
+}
+
+namespace {
+
+const char* CodeName(StatusCode code) {
+  static const char* const kNames[kCodes] = {
+      "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+      "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+      "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  const auto index = static_cast<size_t>(code);
+  return index < kCodes ? kNames[index] : "UNKNOWN";
+}
+
+}  // namespace
+
+StreamCall::StreamCall(Plane* plane) : plane_(plane) { StartRead(&incoming_); }
+
+void StreamCall::OnReadDone(bool ok) {
+  if (!ok) {  // the client's half-close, or the stream is gone
+    Next next;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      reading_ = false;
+      reads_done_ = true;
+      next = Step();
+    }
+    Run(next);
+    return;
+  }
+  Pending p;
+  p.stream = this;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Slot slot;
+    slot.request = std::make_unique<inference::ModelInferRequest>();
+    slot.request->Swap(&incoming_);
+    slot.response = std::make_unique<inference::ModelInferResponse>();
+    p.request = slot.request.get();
+    p.response = slot.response.get();
+    p.seq = first_seq_ + slots_.size();
+    slots_.push_back(std::move(slot));
+    reading_ = false;
+  }
+  plane_->Admit(std::move(p));  // may answer at once (Answered takes mu_)
+  Next next;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    next = Step();
+  }
+  Run(next);
+}
+
+void StreamCall::Answered(uint64_t seq, const Status& status) {
+  Next next;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Slot& slot = slots_.at(static_cast<size_t>(seq - first_seq_));
+    slot.answer = std::make_unique<inference::ModelStreamInferResponse>();
+    if (status.ok()) {
+      slot.answer->mutable_infer_response()->Swap(slot.response.get());
+    } else {  // the stream goes on: the request's own answer says what failed
+      slot.answer->set_error_message(std::string(CodeName(status.error_code())) + ": " + status.error_message());
+      slot.answer->mutable_infer_response()->set_model_name(slot.request->model_name());
+      slot.answer->mutable_infer_response()->set_id(slot.request->id());
+    }
+    slot.request.reset();  // its tensors are no longer needed
+    slot.response.reset();
+    next = Step();
+  }
+  Run(next);
+}
+
+void StreamCall::OnWriteDone(bool ok) {
+  Next next;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_.reset();
+    broken_ = broken_ || !ok;  // the client is gone: answers still owed are dropped as they come
+    next = Step();
+  }
+  Run(next);
+}
+
+StreamCall::Next StreamCall::Step() {
+  Next next;
+  if (finished_) return next;
+  while (!slots_.empty() && slots_.front().answer && (broken_ || !writing_)) {
+    auto answer = std::move(slots_.front().answer);
+    slots_.pop_front();
+    first_seq_++;
+    if (broken_) continue;
+    writing_ = std::move(answer);
+    next.write = writing_.get();
+  }
+  if (!reading_ && !reads_done_ && !broken_ && static_cast<int64_t>(slots_.size()) < plane_->stream_window_) {
+    reading_ = true;
+    next.read = true;
+  }
+  // Every request answered (the plane holds no pointer into this stream) and written: the end.
+  if (slots_.empty() && !writing_ && (reads_done_ || broken_) && !reading_) {
+    finished_ = true;
+    next.finish = true;
+  }
+  return next;
+}
+
+void StreamCall::Run(const Next& next) {
+  if (next.write != nullptr) StartWrite(next.write);
+  if (next.read) StartRead(&incoming_);
+  if (next.finish) Finish(Status::OK);
 }
 
 std::unique_ptr<Batch> Plane::Form(size_t index, Queue& queue) {
@@ -477,7 +611,7 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
     Pending& p = batch.items[i];
     const int64_t r0 = batch.first_row[i];
     if (p.want_probs && attn_probs == nullptr) {
-      Answer(p.reactor, models_.at(batch.model).get(), Status(StatusCode::INTERNAL, "the run returned no attn_probs"));
+      Settle(p, models_.at(batch.model).get(), Status(StatusCode::INTERNAL, "the run returned no attn_probs"));
       continue;
     }
     p.response->set_model_name(m.name);
@@ -502,7 +636,7 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
     counters_.split_ns += static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(finishing - started).count());
     batch.done_s.push_back(static_cast<double>(NanosSince(p.started)) * 1e-9);
-    Answer(p.reactor, models_.at(batch.model).get(), Status::OK);  // gRPC may send the answer on this thread
+    Settle(p, models_.at(batch.model).get(), Status::OK);  // gRPC may send the answer on this thread
     counters_.finish_ns += NanosSince(finishing);
     started = Clock::now();
   }
@@ -512,7 +646,7 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
 void Plane::Fail(Batch& batch, StatusCode code, const std::string& message) {
   if (batch.settled) return;
   batch.settled = true;
-  for (auto& p : batch.items) Answer(p.reactor, models_.at(batch.model).get(), Status(code, message));
+  for (auto& p : batch.items) Settle(p, models_.at(batch.model).get(), Status(code, message));
   Left(static_cast<int64_t>(batch.items.size()));
 }
 

@@ -46,9 +46,14 @@ struct ModelLimits {
 constexpr size_t kCodes = 17;
 using Codes = std::array<std::atomic<uint64_t>, kCodes>;
 
-// A checked request waiting in its model's queue; the request and response belong to gRPC's call.
+class StreamCall;
+
+// A checked request waiting in its model's queue; the request and response belong to gRPC's call
+// (ModelInfer) or to its stream's slot (ModelStreamInfer).
 struct Pending {
-  grpc::ServerUnaryReactor* reactor = nullptr;
+  grpc::ServerUnaryReactor* reactor = nullptr;  // ModelInfer's call, or nullptr: the stream's
+  StreamCall* stream = nullptr;                 // ModelStreamInfer's stream
+  uint64_t seq = 0;                             // the request's place in its stream
   const inference::ModelInferRequest* request = nullptr;
   inference::ModelInferResponse* response = nullptr;
   int64_t rows = 0, q_len = 0, k_len = 0;
@@ -98,6 +103,8 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   // Serialized answers of the rare RPCs, by method and model name ("" for server-wide ones).
   void SetAnswer(const std::string& method, const std::string& name, std::string bytes);
   void SetZeros(bool zeros) { zeros_ = zeros; }  // the native floor: answer zeros, no Python
+  // Requests of one ModelStreamInfer stream in the plane at once; reading pauses beyond it.
+  void SetStreamWindow(int64_t window) { stream_window_ = window > 0 ? window : 1; }
   int Start(const std::string& address, int max_message_bytes, int max_concurrent_streams);
   // Blocks up to timeout_ms for a batch of model `index`; nullptr on timeout or once stopping.
   std::shared_ptr<Batch> NextBatch(size_t index, int64_t timeout_ms);
@@ -123,6 +130,8 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
                                        const inference::ModelInferRequest* request,
                                        inference::ModelInferResponse* response) override;
+  grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>* ModelStreamInfer(
+      grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,
                                        inference::ServerLiveResponse* response) override;
@@ -146,6 +155,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
                                             inference::ModelStatisticsResponse* response) override;
 
  private:
+  friend class StreamCall;
   struct Queue {
     ModelLimits limits;
     std::mutex mu;
@@ -158,6 +168,10 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   void AnswerZeros(Pending& p, Queue& queue);
   // Every call ends here: counted by code (per model; nullptr: no known model), then finished.
   void Answer(grpc::ServerUnaryReactor* reactor, Queue* queue, const grpc::Status& status);
+  void Settle(const Pending& p, Queue* queue, const grpc::Status& status);  // Answer, or its stream's answer
+  void Count(Queue* queue, const grpc::Status& status);
+  // A ModelInfer request, from a call or a stream: checked, then queued or answered at once.
+  void Admit(Pending p);
   void Left(int64_t calls);  // calls out of the queue and the run: in_flight_ down, WaitIdle told
   grpc::ServerUnaryReactor* Table(grpc::CallbackServerContext* context, const std::string& method,
                                   const std::string& name, google::protobuf::Message* response);
@@ -174,7 +188,45 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   std::condition_variable idle_;
   Codes unknown_codes_{};
   bool zeros_ = false;
+  int64_t stream_window_ = 64;
   Counters counters_;
+};
+
+// One ModelStreamInfer stream: reads requests as they come (up to the plane's stream window in
+// the plane at once), admits each as ModelInfer does, and writes the answers in request order,
+// one write at a time. A refused request is answered in the stream (error_message) and the
+// stream goes on, as the Python plane does (server.service).
+class StreamCall final
+    : public grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse> {
+ public:
+  explicit StreamCall(Plane* plane);
+  void OnReadDone(bool ok) override;
+  void OnWriteDone(bool ok) override;
+  void OnDone() override { delete this; }
+  // The plane settled request `seq` (any thread): its answer, OK from its response, else the status.
+  void Answered(uint64_t seq, const grpc::Status& status);
+
+ private:
+  struct Slot {
+    std::unique_ptr<inference::ModelInferRequest> request;
+    std::unique_ptr<inference::ModelInferResponse> response;
+    std::unique_ptr<inference::ModelStreamInferResponse> answer;  // set once answered
+  };
+  // With mu_ held: what to start now (a write, a read, the end), started after it is released.
+  struct Next {
+    inference::ModelStreamInferResponse* write = nullptr;
+    bool read = false, finish = false;
+  };
+  Next Step();
+  void Run(const Next& next);
+
+  Plane* plane_;
+  std::mutex mu_;
+  inference::ModelInferRequest incoming_;
+  std::deque<Slot> slots_;  // in request order: the first is the next to write
+  uint64_t first_seq_ = 0;  // slots_.front()'s seq
+  std::unique_ptr<inference::ModelStreamInferResponse> writing_;
+  bool reading_ = true, reads_done_ = false, broken_ = false, finished_ = false;
 };
 
 }  // namespace attnserve

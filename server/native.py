@@ -58,9 +58,11 @@ def why_unavailable() -> str | None:
 def new_plane(zeros: bool = False):
     """A _native.Plane holding the contract's names; zeros: the native floor (no Python per call)."""
     from attnserve.server import _native
+    from attnserve.server.service import STREAM_WINDOW
 
     plane = _native.Plane(CONTRACT_NAMES)
     plane.set_zeros(zeros)
+    plane.set_stream_window(STREAM_WINDOW)
     return plane
 
 

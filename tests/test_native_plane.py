@@ -398,3 +398,31 @@ def test_a_drain_finishes_admitted_native_calls_and_refuses_new_ones(model_repos
                 got = outputs_of(future.result(timeout=120))["output"]
                 assert float(np.max(np.abs(got - eager(eager_modules["self_attention"], **x)["output"]))) <= 1e-5
         assert proc.wait(timeout=60) == 0, proc.log()
+
+
+# -- ModelStreamInfer ----------------------------------------------------------------------------------
+
+def test_a_stream_answers_in_request_order_exactly_and_goes_on_after_an_error(stub, seed000, eager_modules):  # noqa: F811
+    """Answers in request order, each within 1e-5 of the seed; a refused request is answered in
+    the stream (error_message with the status's name, its id) and the stream goes on; more
+    requests than the stream window (reading pauses, then resumes) all answered."""
+    rng = np.random.default_rng(41)
+    good = {"a": ("self_attention", True, inputs("self_attention", rng, 2, 5, 6, "b_q_k")),
+            "b": ("cross_attention", False, inputs("cross_attention", rng, 1, 4, 3, None)),
+            "c": ("self_attention", True, inputs("self_attention", rng, 1, 6, 6, "b_h_q_k"))}
+    requests = [infer_request(m, raw=raw, request_id=key, **x) for key, (m, raw, x) in good.items()]
+    requests.insert(1, infer_request("self_attention", request_id="bad", **{**good["a"][2], "value": None}))
+    requests.insert(3, infer_request("nope", request_id="gone", **good["b"][2]))
+    small = inputs("cross_attention", rng, 1, 2, 2, None)
+    requests += [infer_request("cross_attention", request_id=f"n{i}", outputs=("output",), **small) for i in range(100)]
+    answers = list(stub.ModelStreamInfer(iter(requests), timeout=120))
+    assert [a.infer_response.id for a in answers] == [r.id for r in requests]
+    by_id = {a.infer_response.id: a for a in answers}
+    for key, (model, _raw, x) in good.items():
+        assert by_id[key].error_message == ""
+        assert_close(outputs_of(by_id[key].infer_response), want(reference(model, seed000, eager_modules), x))
+    assert by_id["bad"].error_message.startswith("INVALID_ARGUMENT: "), by_id["bad"].error_message
+    assert by_id["gone"].error_message.startswith("NOT_FOUND: "), by_id["gone"].error_message
+    expected = want(reference("cross_attention", seed000, eager_modules), small)
+    for i in range(100):
+        assert_close(outputs_of(by_id[f"n{i}"].infer_response), expected, names=("output",))
