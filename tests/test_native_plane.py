@@ -426,3 +426,46 @@ def test_a_stream_answers_in_request_order_exactly_and_goes_on_after_an_error(st
     expected = want(reference("cross_attention", seed000, eager_modules), small)
     for i in range(100):
         assert_close(outputs_of(by_id[f"n{i}"].infer_response), expected, names=("output",))
+
+
+def test_a_drain_answers_a_streams_admitted_requests_and_refuses_later_ones_in_the_stream(model_repository,
+                                                                                        eager_modules):
+    """A stream's three requests admitted (the first held at the gate); SIGTERM; a fourth sent
+    after the refusal began is answered in the stream with UNAVAILABLE; the gate opens, the
+    three are answered exactly, the client closes its side, the stream ends OK; exit 0."""
+    import queue as queue_module
+
+    rng = np.random.default_rng(51)
+    cases = [inputs("self_attention", rng, 1, 4, 5, None) for _ in range(4)]
+    outgoing: queue_module.Queue = queue_module.Queue()
+
+    def requests():
+        while (request := outgoing.get()) is not None:
+            yield request
+
+    with GatedServer(model_repository, "--data-plane", "native", "--native-port", "0", "--max-batch-size", "1",
+                     "--grace-period-s", "120") as proc, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        port = json.loads(proc.ready_file.read_text())["native_port"]
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stream = pb_grpc.GRPCInferenceServiceStub(ch).ModelStreamInfer(requests(), timeout=120)
+            answers = pool.submit(list, stream)
+            for i, x in enumerate(cases[:3]):
+                outgoing.put(infer_request("self_attention", request_id=f"r{i}", outputs=("output",), **x))
+            assert proc.gate.wait_started() == 1
+            deadline = time.monotonic() + QUEUED_WITHIN_S
+            while _metric(_scrape(proc), "attnserve_native_in_flight") < 3:  # admitted: the state reached
+                assert time.monotonic() < deadline, _scrape(proc)
+                time.sleep(0.01)
+            proc.signal(signal.SIGTERM)
+            proc.wait_for_log("refusing new calls (UNAVAILABLE)")
+            outgoing.put(infer_request("self_attention", request_id="late", outputs=("output",), **cases[3]))
+            proc.gate.release(100)
+            outgoing.put(None)  # the client closes its side
+            got = answers.result(timeout=120)
+        assert [a.infer_response.id for a in got] == ["r0", "r1", "r2", "late"]
+        for x, answer in zip(cases[:3], got, strict=False):
+            assert answer.error_message == ""
+            out = outputs_of(answer.infer_response)["output"]
+            assert float(np.max(np.abs(out - eager(eager_modules["self_attention"], **x)["output"]))) <= 1e-5
+        assert got[3].error_message.startswith("UNAVAILABLE: "), got[3].error_message
+        assert proc.wait(timeout=60) == 0, proc.log()
