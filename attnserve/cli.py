@@ -51,13 +51,29 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
-    from attnserve import __version__
+class _Version(argparse.Action):
+    """--version: the release, and whether the native data plane (--data-plane native) can serve;
+    it imports the extension only when asked."""
 
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from attnserve import __version__
+        from attnserve.server.native import why_unavailable
+
+        why = why_unavailable()
+        print(f"{PROG} {__version__}\nnative data plane: "
+              f"{'available (--data-plane native)' if why is None else 'unavailable: ' + why}")
+        parser.exit()
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Multi-head attention served over the Open Inference Protocol (KServe V2).",
         epilog=f"`{PROG} COMMAND --help` lists a command's flags.")
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--version", action=_Version, help="show the version, and whether the native data plane "
+                        "can serve, and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (help_text, _run) in COMMANDS.items():
         commands.add_parser(name, help=help_text, add_help=False)

@@ -29,15 +29,24 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("requests", [](const Batch& b) { return b.items.size(); })
       .def_property_readonly("rows", [](const Batch& b) { return b.rows; })
       .def_property_readonly("want_probs", [](const Batch& b) { return b.want_probs; })
+      .def_property_readonly("padding_ratio", [](const Batch& b) { return b.padding_ratio; })
+      .def_property_readonly("queue_s", [](const Batch& b) { return b.queue_s; }, "each request's wait in the queue")
+      .def_property_readonly("done_s", [](const Batch& b) { return b.done_s; },
+                             "each answered request's time in the server, once complete")
       .def("feeds", [](py::object self, py::ssize_t query_dim, py::ssize_t kv_dim) {
         Batch& b = self.cast<Batch&>();
         py::dict feeds;
         feeds["query"] = View(self, b.query, {b.rows, b.q_len, query_dim}, "float32");
         feeds["key"] = View(self, b.key, {b.rows, b.k_len, kv_dim}, "float32");
         feeds["value"] = View(self, b.value, {b.rows, b.k_len, kv_dim}, "float32");
-        if (!b.mask.empty()) feeds["mask"] = View(self, b.mask, {b.rows, b.q_len, b.k_len}, "bool");
+        if (!b.mask.empty() && b.mask_heads > 1) {
+          feeds["head_mask"] = View(self, b.mask, {b.rows, b.mask_heads, b.q_len, b.k_len}, "bool");
+        } else if (!b.mask.empty()) {
+          feeds["mask"] = View(self, b.mask, {b.rows, b.q_len, b.k_len}, "bool");
+        }
         return feeds;
-      }, "query, key, value and (when a request has one or keys are padded) mask: views, no copies");
+      }, "query, key, value and (when a request has one or keys are padded) mask, or head_mask when some "
+         "request's heads differ: views, no copies");
 
   py::class_<Plane>(m, "Plane")
       .def(py::init([](py::dict names) {
@@ -48,7 +57,7 @@ PYBIND11_MODULE(_native, m) {
       .def("add_model", [](Plane& p, const std::string& name, const std::string& version, int64_t query_dim,
                            int64_t kv_dim, int64_t out_dim, int64_t num_heads, int64_t max_batch_size,
                            int64_t max_q_len, int64_t max_kv_len, int64_t max_attention_bytes,
-                           int64_t max_queue_size, double max_padding_ratio) {
+                           int64_t max_queue_size, double max_padding_ratio, const std::string& why_no_head_masks) {
         ModelLimits l;
         l.name = name;
         l.version = version;
@@ -62,12 +71,19 @@ PYBIND11_MODULE(_native, m) {
         l.max_attention_bytes = max_attention_bytes;
         l.max_queue_size = max_queue_size;
         l.max_padding_ratio = max_padding_ratio;
+        l.head_masks = why_no_head_masks.empty();
+        l.why_no_head_masks = why_no_head_masks;
         return p.AddModel(l);
-      })
+      }, py::arg("name"), py::arg("version"), py::arg("query_dim"), py::arg("kv_dim"), py::arg("out_dim"),
+         py::arg("num_heads"), py::arg("max_batch_size"), py::arg("max_q_len"), py::arg("max_kv_len"),
+         py::arg("max_attention_bytes"), py::arg("max_queue_size"), py::arg("max_padding_ratio"),
+         py::arg("why_no_head_masks") = "", "why_no_head_masks: empty when the head-mask graphs serve masks whose heads differ")
       .def("set_answer", [](Plane& p, const std::string& method, const std::string& name, py::bytes data) {
         p.SetAnswer(method, name, std::string(data));
       })
       .def("set_zeros", &Plane::SetZeros)
+      .def("set_stream_window", &Plane::SetStreamWindow,
+           "requests of one ModelStreamInfer stream in the plane at once; reading pauses beyond it")
       .def("start", &Plane::Start, py::call_guard<py::gil_scoped_release>())
       .def("next_batch", &Plane::NextBatch, py::call_guard<py::gil_scoped_release>(),
            "the next batch of model `index` (blocks up to timeout_ms), or None")
@@ -89,6 +105,16 @@ PYBIND11_MODULE(_native, m) {
       .def("in_flight", &Plane::InFlight, "calls queued or computing, every model")
       .def("queued", &Plane::Queued, "requests waiting for model `index`")
       .def("stop", &Plane::Stop, py::call_guard<py::gil_scoped_release>())
+      .def("set_ready", &Plane::SetReady, "ServerReady and ModelReady answer this (false from a drain's start)")
+      .def("refuse", &Plane::Refuse, "new ModelInfer calls refused UNAVAILABLE; queued and computing ones go on")
+      .def("wait_idle", &Plane::WaitIdle, py::call_guard<py::gil_scoped_release>(),
+           "blocks up to timeout_ms until no call is queued or computing; whether none is")
+      .def("final_codes", [](const Plane& p, size_t index) {
+        if (index > p.Models()) throw py::index_error("no such model");
+        auto codes = p.FinalCodes(index);
+        return std::vector<uint64_t>(codes.begin(), codes.end());
+      }, "calls of model `index` finished, by gRPC status code (a list of 17); index == models: unknown models")
+      .def("models", &Plane::Models)
       .def("counters", [](const Plane& p) {
         const auto& c = p.counters();
         py::dict d;

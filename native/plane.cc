@@ -76,8 +76,47 @@ int Plane::Start(const std::string& address, int max_message_bytes, int max_conc
   return port;
 }
 
+void Plane::Count(Queue* queue, const Status& status) {
+  const auto code = static_cast<size_t>(status.error_code());
+  (queue != nullptr ? queue->codes : unknown_codes_)[code < kCodes ? code : static_cast<size_t>(StatusCode::UNKNOWN)]++;
+}
+
+void Plane::Answer(grpc::ServerUnaryReactor* reactor, Queue* queue, const Status& status) {
+  Count(queue, status);
+  reactor->Finish(status);
+}
+
+void Plane::Settle(const Pending& p, Queue* queue, const Status& status) {
+  if (p.stream == nullptr) {
+    Answer(p.reactor, queue, status);
+    return;
+  }
+  Count(queue, status);
+  p.stream->Answered(p.seq, status);
+}
+
+void Plane::Left(int64_t calls) {
+  if (in_flight_.fetch_sub(calls) != calls) return;
+  { std::lock_guard<std::mutex> lock(idle_mu_); }  // a waiter between its check and its wait is woken
+  idle_.notify_all();
+}
+
+bool Plane::WaitIdle(int64_t timeout_ms) {
+  std::unique_lock<std::mutex> lock(idle_mu_);
+  return idle_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return in_flight_ <= 0; });
+}
+
+std::array<uint64_t, kCodes> Plane::FinalCodes(size_t index) const {
+  const Codes& codes = index < models_.size() ? models_[index]->codes : unknown_codes_;
+  std::array<uint64_t, kCodes> out{};
+  for (size_t i = 0; i < kCodes; ++i) out[i] = codes[i].load();
+  return out;
+}
+
 void Plane::Stop(double grace_s) {
   stopping_ = true;
+  refusing_ = true;
+  ready_ = false;
   for (auto& queue : models_) {
     std::deque<Pending> refused;
     {
@@ -85,8 +124,8 @@ void Plane::Stop(double grace_s) {
       refused.swap(queue->pending);
     }
     queue->arrived.notify_all();
-    in_flight_ -= static_cast<int64_t>(refused.size());
-    for (auto& p : refused) p.reactor->Finish(Status(StatusCode::UNAVAILABLE, "the server is stopping; not computed"));
+    for (auto& p : refused) Settle(p, queue.get(), Status(StatusCode::UNAVAILABLE, "the server is stopping; not computed"));
+    if (!refused.empty()) Left(static_cast<int64_t>(refused.size()));
   }
   if (server_) {
     // Batches being computed finish meanwhile (their runner threads call Complete).
@@ -213,20 +252,21 @@ Status Plane::Check(const Queue& queue, const inference::ModelInferRequest& requ
                                        " at " + std::to_string(i));
     }
     const int64_t items = ms.size() == 2 ? 1 : p.rows;
-    for (int64_t b = 0; b < items && heads > 1; ++b) {
+    for (int64_t b = 0; b < items && heads > 1 && !p.heads_differ; ++b) {
       const uint8_t* first = bytes + b * p.mask_row_stride;
-      for (int64_t h = 1; h < heads; ++h) {
-        if (std::memcmp(first, first + h * plane, plane) != 0) {
-          return Invalid(c.mask + ": masks whose heads differ are not served by the native data plane (prototype)");
-        }
-      }
+      for (int64_t h = 1; h < heads && !p.heads_differ; ++h) p.heads_differ = std::memcmp(first, first + h * plane, plane) != 0;
     }
+    if (p.heads_differ && !m.head_masks) return Invalid(m.why_no_head_masks);
+    p.mask_head_stride = p.heads_differ ? plane : 0;
     p.mask = bytes;
     // A query row that masks every key is uniform over the keys it sees: its keys are never padded.
+    const int64_t planes = p.heads_differ ? heads : 1;
     for (int64_t b = 0; b < items && !p.exact_k_len; ++b) {
-      for (int64_t i = 0; i < p.q_len && !p.exact_k_len; ++i) {
-        const uint8_t* row = bytes + b * p.mask_row_stride + i * p.k_len;
-        p.exact_k_len = std::find(row, row + p.k_len, uint8_t{1}) == row + p.k_len;
+      for (int64_t h = 0; h < planes && !p.exact_k_len; ++h) {
+        for (int64_t i = 0; i < p.q_len && !p.exact_k_len; ++i) {
+          const uint8_t* row = bytes + b * p.mask_row_stride + h * plane + i * p.k_len;
+          p.exact_k_len = std::find(row, row + p.k_len, uint8_t{1}) == row + p.k_len;
+        }
       }
     }
   }
@@ -273,7 +313,8 @@ float* AddOutput(inference::ModelInferResponse* response, const std::string& nam
 
 }  // namespace
 
-void Plane::AnswerZeros(Pending& p, const ModelLimits& m) {
+void Plane::AnswerZeros(Pending& p, Queue& queue) {
+  const ModelLimits& m = queue.limits;
   p.response->set_model_name(m.name);
   p.response->set_model_version(m.version);
   p.response->set_id(p.request->id());
@@ -286,56 +327,180 @@ void Plane::AnswerZeros(Pending& p, const ModelLimits& m) {
                 static_cast<size_t>(p.rows * p.q_len * m.out_dim));
     }
   }
-  p.reactor->Finish(Status::OK);
+  Settle(p, &queue, Status::OK);
 }
 
 grpc::ServerUnaryReactor* Plane::ModelInfer(grpc::CallbackServerContext* context,
                                             const inference::ModelInferRequest* request,
                                             inference::ModelInferResponse* response) {
   auto* reactor = context->DefaultReactor();
-  const auto started = Clock::now();
-  counters_.requests++;
-  if (stopping_) {
-    reactor->Finish(Status(StatusCode::UNAVAILABLE, "the server is stopping; not computed"));
-    return reactor;
-  }
-  auto found = by_name_.find(request->model_name());
-  if (found == by_name_.end()) {
-    counters_.refused++;
-    reactor->Finish(Status(StatusCode::NOT_FOUND, "unknown model '" + request->model_name() + "'"));
-    return reactor;
-  }
-  Queue& queue = *models_[found->second];
   Pending p;
-  Status status = Check(queue, *request, p);
-  if (!status.ok()) {
-    counters_.refused++;
-    reactor->Finish(status);
-    return reactor;
-  }
   p.reactor = reactor;
   p.request = request;
   p.response = response;
+  Admit(std::move(p));
+  return reactor;
+}
+
+void Plane::Admit(Pending p) {
+  const auto started = Clock::now();
+  const inference::ModelInferRequest& request = *p.request;
+  counters_.requests++;
+  auto found = by_name_.find(request.model_name());
+  Queue* known = found == by_name_.end() ? nullptr : models_[found->second].get();
+  if (refusing_) {  // draining: never computed, retry elsewhere (the Python plane's words)
+    counters_.refused++;
+    Settle(p, known, Status(StatusCode::UNAVAILABLE, "server is shutting down; retry on another replica"));
+    return;
+  }
+  if (known == nullptr) {
+    counters_.refused++;
+    Settle(p, nullptr, Status(StatusCode::NOT_FOUND, "unknown model '" + request.model_name() + "'"));
+    return;
+  }
+  Queue& queue = *known;
+  Status status = Check(queue, request, p);
+  if (!status.ok()) {
+    counters_.refused++;
+    Settle(p, &queue, status);
+    return;
+  }
+  p.started = started;
   p.arrived = Clock::now();
   counters_.check_ns += NanosSince(started);
   if (zeros_) {
-    AnswerZeros(p, queue.limits);
-    return reactor;
+    AnswerZeros(p, queue);
+    return;
   }
   {
-    std::lock_guard<std::mutex> lock(queue.mu);
+    std::unique_lock<std::mutex> lock(queue.mu);
     if (static_cast<int64_t>(queue.pending.size()) >= queue.limits.max_queue_size) {
+      lock.unlock();
       counters_.refused++;
-      reactor->Finish(Status(StatusCode::RESOURCE_EXHAUSTED,
-                             "model " + queue.limits.name + "'s queue is full (" +
-                                 std::to_string(queue.limits.max_queue_size) + " requests, --max-queue-size)"));
-      return reactor;
+      Settle(p, &queue, Status(StatusCode::RESOURCE_EXHAUSTED,
+                               "model " + queue.limits.name + "'s queue is full (" +
+                                   std::to_string(queue.limits.max_queue_size) + " requests, --max-queue-size)"));
+      return;
     }
     queue.pending.push_back(std::move(p));
     in_flight_++;
   }
   queue.arrived.notify_one();
-  return reactor;
+}
+
+grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>* Plane::ModelStreamInfer(
+    grpc::CallbackServerContext*) {
+  return new StreamCall(this);  // deletes itself in OnDone
+}
+
+namespace {
+
+const char* CodeName(StatusCode code) {
+  static const char* const kNames[kCodes] = {
+      "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+      "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+      "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  const auto index = static_cast<size_t>(code);
+  return index < kCodes ? kNames[index] : "UNKNOWN";
+}
+
+}  // namespace
+
+StreamCall::StreamCall(Plane* plane) : plane_(plane) { StartRead(&incoming_); }
+
+void StreamCall::OnReadDone(bool ok) {
+  if (!ok) {  // the client's half-close, or the stream is gone
+    Next next;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      reading_ = false;
+      reads_done_ = true;
+      next = Step();
+    }
+    Run(next);
+    return;
+  }
+  Pending p;
+  p.stream = this;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Slot slot;
+    slot.request = std::make_unique<inference::ModelInferRequest>();
+    slot.request->Swap(&incoming_);
+    slot.response = std::make_unique<inference::ModelInferResponse>();
+    p.request = slot.request.get();
+    p.response = slot.response.get();
+    p.seq = first_seq_ + slots_.size();
+    slots_.push_back(std::move(slot));
+    reading_ = false;
+  }
+  plane_->Admit(std::move(p));  // may answer at once (Answered takes mu_)
+  Next next;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    next = Step();
+  }
+  Run(next);
+}
+
+void StreamCall::Answered(uint64_t seq, const Status& status) {
+  Next next;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Slot& slot = slots_.at(static_cast<size_t>(seq - first_seq_));
+    slot.answer = std::make_unique<inference::ModelStreamInferResponse>();
+    if (status.ok()) {
+      slot.answer->mutable_infer_response()->Swap(slot.response.get());
+    } else {  // the stream goes on: the request's own answer says what failed
+      slot.answer->set_error_message(std::string(CodeName(status.error_code())) + ": " + status.error_message());
+      slot.answer->mutable_infer_response()->set_model_name(slot.request->model_name());
+      slot.answer->mutable_infer_response()->set_id(slot.request->id());
+    }
+    slot.request.reset();  // its tensors are no longer needed
+    slot.response.reset();
+    next = Step();
+  }
+  Run(next);
+}
+
+void StreamCall::OnWriteDone(bool ok) {
+  Next next;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_.reset();
+    broken_ = broken_ || !ok;  // the client is gone: answers still owed are dropped as they come
+    next = Step();
+  }
+  Run(next);
+}
+
+StreamCall::Next StreamCall::Step() {
+  Next next;
+  if (finished_) return next;
+  while (!slots_.empty() && slots_.front().answer && (broken_ || !writing_)) {
+    auto answer = std::move(slots_.front().answer);
+    slots_.pop_front();
+    first_seq_++;
+    if (broken_) continue;
+    writing_ = std::move(answer);
+    next.write = writing_.get();
+  }
+  if (!reading_ && !reads_done_ && !broken_ && static_cast<int64_t>(slots_.size()) < plane_->stream_window_) {
+    reading_ = true;
+    next.read = true;
+  }
+  // Every request answered (the plane holds no pointer into this stream) and written: the end.
+  if (slots_.empty() && !writing_ && (reads_done_ || broken_) && !reading_) {
+    finished_ = true;
+    next.finish = true;
+  }
+  return next;
+}
+
+void StreamCall::Run(const Next& next) {
+  if (next.write != nullptr) StartWrite(next.write);
+  if (next.read) StartRead(&incoming_);
+  if (next.finish) Finish(Status::OK);
 }
 
 std::unique_ptr<Batch> Plane::Form(size_t index, Queue& queue) {
@@ -366,8 +531,10 @@ std::unique_ptr<Batch> Plane::Form(size_t index, Queue& queue) {
     useful += p.rows * p.q_len * p.k_len;
     if (p.exact_k_len) exact_k = p.k_len;
     batch->want_probs = batch->want_probs || p.want_probs;
+    if (p.heads_differ) batch->mask_heads = m.num_heads;
     batch->items.push_back(std::move(p));
   }
+  batch->padding_ratio = 1.0 - static_cast<double>(useful) / (static_cast<double>(batch->rows) * batch->q_len * batch->k_len);
   queue.pending.swap(kept);
   return batch;
 }
@@ -396,7 +563,8 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
   batch->value.assign(static_cast<size_t>(rows * lk * m.kv_dim), 0.0f);
   bool need_mask = false;
   for (const auto& p : batch->items) need_mask = need_mask || p.mask != nullptr || p.k_len != lk;
-  if (need_mask) batch->mask.assign(static_cast<size_t>(rows * lq * lk), 0);  // padding is masked
+  const int64_t mh = batch->mask_heads;
+  if (need_mask) batch->mask.assign(static_cast<size_t>(rows * mh * lq * lk), 0);  // padding is masked
   for (size_t i = 0; i < batch->items.size(); ++i) {
     const Pending& p = batch->items[i];
     const int64_t r0 = batch->first_row[i];
@@ -408,17 +576,21 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
       std::memcpy(&batch->value[((r0 + r) * lk) * m.kv_dim], p.value + r * p.k_len * m.kv_dim,
                   static_cast<size_t>(p.k_len * m.kv_dim) * 4);
       if (!need_mask) continue;
-      for (int64_t q = 0; q < p.q_len; ++q) {
-        uint8_t* to = &batch->mask[((r0 + r) * lq + q) * lk];
-        if (p.mask == nullptr) {
-          std::memset(to, 1, static_cast<size_t>(p.k_len));
-        } else {
-          std::memcpy(to, p.mask + r * p.mask_row_stride + q * p.k_len, static_cast<size_t>(p.k_len));
+      for (int64_t hh = 0; hh < mh; ++hh) {
+        for (int64_t q = 0; q < p.q_len; ++q) {
+          uint8_t* to = &batch->mask[(((r0 + r) * mh + hh) * lq + q) * lk];
+          if (p.mask == nullptr) {
+            std::memset(to, 1, static_cast<size_t>(p.k_len));
+          } else {  // heads alike (head stride 0) read their first for every head
+            std::memcpy(to, p.mask + r * p.mask_row_stride + hh * p.mask_head_stride + q * p.k_len,
+                        static_cast<size_t>(p.k_len));
+          }
         }
       }
     }
-    counters_.queue_ns += static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(started - p.arrived).count());
+    const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(started - p.arrived).count();
+    counters_.queue_ns += static_cast<uint64_t>(waited);
+    batch->queue_s.push_back(static_cast<double>(waited) * 1e-9);
   }
   counters_.batches++;
   counters_.rows += static_cast<uint64_t>(rows);
@@ -430,7 +602,6 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
 void Plane::Complete(Batch& batch, const float* output, const float* attn_probs) {
   if (batch.settled) return;
   batch.settled = true;
-  in_flight_ -= static_cast<int64_t>(batch.items.size());
   auto started = Clock::now();
   counters_.python_ns += static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(started - batch.formed).count());
@@ -440,7 +611,7 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
     Pending& p = batch.items[i];
     const int64_t r0 = batch.first_row[i];
     if (p.want_probs && attn_probs == nullptr) {
-      p.reactor->Finish(Status(StatusCode::INTERNAL, "the run returned no attn_probs"));
+      Settle(p, models_.at(batch.model).get(), Status(StatusCode::INTERNAL, "the run returned no attn_probs"));
       continue;
     }
     p.response->set_model_name(m.name);
@@ -464,17 +635,19 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
     const auto finishing = Clock::now();
     counters_.split_ns += static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(finishing - started).count());
-    p.reactor->Finish(Status::OK);  // gRPC may send the answer on this thread
+    batch.done_s.push_back(static_cast<double>(NanosSince(p.started)) * 1e-9);
+    Settle(p, models_.at(batch.model).get(), Status::OK);  // gRPC may send the answer on this thread
     counters_.finish_ns += NanosSince(finishing);
     started = Clock::now();
   }
+  Left(static_cast<int64_t>(batch.items.size()));
 }
 
 void Plane::Fail(Batch& batch, StatusCode code, const std::string& message) {
   if (batch.settled) return;
   batch.settled = true;
-  in_flight_ -= static_cast<int64_t>(batch.items.size());
-  for (auto& p : batch.items) p.reactor->Finish(Status(code, message));
+  for (auto& p : batch.items) Settle(p, models_.at(batch.model).get(), Status(code, message));
+  Left(static_cast<int64_t>(batch.items.size()));
 }
 
 grpc::ServerUnaryReactor* Plane::Table(grpc::CallbackServerContext* context, const std::string& method,
@@ -499,7 +672,7 @@ grpc::ServerUnaryReactor* Plane::ServerLive(grpc::CallbackServerContext* context
 
 grpc::ServerUnaryReactor* Plane::ServerReady(grpc::CallbackServerContext* context, const inference::ServerReadyRequest*,
                                              inference::ServerReadyResponse* response) {
-  response->set_ready(!stopping_);
+  response->set_ready(ready_ && !stopping_);
   auto* reactor = context->DefaultReactor();
   reactor->Finish(Status::OK);
   return reactor;
@@ -508,7 +681,7 @@ grpc::ServerUnaryReactor* Plane::ServerReady(grpc::CallbackServerContext* contex
 grpc::ServerUnaryReactor* Plane::ModelReady(grpc::CallbackServerContext* context,
                                             const inference::ModelReadyRequest* request,
                                             inference::ModelReadyResponse* response) {
-  response->set_ready(!stopping_ && by_name_.count(request->name()) > 0);
+  response->set_ready(ready_ && !stopping_ && by_name_.count(request->name()) > 0);
   auto* reactor = context->DefaultReactor();
   reactor->Finish(Status::OK);
   return reactor;

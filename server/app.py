@@ -153,7 +153,7 @@ class Server:
         self._native = None
         self._rest: RestPort | None = None
         self.metrics = Metrics(worker.directory if worker is not None else None)
-        self._metrics_endpoint = MetricsEndpoint(self.metrics.registry)
+        self._metrics_endpoint = MetricsEndpoint(self.metrics.registry, refresh=self.metrics.refresh)
         self.registry: ModelRegistry | None = None
         self._grpc: grpc.aio.Server | None = None
         self._gate: CallGate | None = None
@@ -207,7 +207,7 @@ class Server:
             self._shared_memory = SystemSharedMemory(cfg.shared_memory_max_regions, cfg.shared_memory_max_bytes,
                                                      self.budget)
         request_path = RequestPath(self.registry, self.metrics, self._draining, Calls(self.tracing, cfg.access_log),
-                          shared_memory=self._shared_memory)
+                          shared_memory=self._shared_memory, data_plane=cfg.data_plane)
         servicer = InferenceServicer(request_path, self.budget)
 
         options = [
@@ -261,9 +261,10 @@ class Server:
                 if self._rest is not None:
                     await self._rest.close(0)
                 raise OSError(f"metrics port {cfg.host}:{cfg.metrics_port}: {err.strerror or err}") from None
-        logger.info("serving %d model(s) %s on %s:%d (REST %s, metrics %s, max message %d bytes, model control %s, "
-                    "memory budget %d bytes, %d message(s) received at once)%s",
+        logger.info("serving %d model(s) %s on %s:%d (data plane %s, REST %s, metrics %s, max message %d bytes, "
+                    "model control %s, memory budget %d bytes, %d message(s) received at once)%s",
                     len(self.registry.loaded), sorted(self.registry.loaded), cfg.host, self.port,
+                    "python" if self._native is None else f"native on port {self.native_port}, python on {self.port}",
                     f"http{'s' if ssl_context else ''}://{cfg.host}:{self.http_port}/v2" if self.http_port else "off",
                     f"http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
                     cfg.max_message_bytes, cfg.model_control_mode, limit, slots,
@@ -306,8 +307,19 @@ class Server:
             why = "it serves one process (--workers 1)"
         if why is not None:
             raise RuntimeError(f"--data-plane native: {why}")
-        self._native = NativePlane(self.config, self.registry, request_path)
+        self._native = NativePlane(self.config, self.registry, request_path, self.metrics, asyncio.get_running_loop())
         return self._native.start()
+
+    async def _native_idle(self, deadline: float) -> bool:
+        """Whether the native plane's queued and computing calls all finished by `deadline`
+        (monotonic), looking at the second signal between short waits."""
+        while not self._draining.hurried.is_set():
+            left = deadline - time.monotonic()
+            if await asyncio.to_thread(self._native.wait_idle, min(max(left, 0.0), _NATIVE_IDLE_STEP_S)):
+                return True
+            if left <= 0:
+                return False
+        return False
 
     def _write_ready_file(self, path: Path) -> None:
         write_json_atomic(path, {"grpc_port": self.port, "http_port": self.http_port, "metrics_port": self.metrics_port,
@@ -334,22 +346,28 @@ class Server:
             heap.unfreeze_gc()
             self._gc_frozen = False
         self._draining.begin()
+        if self._native is not None:
+            self._native.begin_drain()
         await self._health.enter_graceful_shutdown()
         if drain_delay_s > 0 and not self._draining.hurried.is_set():
             logger.info("draining: readiness NOT_SERVING, still admitting calls for %.1fs", drain_delay_s)
             await _wait_for(self._draining.hurried, drain_delay_s)
         self._draining.refuse()
+        if self._native is not None:  # its queued and computing calls finish too
+            self._native.refuse()
         refused_at = time.monotonic()
-        in_flight = self._admission.in_flight
+        in_flight = self._admission.in_flight + (self._native.in_flight() if self._native is not None else 0)
         grace_left = 0.0 if self._draining.hurried.is_set() else grace_s
         logger.info("refusing new calls (UNAVAILABLE); finishing %d call(s) in flight within %.1fs",
                     in_flight, grace_left)
         finished = await self._admission.wait_idle(grace_left, interrupt=self._draining.hurried)
+        if finished and self._native is not None:
+            finished = await self._native_idle(refused_at + grace_left)
         if not finished:
             logger.warning("%s with %d call(s) unfinished; refusing queued ones",
                            "second signal" if self._draining.hurried.is_set() else f"grace period {grace_s:.1f}s over",
-                           self._admission.in_flight)
-        if self._native is not None:  # queued calls refused, running batches finish
+                           self._admission.in_flight + (self._native.in_flight() if self._native is not None else 0))
+        if self._native is not None:  # what is still queued refused; GOAWAY; running batches finish
             await asyncio.to_thread(self._native.stop, _RUNNING_MARGIN_S)
         if self.registry is not None:
             await self.registry.close(abandon_queued=not finished)
@@ -389,6 +407,7 @@ _QUIET_BOUND_S = 0.5
 # through the gate they are answered UNAVAILABLE (retry elsewhere). server.handover says how.
 _HANDOVER_BOUND_S = 2.0
 _HANDOVER_PAUSE_S = 0.1  # where channelz cannot tell
+_NATIVE_IDLE_STEP_S = 0.1  # how often a drain waiting for the native plane looks for a second signal
 # gRPC cancels whatever still runs this long after our own grace: the batches already running
 # when the grace ran out (they finish: docs/server.md's promise) and the answers refused at that
 # point (UNAVAILABLE) get this long to leave.

@@ -164,10 +164,7 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits,
     work = Work(arrays["query"], arrays["key"], arrays["value"], arrays.get("mask"),
                 want_probs="attn_probs" in outputs)
     if work.masking == HEADS and not limits.graphs.takes_head_masks:
-        raise ValueError(f"input 'mask': its heads differ, and version {spec.version} of model {spec.name} has no "
-                         f"head-mask graphs ({GRAPH_HEAD_MASK}: exported before them, or fp16); it takes "
-                         f"masks alike for every head: [q_len, k_len], [batch, q_len, k_len], "
-                         f"[batch, 1, q_len, k_len], or [batch, {spec.num_heads}, q_len, k_len] with equal heads")
+        raise ValueError(heads_differ_refusal(spec))
     _check_attention_bytes(work, spec, limits)
     sizes = output_bytes(shapes, spec) if out_shm else {}
     shm_outputs = {name: (out_placements[name], regions.output(out_placements[name], sizes[name], f"output {name!r}"))
@@ -453,3 +450,12 @@ def _typed_values(contents: pb.InferTensorContents, datatype: str, count: int) -
             raise ValueError(f"contents.bool_contents: expected {count} one-byte values, got {octets.size} bytes")
         return octets.astype(np.bool_)
     return np.frombuffer(raw, dtype=_DTYPES[datatype])
+
+
+def heads_differ_refusal(spec: ModelSpec) -> str:
+    """Why a mask whose heads differ is refused by a version without head-mask graphs (the native
+    data plane answers the same words)."""
+    return (f"input 'mask': its heads differ, and version {spec.version} of model {spec.name} has no "
+            f"head-mask graphs ({GRAPH_HEAD_MASK}: exported before them, or fp16); it takes "
+            f"masks alike for every head: [q_len, k_len], [batch, q_len, k_len], "
+            f"[batch, 1, q_len, k_len], or [batch, {spec.num_heads}, q_len, k_len] with equal heads")

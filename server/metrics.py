@@ -14,6 +14,8 @@ port's connections (watch_http; server.rest): attnserve_http_connections,
 attnserve_http_head_timeouts_total, attnserve_http_evictions_total.
 With several workers these last two groups are each worker's own, copied into its multiprocess
 files once a second (_Mirror) and summed by the supervisor's /metrics.
+The native data plane (server.native) counts into the same names: its batches through
+ModelObserver and requests_answered, its calls' final statuses at each scrape (add_refresh).
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ class Metrics:
         # `statistics` is written and read on the event loop thread only (batcher callbacks,
         # the servicer): no lock on the request path.
         self._shared_dir = shared_dir
+        self._refreshes: list = []  # called before each scrape (add_refresh)
         self._mirror: _Mirror | None = None
         self.shared: StatisticsFile | None = None
         if shared_dir is not None:
@@ -169,6 +172,25 @@ class Metrics:
 
     def model_ready(self, model: str, seconds: float) -> None:
         self.model_ready_seconds.labels(model).set(seconds)
+
+    def add_refresh(self, refresh) -> None:
+        """refresh() is called on the event loop before each /metrics scrape: figures kept
+        elsewhere (the native data plane's counters) are read into the collectors then."""
+        self._refreshes.append(refresh)
+
+    def refresh(self) -> None:
+        for refresh in self._refreshes:
+            refresh()
+
+    def requests_answered(self, model: str, durations_s) -> None:
+        """Requests answered OK by the native data plane (their count is its final statuses',
+        read at scrape time): their durations, as request_done records an OK one's."""
+        observe = self.request_duration.labels(model).observe
+        stats = self.statistics.get(model)
+        for duration_s in durations_s:
+            observe(duration_s)
+            if stats is not None:
+                stats.success.add(duration_s)
 
     def observer(self, model: str) -> ModelObserver:
         self.statistics.setdefault(model, ModelStatistics())

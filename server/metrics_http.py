@@ -29,8 +29,10 @@ READ_TIMEOUT_S = 10.0
 
 
 class MetricsEndpoint:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, refresh=None) -> None:
+        """refresh: called before each scrape (server.metrics.Metrics.refresh)."""
         self._registry = registry
+        self._refresh = refresh
         self._server: asyncio.Server | None = None
         self._open = 0
         self.port: int | None = None
@@ -73,6 +75,8 @@ class MetricsEndpoint:
             return "404 Not Found", f"not found: metrics are at {PATH}\n".encode(), "text/plain"
         if method not in ("GET", "HEAD"):
             return "405 Method Not Allowed", b"use GET\n", "text/plain"
+        if self._refresh is not None:
+            self._refresh()
         return "200 OK", generate_latest(self._registry), CONTENT_TYPE_LATEST
 
     @staticmethod

@@ -33,6 +33,8 @@ SERVER_NAME = "attnserve"
 # "model_repository" also means load/unload; binary_tensor_data is the REST port's.
 EXTENSIONS = ("model_configuration", "statistics", "model_repository", "binary_tensor_data")
 SYSTEM_SHARED_MEMORY = "system_shared_memory"  # listed only with --allow-shared-memory
+# Listed only with --data-plane native: a client (or a test) can tell which plane serves ModelInfer.
+NATIVE_DATA_PLANE = "native_data_plane"
 _DATA_TYPES = {"FP32": pb.TYPE_FP32, "BOOL": pb.TYPE_BOOL}
 
 
@@ -46,15 +48,18 @@ def _duration(d) -> pb.StatisticDuration:
 
 class RequestPath:
     def __init__(self, registry: ModelRegistry, metrics: Metrics, draining: Draining,
-                 calls: Calls | None = None, shared_memory: shm.SystemSharedMemory | None = None) -> None:
+                 calls: Calls | None = None, shared_memory: shm.SystemSharedMemory | None = None,
+                 data_plane: str = "python") -> None:
         """draining: the server's (shared with the gates): not ready from SIGTERM on.
         calls: what each call records (spans, access lines: server.tracing); None: nothing.
-        shared_memory: the registered regions (--allow-shared-memory); None: the extension is off."""
+        shared_memory: the registered regions (--allow-shared-memory); None: the extension is off.
+        data_plane: --data-plane; "native" is listed in ServerMetadata's extensions (NATIVE_DATA_PLANE)."""
         self._registry = registry
         self._metrics = metrics
         self._draining = draining
         self.calls = calls if calls is not None and calls.on else None
         self.shared_memory = shared_memory
+        self.data_plane = data_plane
 
     # -- health and metadata -----------------------------------------------------------------
 
@@ -66,7 +71,8 @@ class RequestPath:
         return self._registry.ready(name, version) and not self._draining.active
 
     def server_metadata(self) -> pb.ServerMetadataResponse:
-        extensions = EXTENSIONS + ((SYSTEM_SHARED_MEMORY,) if self.shared_memory is not None else ())
+        extensions = EXTENSIONS + ((SYSTEM_SHARED_MEMORY,) if self.shared_memory is not None else ()) + (
+            (NATIVE_DATA_PLANE,) if self.data_plane == "native" else ())
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=__version__, extensions=extensions)
 
     # -- shared memory (Triton's extension; server.shm) ----------------------------------------

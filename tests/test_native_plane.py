@@ -1,8 +1,11 @@
 """The native data plane (server.native, attnserve.server._native): exact answers, batching, bad input.
 
 Against a real `attnserve serve --data-plane native` process, through its native port: both
-presets, raw and typed contents, each mask form, within 1e-5 of the seeds; bad input refused
-with INVALID_ARGUMENT (NOT_FOUND for an unknown model), the plane serving on after each.
+presets, raw and typed contents, each mask form (heads alike and differing), within 1e-5 of the
+seeds; bad input refused with INVALID_ARGUMENT (NOT_FOUND for an unknown model), the plane
+serving on after each; the log, ServerMetadata and --version saying which plane serves; native
+calls counted in the metrics. A drain against a gated server (tests/gated_server.py): admitted
+calls finish, new ones are refused UNAVAILABLE.
 Batching is seen in-process: the test takes the batch itself (it is the runner, and so the gate)
 once every concurrent call is queued, runs the real ONNX Runtime engine on the batch's views and
 hands the outputs back. Skips, saying why, where the extension is not built (`make native`).
@@ -12,7 +15,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
+import signal
+import subprocess
+import sys
 import time
+import urllib.request
 import zlib
 
 import grpc
@@ -25,8 +33,9 @@ from attnserve.server.config import ServerConfig
 from attnserve.server.engine import Engine, choose_device
 from attnserve.server.repository import read_model_spec
 
-from tests.oip import infer_request, outputs_of
-from tests.server_process import ServerProcess
+from tests.gated_server import GatedServer
+from tests.oip import eager, infer_request, outputs_of
+from tests.server_process import REPO_ROOT, ServerProcess
 from tests.test_mask_shapes import DIMS, assert_close, inputs, reference, seed000, want  # noqa: F401 (fixture)
 
 WHY_NOT = native.why_unavailable()
@@ -57,7 +66,7 @@ def stub(channel):
 
 
 def heads_alike(x: dict, heads: int) -> dict:
-    """A (b, h, lq, lk) mask whose heads are all its first: the prototype serves only those."""
+    """A (b, h, lq, lk) mask whose heads are all its first (the batch takes a (B, Lq, Lk) mask)."""
     if x["mask"] is not None and x["mask"].ndim == 4:
         x["mask"] = np.ascontiguousarray(np.repeat(x["mask"][:, :1], heads, axis=1))
     return x
@@ -100,9 +109,6 @@ def _bad_requests() -> dict[str, pb.ModelInferRequest]:
         "q_len_over_limit": infer_request("self_attention", **{**good, "query": np.zeros((1, 9000, 512), np.float32)}),
         "unknown_output": infer_request("self_attention", outputs=("scores",), **good),
     }
-    differ = np.repeat(good["mask"][:, None], 8, axis=1)
-    differ[0, 1] = ~differ[0, 1]
-    cases["heads_differ"] = infer_request("self_attention", **{**good, "mask": differ})
     r = infer_request("self_attention", **good)
     r.inputs[0].datatype = "FP16"
     cases["datatype"] = r
@@ -233,3 +239,233 @@ def test_the_flag_is_checked():
         ServerConfig(data_plane="rust")
     with pytest.raises(ValueError, match="--workers 1"):
         ServerConfig(data_plane="native", workers=2)
+
+
+# -- which plane serves ----------------------------------------------------------------------------
+
+def test_the_log_and_server_metadata_say_the_native_plane_serves(native_server, stub, server):
+    assert f"data plane native on port {native_server.native_port}" in native_server.log()
+    with native_server.channel() as ch:
+        python_port = pb_grpc.GRPCInferenceServiceStub(ch).ServerMetadata(pb.ServerMetadataRequest(), timeout=30)
+    assert "native_data_plane" in stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=30).extensions
+    assert "native_data_plane" in python_port.extensions
+    with server.channel() as ch:  # the default plane lists no such extension
+        default = pb_grpc.GRPCInferenceServiceStub(ch).ServerMetadata(pb.ServerMetadataRequest(), timeout=30)
+    assert "native_data_plane" not in default.extensions
+    assert "(data plane python," in server.log()
+
+
+def test_version_says_whether_the_native_plane_can_serve():
+    out = subprocess.run([sys.executable, "-m", "attnserve", "--version"], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "native data plane: available (--data-plane native)" in out.stdout
+
+
+# -- metrics -----------------------------------------------------------------------------------------
+
+def _scrape(proc: ServerProcess) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=30) as r:
+        return r.read().decode()
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples with these labels (0 before any)."""
+    wanted = "".join(rf'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
+    labelled = rf'{{{wanted}[^}}]*}}' if labels else r'(?:\{[^}]*\})?'
+    values = [float(m.group(1)) for m in re.finditer(rf'^{name}{labelled} (\S+)$', text, re.M)]
+    return sum(values)
+
+
+def test_native_calls_move_the_metrics(native_server, stub):
+    """A native call that is answered, one refused and one for no model: attnserve_requests by
+    code (read from C++ at the scrape), the batch's histograms (sent to the event loop per batch)."""
+    model = "cross_attention"
+    names = {"ok": ("attnserve_requests_total", {"model": model, "code": "OK"}),
+             "invalid": ("attnserve_requests_total", {"model": model, "code": "INVALID_ARGUMENT"}),
+             "unknown": ("attnserve_requests_total", {"model": "_unknown", "code": "NOT_FOUND"}),
+             "batches": ("attnserve_batch_requests_count", {"model": model}),
+             "queued": ("attnserve_queue_duration_seconds_count", {"model": model}),
+             "answered": ("attnserve_request_duration_seconds_count", {"model": model}),
+             "computed": ("attnserve_compute_duration_seconds_count", {"model": model})}
+
+    def read() -> dict[str, float]:
+        text = _scrape(native_server)
+        return {key: _metric(text, name, **labels) for key, (name, labels) in names.items()}
+
+    before = read()
+    x = inputs(model, np.random.default_rng(21), 2, 3, 4, None)
+    assert outputs_of(stub.ModelInfer(infer_request(model, **x), timeout=30))
+    for request in (infer_request(model, **{**x, "value": None}), infer_request("nope", **x)):
+        with pytest.raises(grpc.RpcError):
+            stub.ModelInfer(request, timeout=30)
+    want_delta = {"ok": 1, "invalid": 1, "unknown": 1, "batches": 1, "queued": 1, "answered": 1, "computed": 1}
+    deadline = time.monotonic() + QUEUED_WITHIN_S  # the batch's figures reach the event loop after its answer
+    while (delta := {k: v - before[k] for k, v in read().items()}) != want_delta:
+        assert time.monotonic() < deadline, delta
+        time.sleep(0.01)
+    assert re.search(r"^attnserve_native_in_flight 0\.0$", _scrape(native_server), re.M)
+    with native_server.channel() as ch:  # Triton's statistics on the Python port count the native run too
+        stats = pb_grpc.GRPCInferenceServiceStub(ch).ModelStatistics(pb.ModelStatisticsRequest(name=model), timeout=30)
+    assert stats.model_stats[0].inference_stats.success.count >= 1
+
+
+# -- masks whose heads differ --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", sorted(DIMS))
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "typed"])
+def test_masks_whose_heads_differ_match_the_seed(stub, seed000, eager_modules, model, raw):  # noqa: F811
+    rng = np.random.default_rng(zlib.crc32(f"native heads {model} {raw}".encode()))
+    x = inputs(model, rng, 3, 10, 7, "b_h_q_k")
+    assert not np.array_equal(x["mask"][:, 0], x["mask"][:, 1])  # the heads differ
+    answer = stub.ModelInfer(infer_request(model, raw=raw, **x), timeout=60)
+    assert_close(outputs_of(answer), want(reference(model, seed000, eager_modules), x))
+
+
+def test_a_head_mask_batch_merges_every_form_and_each_gets_its_own_rows(model_repository, seed000):  # noqa: F811
+    """In-process (the test is the runner): a request whose heads differ beside ones with no mask,
+    a (q_len, k_len) mask and heads alike, of other lengths: one batch, fed as a (B, H, Lq, Lk)
+    head_mask, on the real engine; every answer is its own seed run."""
+    spec = read_model_spec(model_repository / "self_attention")
+    engine = Engine(spec, choose_device("cpu"))
+    assert engine.why_no_head_masks is None
+    plane = native.new_plane()
+    index = plane.add_model(spec.name, str(spec.version), spec.query_dim, spec.kv_dim, spec.out_dim, spec.num_heads,
+                            32, spec.max_q_len, spec.max_kv_len, 1 << 30, 16, 0.9)
+    port = plane.start("127.0.0.1:0", 64 << 20, 100)
+    rng = np.random.default_rng(12)
+    cases = [inputs("self_attention", rng, 2, 10, 7, "b_h_q_k"), inputs("self_attention", rng, 1, 8, 7, None),
+             inputs("self_attention", rng, 1, 10, 6, "q_k", dead_row=False),
+             heads_alike(inputs("self_attention", rng, 1, 9, 5, "b_h_q_k", dead_row=False), 8)]
+    try:
+        with (grpc.insecure_channel(f"127.0.0.1:{port}") as ch,
+              concurrent.futures.ThreadPoolExecutor(len(cases)) as pool):
+            stub = pb_grpc.GRPCInferenceServiceStub(ch)
+            futures = [pool.submit(stub.ModelInfer, infer_request("self_attention", **x), timeout=60) for x in cases]
+            deadline = time.monotonic() + QUEUED_WITHIN_S
+            while plane.queued(index) < len(cases):
+                assert time.monotonic() < deadline, f"{plane.queued(index)} of {len(cases)} calls queued"
+                time.sleep(0.005)
+            batch = plane.next_batch(index, 1000)
+            assert (batch.requests, batch.rows) == (len(cases), 5)
+            feeds = batch.feeds(spec.query_dim, spec.kv_dim)
+            assert "mask" not in feeds and feeds["head_mask"].shape == (5, 8, 10, 7)
+            output, attn_probs = engine.run(feeds, batch.want_probs)
+            plane.complete(batch, output, attn_probs)
+            answers = [outputs_of(f.result()) for f in futures]
+    finally:
+        plane.stop(1.0)
+    for x, got in zip(cases, answers, strict=True):
+        assert_close(got, want(seed000, x))
+
+
+# -- drain ---------------------------------------------------------------------------------------------
+
+def test_a_drain_finishes_admitted_native_calls_and_refuses_new_ones(model_repository, eager_modules):
+    """Six calls admitted on the native port, the first batch held at the gate, the rest queued
+    (attnserve_native_in_flight says so); SIGTERM: ServerReady turns false, a new call is
+    UNAVAILABLE, and once the gate opens every admitted call is answered exactly; exit 0.
+    The gated engine has no head-mask graphs: such a mask is refused as the Python port does."""
+    rng = np.random.default_rng(31)
+    cases = [inputs("self_attention", rng, 1, 4, 5, None) for _ in range(6)]
+    with GatedServer(model_repository, "--data-plane", "native", "--native-port", "0", "--max-batch-size", "1",
+                     "--grace-period-s", "120") as proc, concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        port = json.loads(proc.ready_file.read_text())["native_port"]
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch, proc.channel() as python_ch:
+            stub = pb_grpc.GRPCInferenceServiceStub(ch)
+            differ = infer_request("self_attention", **inputs("self_attention", rng, 1, 3, 4, "b_h_q_k"))
+            errors = []
+            for s in (stub, pb_grpc.GRPCInferenceServiceStub(python_ch)):
+                with pytest.raises(grpc.RpcError) as exc:
+                    s.ModelInfer(differ, timeout=30)
+                errors.append((exc.value.code(), exc.value.details()))
+            assert errors[0] == errors[1] and errors[0][0] == grpc.StatusCode.INVALID_ARGUMENT, errors
+            futures = [pool.submit(stub.ModelInfer, infer_request("self_attention", outputs=("output",), **x),
+                                   timeout=120) for x in cases]
+            assert proc.gate.wait_started() == 1
+            deadline = time.monotonic() + QUEUED_WITHIN_S
+            while _metric(_scrape(proc), "attnserve_native_in_flight") < len(cases):  # admitted: the state reached
+                assert time.monotonic() < deadline, _scrape(proc)
+                time.sleep(0.01)
+            proc.signal(signal.SIGTERM)
+            proc.wait_for_log("refusing new calls (UNAVAILABLE)")
+            assert not stub.ServerReady(pb.ServerReadyRequest(), timeout=30).ready
+            with pytest.raises(grpc.RpcError) as late:
+                stub.ModelInfer(infer_request("self_attention", **cases[0]), timeout=30)
+            assert late.value.code() == grpc.StatusCode.UNAVAILABLE, late.value.details()
+            proc.gate.release(100)
+            for x, future in zip(cases, futures, strict=True):
+                got = outputs_of(future.result(timeout=120))["output"]
+                assert float(np.max(np.abs(got - eager(eager_modules["self_attention"], **x)["output"]))) <= 1e-5
+        assert proc.wait(timeout=60) == 0, proc.log()
+
+
+# -- ModelStreamInfer ----------------------------------------------------------------------------------
+
+def test_a_stream_answers_in_request_order_exactly_and_goes_on_after_an_error(stub, seed000, eager_modules):  # noqa: F811
+    """Answers in request order, each within 1e-5 of the seed; a refused request is answered in
+    the stream (error_message with the status's name, its id) and the stream goes on; more
+    requests than the stream window (reading pauses, then resumes) all answered."""
+    rng = np.random.default_rng(41)
+    good = {"a": ("self_attention", True, inputs("self_attention", rng, 2, 5, 6, "b_q_k")),
+            "b": ("cross_attention", False, inputs("cross_attention", rng, 1, 4, 3, None)),
+            "c": ("self_attention", True, inputs("self_attention", rng, 1, 6, 6, "b_h_q_k"))}
+    requests = [infer_request(m, raw=raw, request_id=key, **x) for key, (m, raw, x) in good.items()]
+    requests.insert(1, infer_request("self_attention", request_id="bad", **{**good["a"][2], "value": None}))
+    requests.insert(3, infer_request("nope", request_id="gone", **good["b"][2]))
+    small = inputs("cross_attention", rng, 1, 2, 2, None)
+    requests += [infer_request("cross_attention", request_id=f"n{i}", outputs=("output",), **small) for i in range(100)]
+    answers = list(stub.ModelStreamInfer(iter(requests), timeout=120))
+    assert [a.infer_response.id for a in answers] == [r.id for r in requests]
+    by_id = {a.infer_response.id: a for a in answers}
+    for key, (model, _raw, x) in good.items():
+        assert by_id[key].error_message == ""
+        assert_close(outputs_of(by_id[key].infer_response), want(reference(model, seed000, eager_modules), x))
+    assert by_id["bad"].error_message.startswith("INVALID_ARGUMENT: "), by_id["bad"].error_message
+    assert by_id["gone"].error_message.startswith("NOT_FOUND: "), by_id["gone"].error_message
+    expected = want(reference("cross_attention", seed000, eager_modules), small)
+    for i in range(100):
+        assert_close(outputs_of(by_id[f"n{i}"].infer_response), expected, names=("output",))
+
+
+def test_a_drain_answers_a_streams_admitted_requests_and_refuses_later_ones_in_the_stream(model_repository,
+                                                                                        eager_modules):
+    """A stream's three requests admitted (the first held at the gate); SIGTERM; a fourth sent
+    after the refusal began is answered in the stream with UNAVAILABLE; the gate opens, the
+    three are answered exactly, the client closes its side, the stream ends OK; exit 0."""
+    import queue as queue_module
+
+    rng = np.random.default_rng(51)
+    cases = [inputs("self_attention", rng, 1, 4, 5, None) for _ in range(4)]
+    outgoing: queue_module.Queue = queue_module.Queue()
+
+    def requests():
+        while (request := outgoing.get()) is not None:
+            yield request
+
+    with GatedServer(model_repository, "--data-plane", "native", "--native-port", "0", "--max-batch-size", "1",
+                     "--grace-period-s", "120") as proc, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        port = json.loads(proc.ready_file.read_text())["native_port"]
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stream = pb_grpc.GRPCInferenceServiceStub(ch).ModelStreamInfer(requests(), timeout=120)
+            answers = pool.submit(list, stream)
+            for i, x in enumerate(cases[:3]):
+                outgoing.put(infer_request("self_attention", request_id=f"r{i}", outputs=("output",), **x))
+            assert proc.gate.wait_started() == 1
+            deadline = time.monotonic() + QUEUED_WITHIN_S
+            while _metric(_scrape(proc), "attnserve_native_in_flight") < 3:  # admitted: the state reached
+                assert time.monotonic() < deadline, _scrape(proc)
+                time.sleep(0.01)
+            proc.signal(signal.SIGTERM)
+            proc.wait_for_log("refusing new calls (UNAVAILABLE)")
+            outgoing.put(infer_request("self_attention", request_id="late", outputs=("output",), **cases[3]))
+            proc.gate.release(100)
+            outgoing.put(None)  # the client closes its side
+            got = answers.result(timeout=120)
+        assert [a.infer_response.id for a in got] == ["r0", "r1", "r2", "late"]
+        for x, answer in zip(cases[:3], got, strict=False):
+            assert answer.error_message == ""
+            out = outputs_of(answer.infer_response)["output"]
+            assert float(np.max(np.abs(out - eager(eager_modules["self_attention"], **x)["output"]))) <= 1e-5
+        assert got[3].error_message.startswith("UNAVAILABLE: "), got[3].error_message
+        assert proc.wait(timeout=60) == 0, proc.log()

@@ -26,6 +26,7 @@ def test_metric_names_match_the_code():
     from attnserve.server.gate import ReceiveSlots
     from attnserve.server.memory.budget import MemoryBudget
     from attnserve.server.metrics import Metrics
+    from attnserve.server.native import IN_FLIGHT_METRIC
     from attnserve.server.workers import HUNG_METRIC, RESTARTS_METRIC
 
     metrics = Metrics()
@@ -35,7 +36,7 @@ def test_metric_names_match_the_code():
     # prometheus_client names counters without their _total suffix
     families = {f"{m.name}_total" if m.type == "counter" else m.name for m in metrics.registry.collect()}
     documented = set(re.findall(r"`(attnserve_[a-z_]+)`", README))
-    assert families | {f"{RESTARTS_METRIC}_total", f"{HUNG_METRIC}_total"} == documented
+    assert families | {f"{RESTARTS_METRIC}_total", f"{HUNG_METRIC}_total", IN_FLIGHT_METRIC} == documented
 
 
 def test_ci_runs_the_readme_test_command():
