@@ -261,6 +261,12 @@ class Server:
                 if self._rest is not None:
                     await self._rest.close(0)
                 raise OSError(f"metrics port {cfg.host}:{cfg.metrics_port}: {err.strerror or err}") from None
+        # Readiness stays false (index: WARMING) until each model's graphs have run (server.warmup);
+        # the ready file is written after, so it still means ready.
+        await self.registry.warm_up_at_start()
+        if cfg.data_plane == "native":  # it serves the models ready now: warmed
+            self.native_port = self._start_native(request_path)
+        # Said once the models are warm and every listener is up, the native one included.
         logger.info("serving %d model(s) %s on %s:%d (data plane %s, REST %s, metrics %s, max message %d bytes, "
                     "model control %s, memory budget %d bytes, %d message(s) received at once)%s",
                     len(self.registry.loaded), sorted(self.registry.loaded), cfg.host, self.port,
@@ -269,11 +275,6 @@ class Server:
                     f"http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
                     cfg.max_message_bytes, cfg.model_control_mode, limit, slots,
                     f"; not ready: {sorted(self.registry.failed)}" if self.registry.failed else "")
-        # Readiness stays false (index: WARMING) until each model's graphs have run (server.warmup);
-        # the ready file is written after, so it still means ready.
-        await self.registry.warm_up_at_start()
-        if cfg.data_plane == "native":  # it serves the models ready now: warmed
-            self.native_port = self._start_native(request_path)
         # What exists now lives as long as the server: the cyclic collector need not walk it
         # again (server.memory.heap.freeze_gc; a model change gives it back: _model_changed).
         heap.freeze_gc()
