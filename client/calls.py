@@ -90,7 +90,11 @@ class InferCall:
         with self._lock:
             if self._cancelled:
                 return
-            attempt = self._attempt = self._start(remaining)
+            try:
+                attempt = self._attempt = self._start(remaining)
+            except ValueError as err:  # grpc: the channel is closed (a retry's timer fired after close())
+                self._settle(error=InferenceError(grpc.StatusCode.CANCELLED, f"the client was closed: {err}"))
+                return
         attempt.add_done_callback(self._attempt_done)  # outside the lock: it may run at once, here
 
     def _attempt_done(self, attempt: grpc.Future) -> None:

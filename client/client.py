@@ -4,6 +4,8 @@
         out = client.infer("self_attention", q, k, v, mask=m, outputs=("output", "attn_probs"))
         out["output"]       # (b, lq, out_dim) float32
         client.retry_count  # UNAVAILABLE (or server-CANCELLED) answers retried so far
+        call = client.infer_async(...)   # InferCall: result(timeout), done(), cancel()
+        with client.stream() as stream: stream.submit(...)  # ModelStreamInfer: a future each
 
 Every RPC goes through `_call`: it applies the deadline (the client's default or the call's
 `timeout_s`, covering all attempts), the bearer token, the retry policy (UNAVAILABLE, and CANCELLED
@@ -34,7 +36,10 @@ class InferenceClient:
     """A channel to one or more servers (round robin), and the Open Inference Protocol calls.
 
     `InferenceClient(url, timeout_s=30.0, max_message_bytes=64 MiB, tls=TlsConfig(...),
-    token="...", retry=RetryPolicy(...))`, or `InferenceClient(ClientOptions(...))`.
+    token="...", retry=RetryPolicy(...), channels=1, compression=None)`, or
+    `InferenceClient(ClientOptions(...))`. `channels=N` opens N connections, one per call in turn
+    (client.pool: reaches every worker of a `--workers` server); `compression="gzip"` compresses
+    requests.
     """
 
     def __init__(self, url: str | ClientOptions = DEFAULT_URL, **settings: Any) -> None:

@@ -206,6 +206,9 @@ class InferStream:
         except InferenceError as err:  # an answer for no request: the stream cannot be trusted
             self._call.cancel()
             error = err
+        except Exception as err:  # noqa: BLE001 - whatever it was, no future may be left waiting
+            self._call.cancel()
+            error = InferenceError(grpc.StatusCode.UNKNOWN, f"the stream's reader failed: {err!r}")
         with self._cond:
             unanswered = self._requests.end(error)
             self._cond.notify_all()

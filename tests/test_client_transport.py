@@ -189,6 +189,18 @@ def test_infer_async_cancel_stops_the_retries_too(scripted):
     assert servicer.calls == 2
 
 
+def test_infer_async_after_close_fails_cancelled_and_is_not_sent(scripted):
+    servicer = ScriptedServicer()
+    port = scripted(servicer)
+    client = InferenceClient(f"127.0.0.1:{port}", retry=FAST_RETRY)
+    client.close()
+    call = client.infer_async("m", Q, KV, KV)
+    with pytest.raises(InferenceError) as exc:
+        call.result(timeout=30)
+    assert exc.value.code == grpc.StatusCode.CANCELLED and "closed" in exc.value.details
+    assert servicer.calls == 0
+
+
 def test_async_client_retries_the_same_way(scripted):
     servicer = ScriptedServicer(fail_times=1)
     port = scripted(servicer)
