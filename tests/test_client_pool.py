@@ -200,6 +200,19 @@ def test_gzip_requests_are_compressed_on_the_wire_and_answered_exactly(server, e
         assert relay.sent > 3 * raw, f"3 requests of {raw} bytes each sent only {relay.sent} bytes"
 
 
+def test_a_gzip_request_that_inflates_past_the_servers_limit_is_refused(server, eager_modules):
+    """82 MB of zeros gzip to well under the server's 64 MiB message limit; inflated, they are over
+    it: RESOURCE_EXHAUSTED, and the server answers the next call exactly."""
+    query = np.zeros((1, 40_000, 512), np.float32)
+    kv = np.zeros((1, 4, 512), np.float32)
+    with InferenceClient(server.address, timeout_s=60, compression="gzip", max_message_bytes=256 << 20) as client:
+        with pytest.raises(InferenceError) as exc:
+            client.infer("self_attention", query, kv, kv)
+        assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.value
+        x = _compressible(np.random.default_rng(25))
+        _close_to_eager(client.infer("self_attention", **x), x, eager_modules)
+
+
 def test_bad_pool_and_compression_settings_are_refused():
     with pytest.raises(ValueError, match="channels must be in 1..256, got 0"):
         InferenceClient("127.0.0.1:1", channels=0)
