@@ -6,9 +6,12 @@
 
 `AsyncInferenceClient` is the same API for asyncio; `attnserve` is the CLI (health,
 models, infer, batch). Every failure the server reports is an `InferenceError(code, details)`.
+`client.stream()` sends many requests over one ModelStreamInfer call, `client.infer_async()`
+returns a cancellable `InferCall`, `channels=N` spreads calls over N connections.
 """
 
 from attnserve.client.aio import AsyncInferenceClient
+from attnserve.client.calls import InferCall
 from attnserve.client.client import InferenceClient
 from attnserve.client.codec import (
     InferResult,
@@ -20,11 +23,15 @@ from attnserve.client.codec import (
 )
 from attnserve.client.errors import InferenceError
 from attnserve.client.options import ClientOptions, RetryPolicy, TlsConfig
+from attnserve.client.stream import AsyncInferStream, InferStream
 
 __all__ = [
+    "AsyncInferStream",
     "AsyncInferenceClient",
     "ClientOptions",
+    "InferCall",
     "InferResult",
+    "InferStream",
     "InferenceClient",
     "InferenceError",
     "ModelIndexEntry",

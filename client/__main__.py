@@ -10,7 +10,7 @@
     attnserve batch --engine ray --address 127.0.0.1:6379 --model self_attention \\
         --input in.parquet --output out/ [--model-repository models]         # docs/ray.md
 
-The connection flags (--url, --timeout, TLS, token) follow the command. --url
+The connection flags (--url, --timeout, --channels, --compression, TLS, token) follow the command. --url
 defaults to $ATTNSERVE_URL, else localhost:8001. Exit status: 0 done, 1 the server refused or
 is not healthy, 2 bad arguments, 130 interrupted.
 """
@@ -35,6 +35,7 @@ from attnserve.client.client import InferenceClient
 from attnserve.client.codec import ModelIndexEntry
 from attnserve.client.errors import InferenceError
 from attnserve.client.options import (
+    COMPRESSION,
     DEFAULT_TIMEOUT_S,
     DEFAULT_URL,
     GRPC_SCHEMES,
@@ -76,6 +77,11 @@ def _connection_flags(parser: argparse.ArgumentParser, *, suppress: bool) -> Non
                        help=f"deadline of each call, retries included (default {DEFAULT_TIMEOUT_S:g})")
     group.add_argument("--retries", type=int, default=default(4), metavar="N",
                        help="retries of a call answered UNAVAILABLE, with exponential backoff (default 4)")
+    group.add_argument("--channels", type=int, default=default(1), metavar="N",
+                       help="connections to open, calls taken in turn (default 1): N > 1 reaches every "
+                            "worker of a --workers server")
+    group.add_argument("--compression", choices=sorted(COMPRESSION), default=default(None),
+                       help="compress requests on the wire (default: none)")
     group.add_argument("--max-message-mb", type=int, default=default(64), metavar="MIB",
                        help="largest message sent or received (default 64, the server's default)")
     group.add_argument("--token-file", type=Path, default=default(None),
@@ -183,7 +189,8 @@ def _client_options(args: argparse.Namespace) -> ClientOptions:
     if args.retries < 0:
         raise UsageError(f"--retries must be >= 0, got {args.retries}")
     return ClientOptions(url=args.url, timeout_s=args.timeout, max_message_bytes=args.max_message_mb << 20,
-                         tls=tls, token=token, retry=RetryPolicy(max_attempts=args.retries + 1))
+                         tls=tls, token=token, retry=RetryPolicy(max_attempts=args.retries + 1),
+                         channels=args.channels, compression=args.compression)
 
 
 def _names(text: str) -> tuple[str, ...]:

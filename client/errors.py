@@ -38,6 +38,14 @@ class InferenceError(Exception):
         details = err.details() if hasattr(err, "details") else str(err)
         return cls(code or grpc.StatusCode.UNKNOWN, details or "")
 
+    @classmethod
+    def from_stream_message(cls, message: str) -> InferenceError:
+        """A ModelStreamInferResponse's error_message: "CODE: details" from attnserve (the code
+        a unary call would have ended with), any other text as UNKNOWN (Triton sends the details only)."""
+        name, sep, details = message.partition(": ")
+        code = grpc.StatusCode.__members__.get(name) if sep else None
+        return cls(code, details) if code is not None else cls(grpc.StatusCode.UNKNOWN, message)
+
     @property
     def retryable(self) -> bool:
         """True when sending the call again is safe: it was not computed, or at most once (an inference

@@ -8,6 +8,10 @@ Several addresses (`"127.0.0.1:8001,127.0.0.1:8002"`) become one channel with gR
 is down is skipped. gRPC's `ipv4:`/`ipv6:` targets take IP literals only, so host names in a
 list are resolved here, once, when the channel opens; a single host name becomes
 `dns:///name:port`, which gRPC re-resolves itself (all of a name's addresses are balanced).
+
+`channels=N` opens N such channels, each its own connection (client.pool), taken in turn per
+call: one server's `--workers` share a port, and the kernel places connections, not calls.
+`compression="gzip"` compresses every request message (the server decompresses it).
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ GRPC_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:")
 # gRPC's reconnect backoff grows to 120 s by default; a restarted server should rejoin the
 # round robin within seconds instead.
 _MAX_RECONNECT_BACKOFF_MS = 5000
+# Request compression by name (gRPC's own algorithms; the server accepts each of them).
+COMPRESSION = {"gzip": grpc.Compression.Gzip}
+MAX_CHANNELS = 256  # a pool larger than this is a connection leak, not a load spreader
 
 
 @dataclass(frozen=True)
@@ -191,6 +198,8 @@ class ClientOptions:
     tls: TlsConfig | None = None  # None: plaintext
     token: str | None = field(default=None, repr=False)  # sent as `authorization: Bearer <token>`
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    channels: int = 1  # connections opened, each call on the next (client.pool)
+    compression: str | None = None  # "gzip": requests compressed on the wire; None: sent as they are
 
     def __post_init__(self) -> None:
         if not self.url.strip().startswith(GRPC_SCHEMES):
@@ -201,6 +210,10 @@ class ClientOptions:
             raise ValueError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
         if self.token is not None and (not self.token or any(c in self.token for c in "\r\n")):
             raise ValueError("token must be one non-empty line")
+        if not 1 <= self.channels <= MAX_CHANNELS:
+            raise ValueError(f"channels must be in 1..{MAX_CHANNELS}, got {self.channels}")
+        if self.compression is not None and self.compression not in COMPRESSION:
+            raise ValueError(f"compression must be one of {sorted(COMPRESSION)} or None, got {self.compression!r}")
 
     @classmethod
     def build(cls, url: str | ClientOptions = DEFAULT_URL, **settings: Any) -> ClientOptions:
@@ -217,6 +230,9 @@ class ClientOptions:
             ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
             ("grpc.primary_user_agent", USER_AGENT),
         ]
+        if self.channels > 1:
+            # gRPC shares one connection between channels of equal settings; a pool needs its own each.
+            options.append(("grpc.use_local_subchannel_pool", 1))
         if self.tls is not None:
             server_name = self.tls.server_name or self._first_host_name()
             if server_name:
@@ -242,8 +258,9 @@ def open_channel(options: ClientOptions, *, aio: bool = False):
     target = grpc_target(options.url)
     module = grpc.aio if aio else grpc
     channel_options = options.channel_options()
+    compression = COMPRESSION.get(options.compression) if options.compression else None
     if options.tls is None:
         if options.token:
             logger.warning("sending a bearer token over a plaintext channel to %s; use TLS outside loopback", target)
-        return module.insecure_channel(target, options=channel_options)
-    return module.secure_channel(target, options.tls.credentials(), options=channel_options)
+        return module.insecure_channel(target, options=channel_options, compression=compression)
+    return module.secure_channel(target, options.tls.credentials(), options=channel_options, compression=compression)

@@ -38,6 +38,13 @@ def test_health(server, capsys):
         "live: true", "ready: true", "health: SERVING", "model cross_attention ready: true"]
 
 
+def test_channels_and_compression_flags_reach_the_client(server, capsys):
+    assert main(["health", "--url", server.address, "--channels", "3", "--compression", "gzip"]) == 0
+    assert capsys.readouterr().out.splitlines()[:3] == ["live: true", "ready: true", "health: SERVING"]
+    assert main(["health", "--url", server.address, "--channels", "0"]) == 2
+    assert "channels must be in 1..256, got 0" in capsys.readouterr().err
+
+
 def test_health_probes_each_server_of_a_list(server, capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

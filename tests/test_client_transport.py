@@ -158,6 +158,49 @@ def test_a_call_the_client_cancelled_by_closing_is_not_sent_again(scripted):
     assert client.retry_count == 0 and servicer.calls == 1
 
 
+def test_infer_async_retries_unavailable_by_the_same_policy(scripted):
+    servicer = ScriptedServicer(fail_times=2)
+    port = scripted(servicer)
+    with InferenceClient(f"127.0.0.1:{port}", retry=FAST_RETRY) as client:
+        call = client.infer_async("m", Q, KV, KV)
+        np.testing.assert_array_equal(call.result(timeout=30)["output"], Q)
+        assert client.retry_count == 2 and servicer.calls == 3 and call.done() and not call.cancelled()
+
+
+def test_infer_async_cancel_stops_the_retries_too(scripted):
+    """The first attempt is refused (UNAVAILABLE); the retry is held by the server: cancel() ends
+    it, and no attempt follows (the servicer saw two calls, the client no third)."""
+    hold = threading.Event()
+    servicer = ScriptedServicer(fail_times=1, hold=hold)
+    port = scripted(servicer)
+    try:
+        with InferenceClient(f"127.0.0.1:{port}", retry=FAST_RETRY) as client:
+            call = client.infer_async("m", Q, KV, KV)
+            deadline = time.monotonic() + 30
+            while servicer.calls < 2 and time.monotonic() < deadline:  # the retry has reached the server
+                time.sleep(0.01)
+            assert servicer.calls == 2
+            assert call.cancel()
+            with pytest.raises(InferenceError) as exc:
+                call.result(timeout=30)
+            assert exc.value.code == grpc.StatusCode.CANCELLED and client.retry_count == 1
+    finally:
+        hold.set()
+    assert servicer.calls == 2
+
+
+def test_infer_async_after_close_fails_cancelled_and_is_not_sent(scripted):
+    servicer = ScriptedServicer()
+    port = scripted(servicer)
+    client = InferenceClient(f"127.0.0.1:{port}", retry=FAST_RETRY)
+    client.close()
+    call = client.infer_async("m", Q, KV, KV)
+    with pytest.raises(InferenceError) as exc:
+        call.result(timeout=30)
+    assert exc.value.code == grpc.StatusCode.CANCELLED and "closed" in exc.value.details
+    assert servicer.calls == 0
+
+
 def test_async_client_retries_the_same_way(scripted):
     servicer = ScriptedServicer(fail_times=1)
     port = scripted(servicer)
