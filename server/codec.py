@@ -172,6 +172,10 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits,
     sizes = output_bytes(shapes, spec) if out_shm else {}
     shm_outputs = {name: (out_placements[name], regions.output(out_placements[name], sizes[name], f"output {name!r}"))
                    for name in outputs if name in out_shm}
+    if shm_outputs:  # the batch writes them there (server.tensors.compute_batch): the answer has no copy to make
+        into = {name: np.frombuffer(view, dtype=_DTYPES["FP32"]).reshape(output_shapes(shapes, spec)[name])
+                for name, (_, view) in shm_outputs.items()}
+        work.output_into, work.probs_into = into.get("output"), into.get("attn_probs")
     return Decoded(work=work, outputs=outputs, raw=raw, shm_outputs=shm_outputs)
 
 
@@ -267,11 +271,16 @@ def _check_response_size(request: pb.ModelInferRequest, shapes: dict[str, tuple[
                          f"rows, shorter sequences, or only the outputs you need")
 
 
+def output_shapes(shapes: dict[str, tuple[int, ...]], spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Each output's shape for inputs of these (checked) shapes."""
+    b, lq, _ = shapes["query"]  # batch, query length, query_dim
+    lk = shapes["key"][1]
+    return {"output": (b, lq, spec.out_dim), "attn_probs": (b, spec.num_heads, lq, lk)}
+
+
 def output_bytes(shapes: dict[str, tuple[int, ...]], spec: ModelSpec) -> dict[str, int]:
     """Tensor bytes of each output for inputs of these (checked) shapes."""
-    b, lq, _ = shapes["query"]
-    lk = shapes["key"][1]
-    return {"output": b * lq * spec.out_dim * 4, "attn_probs": b * spec.num_heads * lq * lk * 4}
+    return {name: 4 * math.prod(shape) for name, shape in output_shapes(shapes, spec).items()}
 
 
 def _check_typed_size(shapes: dict[str, tuple[int, ...]], outputs: tuple[str, ...], spec: ModelSpec,

@@ -456,7 +456,8 @@ class ModelRegistry:
                               costing=None if self._budget is None else GraphCosting(spec, graphs),
                               run_solo=run_solo, lone_call_signal=self._lone_call_signal, compute_nice=cfg.compute_nice,
                               tracer=None if self._tracing is None else self._tracing.batch_tracer(
-                                  name, spec.version, graphs))
+                                  name, spec.version, graphs),
+                              writes_into=self._run_batch is None)  # an Engine's runs take `into`
             limits = Limits(spec.max_q_len, spec.max_kv_len, cfg.max_attention_bytes,
                             max_response_bytes=cfg.max_message_bytes, max_typed_bytes=cfg.max_typed_bytes,
                             graphs=graphs)

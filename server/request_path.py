@@ -46,10 +46,13 @@ def _duration(d) -> pb.StatisticDuration:
 
 class RequestPath:
     def __init__(self, registry: ModelRegistry, metrics: Metrics, draining: Draining,
-                 calls: Calls | None = None, shared_memory: shm.SystemSharedMemory | None = None) -> None:
+                 calls: Calls | None = None, shared_memory: shm.SystemSharedMemory | None = None,
+                 why_no_cuda_shm: str | None = None) -> None:
         """draining: the server's (shared with the gates): not ready from SIGTERM on.
         calls: what each call records (spans, access lines: server.tracing); None: nothing.
-        shared_memory: the registered regions (--allow-shared-memory); None: the extension is off."""
+        shared_memory: the registered regions (--allow-shared-memory); None: the extension is off.
+        why_no_cuda_shm: what the CUDA shared memory calls answer (shm.why_no_cuda)."""
+        self._why_no_cuda_shm = why_no_cuda_shm or shm.why_no_cuda(on_cuda=False)
         self._registry = registry
         self._metrics = metrics
         self._draining = draining
@@ -85,10 +88,9 @@ class RequestPath:
     def shm_unregister(self, name: str = "") -> None:
         self._regions().unregister(name)
 
-    @staticmethod
-    def cuda_shm() -> None:
-        """CUDA shared memory is not served by this build: always SharedMemoryUnavailable."""
-        raise shm.SharedMemoryUnavailable(shm.WHY_NO_CUDA)
+    def cuda_shm(self) -> None:
+        """CUDA shared memory is not served by this build: always SharedMemoryUnavailable, saying why."""
+        raise shm.SharedMemoryUnavailable(self._why_no_cuda_shm)
 
     def model_metadata(self, name: str, version: str = "") -> pb.ModelMetadataResponse:
         spec = self._registry.get(name, version).spec
@@ -171,9 +173,10 @@ class RequestPath:
                 result = await model.batcher.submit(decoded.work, deadline, call.span)
                 call.computed(result.queue_s, result.compute_s, result.batch_requests, model.spec.version)
             try:
-                if decoded.shm_outputs:
-                    await shm.write_outputs([(view, result.output if name == "output" else result.attn_probs)
-                                             for name, (_, view) in decoded.shm_outputs.items()])
+                if decoded.shm_outputs:  # the batch wrote them into the region (server.tensors.compute_batch)
+                    if not decoded.work.written:
+                        raise RuntimeError("the batch returned without writing the outputs into their region")
+                    self._metrics.shared_memory_outputs(decoded.work.written, len(decoded.shm_outputs))
                 response = codec.encode(request, decoded, result, model.spec.version)
                 if call is not None:
                     call.encoded()
