@@ -426,7 +426,7 @@ class Batcher:
                                                                 self._writes_into)
             else:
                 results, padding_ratio, timings = await loop.run_in_executor(
-                    self._executor, compute_batch, self._run_solo if solo else self._run_batch, works,
+                    self._executor, _compute_handed, self._run_solo if solo else self._run_batch, [works],
                     self._writes_into)
             if solo:
                 self._time_solo_run(shape, sum(timings))
@@ -474,6 +474,13 @@ class Batcher:
     def _report_depth(self) -> None:
         if self._observer is not None:
             self._observer.on_queue_depth(len(self._pending))
+
+
+def _compute_handed(run_batch: RunBatch, handed: list[list[Work]], writes_into: bool):
+    """compute_batch on the works handed over: the executor's work item, which its (lowered)
+    thread drops only once it is scheduled again, then holds no Work, whose arrays may view a
+    caller's shared memory region that would stay mapped until then."""
+    return compute_batch(run_batch, handed.pop(), writes_into)
 
 
 def _solo_shape(work: Work) -> tuple:

@@ -187,6 +187,11 @@ class Engine:
     def has_solo_sessions(self) -> bool:
         return bool(self._solo_sessions)
 
+    @property
+    def writes_into(self) -> bool:
+        """Whether `run(..., into=...)` has ONNX Runtime write there (else it copies there)."""
+        return self._writes_into
+
     def run(self, feeds: dict[str, np.ndarray], want_probs: bool, solo: bool = False,
             into: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """feeds: query (B, Lq, q_dim), key/value (B, Lk, kv_dim), and at most one of mask

@@ -409,14 +409,16 @@ class ModelRegistry:
     def _read(self, name: str) -> tuple[ModelSpec, ...]:
         return read_model_specs(self.root / name, self.config.pinned_versions.get(name))
 
-    def _open(self, spec: ModelSpec) -> tuple[RunBatch, str, tuple, GraphSet, RunBatch | None]:
+    def _open(self, spec: ModelSpec) -> tuple[RunBatch, str, tuple, GraphSet, RunBatch | None, bool]:
         """Blocking: the run of one version (its ONNX Runtime sessions), what it runs on, its
         fingerprint as read before opening (a change while opening is seen next time), the
-        graphs it runs (a run_batch without an Engine: UNFUSED, every run counts its whole matrix)
-        and its run on solo sessions (None without them: a run_batch given, CUDA, or switched off)."""
+        graphs it runs (a run_batch without an Engine: UNFUSED, every run counts its whole matrix),
+        its run on solo sessions (None without them: a run_batch given, CUDA, or switched off)
+        and whether its runs write outputs where they are told (server.tensors.compute_batch)."""
         fingerprint = version_fingerprint(spec)
         if self._run_batch is not None:
-            return self._run_batch(spec), "a run_batch given to the server, no ONNX Runtime", fingerprint, UNFUSED, None
+            return (self._run_batch(spec), "a run_batch given to the server, no ONNX Runtime", fingerprint, UNFUSED,
+                    None, False)
         device = self._device
         if device is None:
             raise RuntimeError("ModelRegistry has no device to open models on")
@@ -426,7 +428,8 @@ class ModelRegistry:
             spec, device, self.config.intra_op_threads, solo=self.config.spin_when_alone))
         engine = predictor.engine
         check_servable(spec, engine.sessions)  # READY means servable: never READY, then INTERNAL on every call
-        return predictor.run_feeds, ",".join(engine.providers), fingerprint, engine.graphs, predictor.run_solo
+        return (predictor.run_feeds, ",".join(engine.providers), fingerprint, engine.graphs, predictor.run_solo,
+                engine.writes_into)
 
     def _install(self, name: str, specs: tuple[ModelSpec, ...], keep: dict[int, LoadedVersion],
                  built: dict[int, tuple], failures: dict[int, str]) -> _Model:
@@ -437,7 +440,7 @@ class ModelRegistry:
         for spec in specs:
             if spec.version not in built:
                 continue
-            run, runs_on, fingerprint, graphs, run_solo = built[spec.version]
+            run, runs_on, fingerprint, graphs, run_solo, writes_into = built[spec.version]
             policy = BatchPolicy(
                 max_batch_size=cfg.max_batch_size or spec.max_batch_size,
                 max_queue_delay_s=(cfg.max_queue_delay_ms if cfg.max_queue_delay_ms is not None
@@ -457,7 +460,7 @@ class ModelRegistry:
                               run_solo=run_solo, lone_call_signal=self._lone_call_signal, compute_nice=cfg.compute_nice,
                               tracer=None if self._tracing is None else self._tracing.batch_tracer(
                                   name, spec.version, graphs),
-                              writes_into=self._run_batch is None)  # an Engine's runs take `into`
+                              writes_into=writes_into)
             limits = Limits(spec.max_q_len, spec.max_kv_len, cfg.max_attention_bytes,
                             max_response_bytes=cfg.max_message_bytes, max_typed_bytes=cfg.max_typed_bytes,
                             graphs=graphs)

@@ -163,6 +163,7 @@ class RequestPath:
             call.request(request.model_name, request.model_version, request.id)
         model = self._registry.get(request.model_name, request.model_version)
         lease = self.shared_memory.lease() if self.shared_memory is not None else None
+        result = None
         try:
             decoded = codec.decode(request, model.spec, model.limits, lease)
             deadline = None if time_remaining is None else time.monotonic() + time_remaining
@@ -186,7 +187,7 @@ class RequestPath:
                 raise
         finally:
             if lease is not None:
-                decoded = None  # its views of the regions go first, so that a retired one unmaps now
+                decoded = result = None  # their views of the regions go first, so that a retired one unmaps now
                 lease.release()
 
     def _metric_label(self, model_name: str) -> str:

@@ -120,8 +120,8 @@ def canonical_mask(mask: np.ndarray | None, rows: int) -> np.ndarray | None:
 
 @dataclass(slots=True)
 class Result:
-    output: np.ndarray  # (b, lq, out_dim)
-    attn_probs: np.ndarray | None  # (b, h, lq, lk)
+    output: np.ndarray | None  # (b, lq, out_dim); None: in the request's output_into
+    attn_probs: np.ndarray | None  # (b, h, lq, lk); None: not asked for, or in its probs_into
     queue_s: float
     compute_s: float
     batch_requests: int
@@ -138,9 +138,10 @@ def compute_batch(run_batch: RunBatch, works: list[Work], writes_into: bool = Fa
                   ) -> tuple[list[tuple[np.ndarray, np.ndarray | None]], float, tuple[float, float, float]]:
     """On a worker thread: pad and merge, run, check, split (attnserve.runtime runs it too).
     Returns per-request outputs, the batch's padding ratio, and the seconds spent merging, running
-    and splitting. A request with output_into/probs_into gets those arrays back, filled: by the
-    run itself when it is the whole batch and `writes_into` (run_batch takes `into`), else by
-    the split copying its rows there."""
+    and splitting. A request's output_into/probs_into are filled: by the run itself when it is the
+    whole batch and `writes_into` (run_batch takes `into`), else by the split copying its rows
+    there; its outputs returned are then None (they are in those arrays, which the caller holds:
+    nothing that views the caller's memory outlives the call on the run's thread)."""
     t0 = time.perf_counter()
     feeds, padding_ratio = merge(works)
     want_probs = any(w.want_probs for w in works)
@@ -151,13 +152,12 @@ def compute_batch(run_batch: RunBatch, works: list[Work], writes_into: bool = Fa
     rows = feeds["query"].shape[0]
     if output.shape[0] != rows or (want_probs and (attn_probs is None or attn_probs.shape[0] != rows)):
         raise RuntimeError(f"run returned {output.shape[0]} rows for a batch of {rows}")
-    results = split(works, output, attn_probs)
     if into:
         works[0].written = "run"
         if output is not into.get("output", output) or attn_probs is not into.get("attn_probs", attn_probs):
             raise RuntimeError("the run did not return the arrays it was given to write into")
-    else:
-        results = [_copy_into(w, out, probs) for w, (out, probs) in zip(works, results, strict=True)]
+    results = [_copy_into(w, out, probs) for w, (out, probs) in zip(works, split(works, output, attn_probs),
+                                                                     strict=True)]
     return results, padding_ratio, (t1 - t0, t2 - t1, time.perf_counter() - t2)
 
 
@@ -178,18 +178,22 @@ def _run_into(works: list[Work], feeds: dict[str, np.ndarray]) -> dict[str, np.n
     return into
 
 
-def _copy_into(w: Work, output: np.ndarray, attn_probs: np.ndarray | None
-               ) -> tuple[np.ndarray, np.ndarray | None]:
-    """A request's rows copied into its destinations (the split writing there), if it has any."""
+def _copy_into(w: Work, output: np.ndarray | None, attn_probs: np.ndarray | None
+               ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A request's rows copied into its destinations (the split writing there) unless the run
+    wrote them there; None in place of each output that is in a destination."""
     if w.output_into is None and w.probs_into is None:
         return output, attn_probs
+    written = "run" if w.written == "run" else "copied"
     if w.output_into is not None:
-        np.copyto(w.output_into, output)
-        output = w.output_into
-    if w.probs_into is not None and attn_probs is not None:
-        np.copyto(w.probs_into, attn_probs)
-        attn_probs = w.probs_into
-    w.written = "copied"
+        if written == "copied":
+            np.copyto(w.output_into, output)
+        output = None
+    if w.probs_into is not None:
+        if written == "copied" and attn_probs is not None:
+            np.copyto(w.probs_into, attn_probs)
+        attn_probs = None
+    w.written = written
     return output, attn_probs
 
 
