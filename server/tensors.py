@@ -135,7 +135,7 @@ class Result:
 
 
 def compute_batch(run_batch: RunBatch, works: list[Work], writes_into: bool = False
-                  ) -> tuple[list[tuple[np.ndarray, np.ndarray | None]], float, tuple[float, float, float]]:
+                  ) -> tuple[list[tuple[np.ndarray | None, np.ndarray | None]], float, tuple[float, float, float]]:
     """On a worker thread: pad and merge, run, check, split (attnserve.runtime runs it too).
     Returns per-request outputs, the batch's padding ratio, and the seconds spent merging, running
     and splitting. A request's output_into/probs_into are filled: by the run itself when it is the
