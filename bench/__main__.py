@@ -76,9 +76,10 @@ class _Server:
     def __init__(self, repository: Path, extra: list[str], workdir: Path, module: str = "attnserve.server") -> None:
         self.ready_file = workdir / f"ready-{module}.json"
         self.log = open(workdir / f"{module}.log", "wb")
+        started = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, "--model-repository", str(repository), "--host", "127.0.0.1",
-             "--port", "0", "--http-port", "0", "--metrics-port", "-1", "--log-level", "WARNING", "--ready-file",
+             "--port", "0", "--http-port", "0", "--metrics-port", "0", "--log-level", "WARNING", "--ready-file",
              str(self.ready_file),
              "--drain-delay-s", "0", "--workers", "1",
              *extra], cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT)
@@ -87,9 +88,21 @@ class _Server:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"bench: {module} did not start; see {workdir / f'{module}.log'}")
             time.sleep(0.05)
+        self.ready_s = time.monotonic() - started  # process start to the ready file: every model warmed
         ports = json.loads(self.ready_file.read_text())
         self.address = f"127.0.0.1:{ports['grpc_port']}"
         self.http_address = f"127.0.0.1:{ports['http_port']}"  # the REST port
+        self.metrics_port = ports["metrics_port"]
+
+    def time_to_ready(self) -> dict:
+        """The process's (start to ready file) and each model's (attnserve_model_ready_seconds:
+        from the server's start, warm-up included) time-to-ready."""
+        import re
+        import urllib.request
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+        models = {m: float(v) for m, v in re.findall(r'attnserve_model_ready_seconds\{model="(\w+)"\} (\S+)', text)}
+        return {"process_s": round(self.ready_s, 3), "models_s": {m: round(v, 3) for m, v in sorted(models.items())}}
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -221,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         # rounds can alternate between them: A/B/A/B, each side seeing the machine's load.
         (Path(tmp) / "server").mkdir()
         server = _Server(args.repository, server_args, Path(tmp) / "server")
+        results["time_to_ready"] = ready = server.time_to_ready()
+        print(f"time-to-ready: {ready['process_s']:.2f}s from the process's start to its ready file; per model, "
+              "from the server's start (warm-up included): "
+              + ", ".join(f"{m} {s:.2f}s" for m, s in ready["models_s"].items()), flush=True)
         floor = None
         try:
             if not args.no_floor:

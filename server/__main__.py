@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING
 from attnserve.server.config import ServerConfig, load_config
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from attnserve.server.app import Server
     from attnserve.server.models import RunBatchFactory
 
 logger = logging.getLogger("attnserve.server")
@@ -25,15 +28,16 @@ EXIT_CANNOT_START = 3
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-async def serve(config: ServerConfig, run_batch: RunBatchFactory | None = None) -> int:
-    """Serve until a stop signal, then drain; the exit status. run_batch: see app.Server."""
+async def serve(config: ServerConfig, run_batch: RunBatchFactory | None = None,
+                warm_up_hold: Callable[[Server, str, int], None] | None = None) -> int:
+    """Serve until a stop signal, then drain; the exit status. run_batch, warm_up_hold: see app.Server."""
     from attnserve.server.app import Server
     from attnserve.server.engine import DeviceUnavailable
     from attnserve.server.repository import ModelLoadError
     from attnserve.server.workers import WorkerContext
 
     worker = WorkerContext.from_env()
-    server = Server(config, run_batch, worker=worker)
+    server = Server(config, run_batch, worker=worker, warm_up_hold=warm_up_hold)
     # Handlers first: a signal that comes while the server starts (its ready file may already
     # be written, telling a supervisor it may stop it) drains once the start is done, instead of
     # killing the process (a test under load caught a SIGTERM between the two).
@@ -82,7 +86,8 @@ def configure_logging(config: ServerConfig) -> None:
                         format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s")
 
 
-def run(config: ServerConfig, argv: list[str], command: list[str], run_batch: RunBatchFactory | None = None) -> int:
+def run(config: ServerConfig, argv: list[str], command: list[str], run_batch: RunBatchFactory | None = None,
+        warm_up_hold: Callable[[Server, str, int], None] | None = None) -> int:
     """Serve in this process, or as the supervisor of --workers processes, each `command argv`
     (server.workers). The supervisor imports no ONNX Runtime and loads no model."""
     from attnserve.server.workers import WorkerContext, default_workers, supervise
@@ -90,7 +95,7 @@ def run(config: ServerConfig, argv: list[str], command: list[str], run_batch: Ru
     workers = default_workers(config)
     if workers > 1 and WorkerContext.from_env() is None:
         return asyncio.run(supervise(config, argv, command, workers))
-    return asyncio.run(serve(config, run_batch))
+    return asyncio.run(serve(config, run_batch, warm_up_hold))
 
 
 def start_on_huge_pages() -> None:

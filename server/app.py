@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -94,6 +95,25 @@ def method_handlers(servicer: InferenceServicer, health_servicer: health.aio.Hea
     return handlers
 
 
+def grpc_connection_options(cfg: ServerConfig) -> list[tuple[str, int]]:
+    """gRPC core's connection age and keepalive arguments from the config (docs/deployment.md,
+    "Connections")."""
+    options = [
+        ("grpc.keepalive_time_ms", int(cfg.grpc_keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(cfg.grpc_keepalive_timeout_s * 1000)),
+        # Idle connections are pinged too (a dead peer holds no call to fail), and clients' pings
+        # without calls are accepted (otherwise core allows one per two hours).
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(cfg.grpc_keepalive_min_ping_interval_s * 1000)),
+    ]
+    if cfg.grpc_max_connection_age_s is not None:
+        options.append(("grpc.max_connection_age_ms", int(cfg.grpc_max_connection_age_s * 1000)))
+    if cfg.grpc_max_connection_age_grace_s is not None:
+        options.append(("grpc.max_connection_age_grace_ms", int(cfg.grpc_max_connection_age_grace_s * 1000)))
+    return options
+
+
 def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
     """Listen on every address `host` resolves to (localhost: 127.0.0.1 and ::1), all on one
     port, or raise OSError naming the one that failed: never serve on part of them silently.
@@ -114,12 +134,16 @@ def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.Server
 
 class Server:
     def __init__(self, config: ServerConfig, run_batch: RunBatchFactory | None = None,
-                 worker: WorkerContext | None = None) -> None:
+                 worker: WorkerContext | None = None,
+                 warm_up_hold: Callable[[Server, str, int], None] | None = None) -> None:
         """run_batch: how each model's batches are computed, made from its spec; None (the
         server) is ONNX Runtime. bench.floor passes one that returns zeros, to measure this
         stack's own cost with the real gate, servicer and batchers. worker: this process is one
-        of several serving the same ports (server.workers); None: the server is this process."""
+        of several serving the same ports (server.workers); None: the server is this process.
+        warm_up_hold: called (this server, model, version) before each version's warm-up, on its
+        thread: a test's hold (tests.warmup_held_server)."""
         self.config = config
+        self._warm_up_hold = warm_up_hold
         self.worker = worker
         self._run_batch = run_batch
         self.port: int | None = None
@@ -147,6 +171,7 @@ class Server:
         """Load the models, bind, serve. Returns the bound gRPC port.
         Raises engine.DeviceUnavailable for --device cuda without CUDA."""
         cfg = self.config
+        started = time.monotonic()  # time-to-ready counts from here
         # TLS files and the token are checked before anything slow: a bad one fails at once.
         credentials = server_credentials(cfg)
         ssl_context = server_ssl_context(cfg)
@@ -173,7 +198,10 @@ class Server:
             raise ModelLoadError(f"the model repository {cfg.model_repository} holds no model (no <name>/config.json): "
                                  "export one (attnserve export), or start with --model-control-mode explicit or "
                                  "poll to load models later")
+        self.registry.started_at = started
         self.registry.listener = self._model_changed
+        if self._warm_up_hold is not None:
+            self.registry.warm_up_hold = functools.partial(self._warm_up_hold, self)
         self.registry.start()
         if cfg.allow_shared_memory:
             self._shared_memory = SystemSharedMemory(cfg.shared_memory_max_regions, cfg.shared_memory_max_bytes,
@@ -196,6 +224,7 @@ class Server:
             # without it a call whose reading waits (server.gate's receive slots, a stream that
             # stops reading) holds no more than HTTP/2's initial window in gRPC's core.
             ("grpc.http2.bdp_probe", 0),
+            *grpc_connection_options(cfg),
         ]
         receiving = cfg.max_receiving_bytes if cfg.max_receiving_bytes is not None else int(
             limit * DEFAULT_RECEIVING_SHARE)
@@ -215,9 +244,6 @@ class Server:
 
         for name in self.registry.known_names():
             await self._model_changed(name, self.registry.ready(name))
-        if cfg.data_plane == "native":
-            self.native_port = self._start_native(request_path)
-
         if cfg.http_port >= 0:
             self._rest = RestPort(request_path, self._admission, self._draining, token, cfg.max_message_bytes,
                                   cfg.access_log, cfg.max_json_bytes, budget=self.budget,
@@ -244,6 +270,11 @@ class Server:
                     f"http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
                     cfg.max_message_bytes, cfg.model_control_mode, limit, slots,
                     f"; not ready: {sorted(self.registry.failed)}" if self.registry.failed else "")
+        # Readiness stays false (index: WARMING) until each model's graphs have run (server.warmup);
+        # the ready file is written after, so it still means ready.
+        await self.registry.warm_up_at_start()
+        if cfg.data_plane == "native":  # it serves the models ready now: warmed
+            self.native_port = self._start_native(request_path)
         # What exists now lives as long as the server: the cyclic collector need not walk it
         # again (server.memory.heap.freeze_gc; a model change gives it back: _model_changed).
         heap.freeze_gc()

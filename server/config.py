@@ -22,6 +22,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # any case
 LOG_FORMATS = ("text", "json")
 MODEL_CONTROL_MODES = ("none", "explicit", "poll")  # as Triton's --model-control-mode
 DATA_PLANES = ("python", "native")  # who serves ModelInfer (server.native: the C++ prototype)
+WARMUP_MODES = ("graphs", "none")  # server.warmup.MODES (kept here: config imports no server module)
 # gRPC's 4 MiB default is too small for real requests (4 x 200 x 512 float32 is 4.9 MB).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -111,6 +112,20 @@ class ServerConfig:
     # prototype beside the Python gRPC server, which keeps every other RPC.
     data_plane: str = "python"
     native_port: int = 8003  # 0 = any free port
+    # graphs: each graph runs at a short and a crossover length, on every session kind, before its
+    # model reports ready (server.warmup); none: ready as soon as its sessions load.
+    warmup: str = "graphs"
+    # gRPC connections closed (GOAWAY) after this age so that clients reconnect and spread over
+    # replicas and workers again; None: never, as gRPC (docs/deployment.md, "Connections").
+    grpc_max_connection_age_s: float | None = None
+    grpc_max_connection_age_grace_s: float | None = None  # calls in flight then get this long; None: no limit
+    # Server pings after this long without activity on a connection, and closes it when a ping
+    # goes unanswered for keepalive_timeout_s: dead peers (a node gone, a NAT's dropped entry) are found.
+    grpc_keepalive_time_s: float = 60.0
+    grpc_keepalive_timeout_s: float = 20.0
+    # Clients may ping this often without calls (gRPC's default, 300, answers a client whose own
+    # keepalive is shorter with GOAWAY "too_many_pings").
+    grpc_keepalive_min_ping_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -171,6 +186,15 @@ class ServerConfig:
             raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
         if self.data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane must be one of {', '.join(DATA_PLANES)}, got {self.data_plane!r}")
+        if self.warmup not in WARMUP_MODES:
+            raise ValueError(f"warmup must be one of {', '.join(WARMUP_MODES)}, got {self.warmup!r}")
+        for name in ("grpc_max_connection_age_s", "grpc_max_connection_age_grace_s"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be > 0 (or unset: off), got {value}")
+        for name in ("grpc_keepalive_time_s", "grpc_keepalive_timeout_s", "grpc_keepalive_min_ping_interval_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.native_port <= 65535:
             raise ValueError(f"native_port must be in 0..65535, got {self.native_port}")
         if self.data_plane == "native" and (self.tls_cert is not None or self.auth_token_file is not None
@@ -247,6 +271,16 @@ _HELP: dict[str, str] = {
     "data_plane": "python, or native: ModelInfer also served by the C++ data plane on --native-port (prototype; "
                   "`make native` builds it)",
     "native_port": "the native data plane's gRPC port with --data-plane native (0 = any free port)",
+    "warmup": "graphs: before a model reports ready, run each of its graphs at a short and at the crossover "
+              "length on every session kind (readiness false, index state WARMING meanwhile); none: ready at once",
+    "grpc_max_connection_age_s": "close each gRPC connection (GOAWAY) after this many seconds, so that clients "
+                                 "reconnect and spread over replicas and workers (default: never)",
+    "grpc_max_connection_age_grace_s": "seconds calls in flight get to finish after the connection age "
+                                       "(default: no limit)",
+    "grpc_keepalive_time_s": "seconds without activity after which the server pings a gRPC connection",
+    "grpc_keepalive_timeout_s": "seconds a keepalive ping may go unanswered before the connection is closed",
+    "grpc_keepalive_min_ping_interval_s": "least seconds between a client's keepalive pings the server accepts "
+                                          "(more often: GOAWAY too_many_pings)",
 }
 
 

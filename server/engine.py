@@ -192,6 +192,11 @@ class Engine:
         """Whether `run(..., into=...)` has ONNX Runtime write there (else it copies there)."""
         return self._writes_into
 
+    @property
+    def solo_kinds(self) -> frozenset[str]:
+        """The graph kinds that have a solo session (what server.warmup runs on both)."""
+        return frozenset(self._solo_sessions)
+
     def run(self, feeds: dict[str, np.ndarray], want_probs: bool, solo: bool = False,
             into: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """feeds: query (B, Lq, q_dim), key/value (B, Lk, kv_dim), and at most one of mask

@@ -3,7 +3,8 @@
 The metric names are a contract (dashboards are built on them): attnserve_requests_total,
 attnserve_request_duration_seconds, attnserve_queue_duration_seconds,
 attnserve_compute_duration_seconds, attnserve_batch_requests, attnserve_padding_ratio,
-attnserve_queue_depth; every one is labelled by model. The memory budget's (one per server,
+attnserve_queue_depth; every one is labelled by model; so are the warm-up's (server.warmup)
+attnserve_warmup_runs_total (and graph, session) and attnserve_model_ready_seconds. The memory budget's (one per server,
 unlabelled; watch_budget): attnserve_memory_limit_bytes, attnserve_memory_reserved_bytes,
 attnserve_memory_waiting_bytes, attnserve_memory_waiters, and the counters
 attnserve_memory_waits_total, attnserve_memory_shed_total, attnserve_memory_wait_timeouts_total,
@@ -106,6 +107,15 @@ class Metrics:
         # With several workers: the sum over the live ones (a dead worker's queue is gone).
         self.queue_depth = Gauge("attnserve_queue_depth", "Requests waiting in the model's queue.",
                                  ["model"], registry=self.registry, multiprocess_mode="livesum")
+        # Warm-up runs are no client's inference: counted here, never in ModelStatistics.
+        self.warmup_runs = Counter("attnserve_warmup_runs", "Warm-up runs before a model reported ready "
+                                   "(server.warmup), by graph and session kind (regular, solo).",
+                                   ["model", "graph", "session"], registry=self.registry)
+        # With several workers: the slowest live worker's (each warms its own sessions).
+        self.model_ready_seconds = Gauge("attnserve_model_ready_seconds", "Time-to-ready of the model's last "
+                                         "load: seconds from the server's start (or the load's) until it "
+                                         "reported ready, warm-up included.", ["model"], registry=self.registry,
+                                         multiprocess_mode="livemax")
         self.shared_memory_output_writes = Counter(
             "attnserve_shared_memory_outputs", "Outputs written into a shared memory region, by how: \"run\" "
             "(ONNX Runtime wrote them there, no copy) or \"copied\" (from a merged batch's result).",
@@ -162,6 +172,16 @@ class Metrics:
         if self._mirror is None:
             self._mirror = _Mirror(self.registry)
         self._mirror.add(collector)
+
+    def warm_up_ran(self, model: str):
+        """What server.warmup calls after each run, (graph, session), from the warm-up's thread."""
+        def ran(graph: str, session: str) -> None:
+            self.warmup_runs.labels(model, graph, session).inc()
+
+        return ran
+
+    def model_ready(self, model: str, seconds: float) -> None:
+        self.model_ready_seconds.labels(model).set(seconds)
 
     def observer(self, model: str) -> ModelObserver:
         self.statistics.setdefault(model, ModelStatistics())

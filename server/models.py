@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from attnserve.server import priority
@@ -48,6 +50,7 @@ from attnserve.server.repository import (
 )
 from attnserve.server.tensors import RunBatch, Work
 from attnserve.server.tracing import Tracing
+from attnserve.server.warmup import warm_up, warm_up_plan
 
 from attnserve.contract import (
     ALL_OUTPUTS,
@@ -66,8 +69,10 @@ from attnserve.runtime import AttentionPredictor
 
 logger = logging.getLogger(__name__)
 
-# Triton's model states, as the index reports them.
-READY, UNAVAILABLE = "READY", "UNAVAILABLE"
+# Triton's model states, as the index reports them, and WARMING: loaded, its graphs' first runs
+# under way (server.warmup), not ready yet. Triton has no such state (its model_warmup runs inside
+# LOADING); a state of its own tells a probe's reader why a model that loaded is not ready.
+READY, UNAVAILABLE, WARMING = "READY", "UNAVAILABLE", "WARMING"
 
 
 class ModelNotFound(LookupError):
@@ -92,6 +97,10 @@ class ModelLoadFailed(RuntimeError):
 RunBatchFactory = Callable[[ModelSpec], RunBatch]
 # Told after each change of a model: (name, whether it has a version ready).
 StateListener = Callable[[str, bool], Awaitable[None]]
+# Called on the warm-up's thread before each version's warm-up, (name, version): a test's hold.
+WarmUpHold = Callable[[str, int], None]
+# A version's warm-up (server.warmup), blocking: {(graph, session): runs}.
+WarmUp = Callable[[], dict]
 
 
 class GraphCosting:
@@ -118,14 +127,27 @@ class LoadedVersion:
     batcher: Batcher
     limits: Limits
     fingerprint: tuple = ()  # repository.version_fingerprint when it was loaded
+    warm_up: WarmUp | None = None  # None: nothing to warm (a run_batch given, not ONNX Runtime)
 
+
+
+class _Opened(NamedTuple):
+    """One version's sessions opened (ModelRegistry._open), not yet installed."""
+
+    run: RunBatch
+    runs_on: str
+    fingerprint: tuple
+    graphs: GraphSet
+    run_solo: RunBatch | None
+    warm_up: WarmUp | None
+    writes_into: bool  # its runs write outputs where they are told (server.tensors.compute_batch)
 
 
 @dataclass(frozen=True)
 class IndexEntry:
     name: str
     version: str  # "" for a model with no version to name
-    state: str  # READY or UNAVAILABLE
+    state: str  # READY, WARMING or UNAVAILABLE
     reason: str = ""
 
 
@@ -136,6 +158,7 @@ class _Model:
     failed_versions: dict[int, str] = field(default_factory=dict)  # of the last load
     unloaded_versions: tuple[int, ...] = ()
     seen: tuple = ()  # repository.repository_signature of the files this entry was made from
+    warming: bool = False  # versions installed at start, not yet warmed: not ready
 
     @property
     def default(self) -> LoadedVersion | None:
@@ -170,6 +193,9 @@ class ModelRegistry:
         self._retire_tasks: set[asyncio.Task] = set()
         self._poll_task: asyncio.Task | None = None
         self.reclaimed = 0  # versions retired and their memory given back (trimmed)
+        self.warm_up_hold: WarmUpHold | None = None
+        self._warming_loads: dict[str, tuple[int, ...]] = {}  # a load's new versions, warming before install
+        self.started_at = time.monotonic()  # time-to-ready at start counts from here
         self._started = False
         self._closed = False
 
@@ -202,6 +228,8 @@ class ModelRegistry:
                     failures[spec.version] = _reason(err)
             registry._models[name] = registry._install(name, specs, {}, built, failures)
             registry._models[name].seen = seen
+            # Served once Server.start has bound its ports and warm_up_at_start has run.
+            registry._models[name].warming = any(registry._warms(lv) for lv in registry._models[name].versions.values())
         for name in config.pinned_versions:
             if name not in registry._models:
                 logger.warning("pinned model %s is not in the repository %s", name, registry.root)
@@ -217,6 +245,8 @@ class ModelRegistry:
             raise ModelNotFound(f"unknown model {quoted(name)}; serving {self.ready_names()}")
         if not model.versions:
             raise ModelUnavailable(f"model {name} is not ready: {self._why_not(model)}")
+        if model.warming:
+            raise ModelUnavailable(f"model {name} is not ready: warming up (its graphs' first runs, --warmup)")
         if not version:
             return model.default
         loaded = model.versions.get(int(version)) if version.isdigit() else None
@@ -238,7 +268,7 @@ class ModelRegistry:
         return sorted(model.versions) if model is not None else []
 
     def ready_names(self) -> list[str]:
-        return sorted(name for name, model in self._models.items() if model.versions)
+        return sorted(name for name, model in self._models.items() if model.versions and not model.warming)
 
     def known_names(self) -> list[str]:
         return sorted(self._models)
@@ -271,8 +301,17 @@ class ModelRegistry:
                 pass
         for name in sorted(names):
             model = self._models.get(name)
+            warming = [v for v in self._warming_loads.get(name, ()) if model is None or v not in model.versions]
+            if not ready_only:
+                entries += [IndexEntry(name, str(v), WARMING, "warming up: its graphs' first runs") for v in warming]
             if model is None:
-                entries.append(IndexEntry(name, "", UNAVAILABLE, "not loaded"))
+                if not warming:
+                    entries.append(IndexEntry(name, "", UNAVAILABLE, "not loaded"))
+                continue
+            if model.warming:
+                if not ready_only:
+                    entries += [IndexEntry(name, str(v), WARMING, "warming up: its graphs' first runs")
+                                for v in sorted(model.versions)]
                 continue
             for version in sorted(model.versions):
                 entries.append(IndexEntry(name, str(version), READY))
@@ -334,6 +373,7 @@ class ModelRegistry:
             keep = {v: lv for v, lv in old.versions.items()
                     if v in {s.version for s in specs} and same_model(lv.spec, specs[0])
                     and lv.fingerprint == version_fingerprint(lv.spec)}
+            started = time.monotonic()
             built, failures = {}, {}
             for spec in specs:
                 if spec.version in keep:
@@ -342,6 +382,17 @@ class ModelRegistry:
                     built[spec.version] = await asyncio.to_thread(self._open, spec)
                 except Exception as err:
                     failures[spec.version] = _reason(err)
+            if not failures and self.config.warmup != "none":
+                # Warmed before it is installed: what served before serves meanwhile (a hot swap).
+                self._warming_loads[name] = tuple(sorted(built))
+                try:
+                    for version, opened in sorted(built.items()):
+                        if opened.warm_up is not None:
+                            await asyncio.to_thread(self._warm, name, version, opened.warm_up)
+                except Exception as err:  # a run of a graph that check_servable's tiny run passed
+                    failures[min(built)] = f"warm-up failed: {_reason(err)}"
+                finally:
+                    del self._warming_loads[name]
             self._check_open()
             if failures:
                 self._models[name] = _Model(old.versions, failed_versions=failures, seen=seen)
@@ -354,6 +405,7 @@ class ModelRegistry:
             self._models[name] = new
             for lv in retired:
                 self._retire(lv)
+            self._record_ready(name, time.monotonic() - started, "its load began")
         await self._tell(name)
         return sorted(new.versions)
 
@@ -409,16 +461,17 @@ class ModelRegistry:
     def _read(self, name: str) -> tuple[ModelSpec, ...]:
         return read_model_specs(self.root / name, self.config.pinned_versions.get(name))
 
-    def _open(self, spec: ModelSpec) -> tuple[RunBatch, str, tuple, GraphSet, RunBatch | None, bool]:
+    def _open(self, spec: ModelSpec) -> _Opened:
         """Blocking: the run of one version (its ONNX Runtime sessions), what it runs on, its
         fingerprint as read before opening (a change while opening is seen next time), the
-        graphs it runs (a run_batch without an Engine: UNFUSED, every run counts its whole matrix),
-        its run on solo sessions (None without them: a run_batch given, CUDA, or switched off)
-        and whether its runs write outputs where they are told (server.tensors.compute_batch)."""
+        graphs it runs (a run_batch without an Engine: UNFUSED, every run counts its whole matrix)
+        its run on solo sessions (None without them: a run_batch given, CUDA, or switched off), its
+        warm-up (None with a run_batch given: no ONNX Runtime sessions to warm) and whether its
+        runs write outputs where they are told (the Engine's on the CPU)."""
         fingerprint = version_fingerprint(spec)
         if self._run_batch is not None:
-            return (self._run_batch(spec), "a run_batch given to the server, no ONNX Runtime", fingerprint, UNFUSED,
-                    None, False)
+            return _Opened(self._run_batch(spec), "a run_batch given to the server, no ONNX Runtime", fingerprint,
+                           UNFUSED, None, None, False)
         device = self._device
         if device is None:
             raise RuntimeError("ModelRegistry has no device to open models on")
@@ -428,8 +481,56 @@ class ModelRegistry:
             spec, device, self.config.intra_op_threads, solo=self.config.spin_when_alone))
         engine = predictor.engine
         check_servable(spec, engine.sessions)  # READY means servable: never READY, then INTERNAL on every call
-        return (predictor.run_feeds, ",".join(engine.providers), fingerprint, engine.graphs, predictor.run_solo,
-                engine.writes_into)
+        runs = warm_up_plan(engine.graphs, spec)
+        ran = self._metrics.warm_up_ran(spec.name)
+
+        def warm() -> dict:
+            return warm_up(engine, spec, runs, ran)
+
+        return _Opened(predictor.run_feeds, ",".join(engine.providers), fingerprint, engine.graphs, predictor.run_solo,
+                       warm, engine.writes_into)
+
+    def _warms(self, lv: LoadedVersion) -> bool:
+        return lv.warm_up is not None and self.config.warmup != "none"
+
+    def _warm(self, name: str, version: int, warm: WarmUp) -> None:
+        """Blocking: one version's warm-up, at the compute priority (after the test's hold, if any)."""
+        if self.warm_up_hold is not None:
+            self.warm_up_hold(name, version)
+        started = time.monotonic()
+        done = priority.run_lowered(self.config.compute_nice, warm)
+        logger.info("model %s version %d warmed up in %.2fs: %d run(s) (%s)", name, version,
+                    time.monotonic() - started, sum(done.values()),
+                    ", ".join(f"{graph} {session} x{n}" for (graph, session), n in sorted(done.items())))
+
+    async def warm_up_at_start(self) -> None:
+        """Warm every model installed at start (Server.start, once its ports are bound), one
+        after another; each turns ready as its warm-up ends. A model whose warm-up fails is not
+        served, with the reason in the index."""
+        for name, model in sorted(self._models.items()):
+            if not model.warming:
+                if model.versions:
+                    self._record_ready(name, time.monotonic() - self.started_at, "the server's start")
+                continue
+            try:
+                for version, lv in sorted(model.versions.items()):
+                    await asyncio.to_thread(self._warm, name, version, lv.warm_up)
+            except Exception as err:  # a run of a graph that check_servable's tiny run passed
+                reason = f"warm-up failed: {_reason(err)}"
+                logger.error("model %s is not ready: %s", name, reason)
+                for lv in model.versions.values():
+                    self._retire(lv)
+                self._models[name] = _Model(reason=reason, seen=model.seen)
+            else:
+                model.warming = False
+                self._record_ready(name, time.monotonic() - self.started_at, "the server's start")
+            await self._tell(name)
+
+    def _record_ready(self, name: str, seconds: float, since: str) -> None:
+        """Time-to-ready: logged, and the gauge attnserve_model_ready_seconds."""
+        self._metrics.model_ready(name, seconds)
+        logger.info("model %s ready: time-to-ready %.2fs since %s (--warmup %s)", name, seconds, since,
+                    self.config.warmup)
 
     def _install(self, name: str, specs: tuple[ModelSpec, ...], keep: dict[int, LoadedVersion],
                  built: dict[int, tuple], failures: dict[int, str]) -> _Model:
@@ -440,7 +541,7 @@ class ModelRegistry:
         for spec in specs:
             if spec.version not in built:
                 continue
-            run, runs_on, fingerprint, graphs, run_solo, writes_into = built[spec.version]
+            run, runs_on, fingerprint, graphs, run_solo, warm, writes_into = built[spec.version]  # an _Opened
             policy = BatchPolicy(
                 max_batch_size=cfg.max_batch_size or spec.max_batch_size,
                 max_queue_delay_s=(cfg.max_queue_delay_ms if cfg.max_queue_delay_ms is not None
@@ -466,7 +567,7 @@ class ModelRegistry:
                             graphs=graphs)
             if self._started:
                 batcher.start()
-            versions[spec.version] = LoadedVersion(spec, batcher, limits, fingerprint)
+            versions[spec.version] = LoadedVersion(spec, batcher, limits, fingerprint, warm)
             logger.info("model %s version %d ready on %s (max_batch_size=%d, max_queue_delay_ms=%.2f, graphs=%s)",
                         name, spec.version, runs_on, policy.max_batch_size, policy.max_queue_delay_s * 1000,
                         _describe(graphs))

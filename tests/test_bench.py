@@ -45,6 +45,10 @@ def test_bench_runs_and_writes_its_report(model_repository, tmp_path):
     assert data["derived"]["c1"]["goal_added_ms"] == 0.1 and len(data["derived"]["c1"]["added_ms_per_round"]) == 2
     assert "goal c1 p50 <= floor p50 + b1 call + 0.1 ms" in done.stdout
     assert report["machine"]["cpu_model"] in done.stdout
+    # Time-to-ready: the process's and each model's, warm-up included (server.warmup).
+    ready = report["time_to_ready"]
+    assert ready["process_s"] > 0 and set(ready["models_s"]) == {"cross_attention", "self_attention"}
+    assert "time-to-ready: " in done.stdout and "cross_attention " in done.stdout
 
 
 def test_the_floor_computes_zeros_of_the_graphs_shapes(model_repository):

@@ -106,8 +106,9 @@ def test_connections_accepted_in_one_burst_count_against_the_cap_each():
 
     async def main() -> tuple[int, int, int, int]:
         draining = Draining()
-        rest = RestPort(RequestPath(ModelRegistry(), Metrics(), draining), Admission(Arrivals()), draining, None, 1 << 20,
-                        max_connections=4, head_timeout_s=60)
+        request_path = RequestPath(ModelRegistry(), Metrics(), draining)
+        rest = RestPort(request_path, Admission(Arrivals()), draining, None, 1 << 20, max_connections=4,
+                        head_timeout_s=60)
         port = await rest.start("127.0.0.1", 0)
         held = []
         try:
