@@ -8,7 +8,7 @@ PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
 PRESETS := self_attention cross_attention
 
-.PHONY: native native-deps native-if-possible install test test-fast docs lint test-ray test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-sweep bench-tools clean nginx
+.PHONY: native native-deps native-if-possible install test test-fast docs lint test-ray test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-sweep bench-shm bench-tools clean nginx
 
 install: $(STAMP)
 
@@ -164,6 +164,13 @@ bench: export bench-tools
 
 bench-sweep: export
 	$(PY) -m bench.sweep --repository $(MODELS) $(SWEEP_ARGS)
+
+# Issue 30's ratio alone (under a minute): self_attention (1, 4096, 512), `output` through system
+# shared memory, timed in alternating rounds against in-process fused ONNX Runtime; one JSON line.
+SHM_ROUNDS ?= 10
+bench-shm: export
+	$(PY) -m bench.sweep --one pair --shared-memory --model self_attention --q-len 4096 --k-len 4096 \
+	  --pair-rounds $(SHM_ROUNDS) --repository $(MODELS)
 
 # NVIDIA's perf_analyzer: its binary ships in tritonclient 2.45's wheel; it links libcudart.so.12
 # (pip: nvidia-cuda-runtime-cu12, no GPU needed) and libb64 (Debian: libb64-0d). If it cannot be

@@ -59,9 +59,11 @@ class AttentionPredictor:
 
     # -- the server's run ----------------------------------------------------------------------
 
-    def run_feeds(self, feeds: dict[str, np.ndarray], want_probs: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """The batcher's RunBatch: merged feeds in, (output, attn_probs or None) out; blocking."""
-        return self.engine.run(feeds, want_probs)
+    def run_feeds(self, feeds: dict[str, np.ndarray], want_probs: bool,
+                  into: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The batcher's RunBatch: merged feeds in, (output, attn_probs or None) out; blocking.
+        into: arrays the run writes its outputs into (server.tensors.compute_batch's writes_into)."""
+        return self.engine.run(feeds, want_probs, into=into)
 
     @property
     def run_solo(self):

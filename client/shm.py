@@ -50,6 +50,23 @@ def same_host(url: str) -> bool:
     return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback or a in local for a in addresses)
 
 
+def slot_dims(metadata: codec.ModelMetadata) -> tuple[int, int] | None:
+    """(out_dim, heads) that size a SharedMemorySlot's outputs, from the model's metadata; None
+    if its `output` or `attn_probs` shape does not say them (then tensors go in messages)."""
+    output, probs = metadata.output("output"), metadata.output("attn_probs")
+    if output is None or probs is None or len(output.shape) != 3 or len(probs.shape) != 4:
+        return None
+    if output.shape[-1] < 1 or probs.shape[1] < 1:
+        return None
+    return output.shape[-1], probs.shape[1]
+
+
+def uses_shared_memory(mode: str, url: str, extensions, metadata: codec.ModelMetadata) -> bool:
+    """Whether a batch job with --shared-memory `mode` sends its tensors through regions: "auto",
+    a server on this host that lists the extension, and a model whose metadata sizes the slots."""
+    return mode == "auto" and same_host(url) and EXTENSION in extensions and slot_dims(metadata) is not None
+
+
 class Region:
     """One POSIX shm object this process created; `close()` unmaps and unlinks it."""
 

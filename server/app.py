@@ -23,9 +23,9 @@ import grpc
 from attnserve.proto import REFLECTION_V1, reflection_pool
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
-from attnserve.server import codec
+from attnserve.server import codec, shm
 from attnserve.server.config import ServerConfig
-from attnserve.server.engine import choose_device
+from attnserve.server.engine import CUDA, choose_device
 from attnserve.server.gate import CallGate, HandlerTable
 from attnserve.server.handover import CoreCalls
 from attnserve.server.lifecycle import Admission, Arrivals, Draining
@@ -206,8 +206,10 @@ class Server:
         if cfg.allow_shared_memory:
             self._shared_memory = SystemSharedMemory(cfg.shared_memory_max_regions, cfg.shared_memory_max_bytes,
                                                      self.budget)
+            self.metrics.watch_shared_memory(self._shared_memory)
         request_path = RequestPath(self.registry, self.metrics, self._draining, Calls(self.tracing, cfg.access_log),
-                          shared_memory=self._shared_memory, data_plane=cfg.data_plane)
+                                   shared_memory=self._shared_memory, data_plane=cfg.data_plane,
+                                   why_no_cuda_shm=shm.why_no_cuda(device.providers[0] == CUDA, device.why_not_cuda))
         servicer = InferenceServicer(request_path, self.budget)
 
         options = [

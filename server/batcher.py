@@ -181,8 +181,11 @@ class Batcher:
                  scores_of: ScoresOf | None = None, budget: MemoryBudget | None = None,
                  costing: Costing | None = None, run_solo: RunBatch | None = None,
                  lone_call_signal: LoneCallSignal | None = None, compute_nice: int = 0,
-                 tracer: BatchTracer | None = None) -> None:
+                 tracer: BatchTracer | None = None, writes_into: bool = False) -> None:
+        """writes_into: run_batch and run_solo take `into` (server.tensors.compute_batch): a lone
+        request's outputs are written by the run where the request says (shared memory)."""
         self.name = name
+        self._writes_into = writes_into
         self._tracer = tracer
         self._run_batch = run_batch
         self._run_solo = run_solo if lone_call_signal is not None else None  # see _runs_solo
@@ -465,10 +468,12 @@ class Batcher:
             loop = asyncio.get_running_loop()
             shape = _solo_shape(works[0]) if solo else None
             if solo and self._solo_seconds.get(shape, math.inf) <= INLINE_SOLO_MAX_S:
-                results, padding_ratio, timings = compute_batch(self._run_solo, works)  # on the loop ("Solo runs")
+                results, padding_ratio, timings = compute_batch(self._run_solo, works,  # on the loop ("Solo runs")
+                                                                self._writes_into)
             else:
                 results, padding_ratio, timings = await loop.run_in_executor(
-                    self._executor, compute_batch, self._run_solo if solo else self._run_batch, works)
+                    self._executor, _compute_handed, self._run_solo if solo else self._run_batch, [works],
+                    self._writes_into)
             if solo:
                 self._time_solo_run(shape, sum(timings))
             compute_s = time.monotonic() - started
@@ -515,6 +520,13 @@ class Batcher:
     def _report_depth(self) -> None:
         if self._observer is not None:
             self._observer.on_queue_depth(len(self._pending))
+
+
+def _compute_handed(run_batch: RunBatch, handed: list[list[Work]], writes_into: bool):
+    """compute_batch on the works handed over: the executor's work item, which its (lowered)
+    thread drops only once it is scheduled again, then holds no Work, whose arrays may view a
+    caller's shared memory region that would stay mapped until then."""
+    return compute_batch(run_batch, handed.pop(), writes_into)
 
 
 def _solo_shape(work: Work) -> tuple:

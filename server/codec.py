@@ -72,8 +72,9 @@ class Decoded:
     work: Work
     outputs: tuple[str, ...]  # requested outputs, in response order
     raw: bool  # answer in raw_output_contents
-    # Outputs the caller placed in shared memory (server.shm): name -> (placement, where to write).
-    shm_outputs: dict[str, tuple[shm.Placement, memoryview]] = field(default_factory=dict)
+    # Outputs the caller placed in shared memory (server.shm): name -> (placement, the array in the
+    # region that the batch writes: Work.output_into / probs_into).
+    shm_outputs: dict[str, tuple[shm.Placement, np.ndarray]] = field(default_factory=dict)
 
 
 def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits,
@@ -166,9 +167,18 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits,
     if work.masking == HEADS and not limits.graphs.takes_head_masks:
         raise ValueError(heads_differ_refusal(spec))
     _check_attention_bytes(work, spec, limits)
-    sizes = output_bytes(shapes, spec) if out_shm else {}
-    shm_outputs = {name: (out_placements[name], regions.output(out_placements[name], sizes[name], f"output {name!r}"))
-                   for name in outputs if name in out_shm}
+    # The batch writes these there (server.tensors.compute_batch): the answer has no copy to make.
+    out_shapes = output_shapes(shapes, spec)
+    shm_outputs = {}
+    for name in outputs:
+        if name in out_shm:
+            nbytes = 4 * math.prod(out_shapes[name])
+            view = regions.output(out_placements[name], nbytes, f"output {name!r}")
+            shm_outputs[name] = (out_placements[name], np.frombuffer(view, dtype=_DTYPES["FP32"]).reshape(
+                out_shapes[name]))
+    if shm_outputs:
+        work.output_into = shm_outputs["output"][1] if "output" in shm_outputs else None
+        work.probs_into = shm_outputs["attn_probs"][1] if "attn_probs" in shm_outputs else None
     return Decoded(work=work, outputs=outputs, raw=raw, shm_outputs=shm_outputs)
 
 
@@ -264,11 +274,16 @@ def _check_response_size(request: pb.ModelInferRequest, shapes: dict[str, tuple[
                          f"rows, shorter sequences, or only the outputs you need")
 
 
+def output_shapes(shapes: dict[str, tuple[int, ...]], spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Each output's shape for inputs of these (checked) shapes."""
+    b, lq, _ = shapes["query"]  # batch, query length, query_dim
+    lk = shapes["key"][1]
+    return {"output": (b, lq, spec.out_dim), "attn_probs": (b, spec.num_heads, lq, lk)}
+
+
 def output_bytes(shapes: dict[str, tuple[int, ...]], spec: ModelSpec) -> dict[str, int]:
     """Tensor bytes of each output for inputs of these (checked) shapes."""
-    b, lq, _ = shapes["query"]
-    lk = shapes["key"][1]
-    return {"output": b * lq * spec.out_dim * 4, "attn_probs": b * spec.num_heads * lq * lk * 4}
+    return {name: 4 * math.prod(shape) for name, shape in output_shapes(shapes, spec).items()}
 
 
 def _check_typed_size(shapes: dict[str, tuple[int, ...]], outputs: tuple[str, ...], spec: ModelSpec,
@@ -306,10 +321,10 @@ def encode(request: InferRequest | pb.ModelInferRequest, decoded: Decoded, resul
     response = pb.ModelInferResponse(model_name=request.model_name, model_version=str(version), id=request.id)
     raw_outputs: list[np.ndarray] = []
     for name in decoded.outputs:
-        array = result.output if name == "output" else result.attn_probs
+        placement, array = decoded.shm_outputs.get(name) or (None, result.output if name == "output"
+                                                             else result.attn_probs)
         tensor = response.outputs.add(name=name, datatype="FP32", shape=array.shape)
-        if name in decoded.shm_outputs:  # written there already (server.request_path)
-            placement = decoded.shm_outputs[name][0]
+        if placement is not None:  # written there already (server.tensors.compute_batch)
             tensor.parameters[shm.REGION].string_param = placement.region
             tensor.parameters[shm.BYTE_SIZE].int64_param = array.nbytes
             if placement.offset:

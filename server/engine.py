@@ -23,6 +23,7 @@ from attnserve.contract import (
     ALL_OUTPUTS,
     FUSED_KINDS,
     GRAPH_INPUTS,
+    GRAPH_OUTPUTS,
     HEAD_MASK,
     HEAD_MASK_KINDS,
     KEY_PADDING_MASK,
@@ -160,6 +161,9 @@ class Engine:
                                    for kind in (ALL_OUTPUTS, OUTPUT_ONLY) if kind in self._sessions}
         self.solo_runs = 0
         self._io_binding = on_cuda if io_binding is None else io_binding
+        # Runs write into given host arrays on the CPU provider only: on CUDA that would be a
+        # device-to-host copy ONNX Runtime makes, untested here (docs/shared-memory.md, CUDA).
+        self._writes_into = not on_cuda
         self._output_device = "cuda" if on_cuda else "cpu"
 
     @staticmethod
@@ -184,35 +188,49 @@ class Engine:
         return bool(self._solo_sessions)
 
     @property
+    def writes_into(self) -> bool:
+        """Whether `run(..., into=...)` has ONNX Runtime write there (else it copies there)."""
+        return self._writes_into
+
+    @property
     def solo_kinds(self) -> frozenset[str]:
         """The graph kinds that have a solo session (what server.warmup runs on both)."""
         return frozenset(self._solo_sessions)
 
-    def run(self, feeds: dict[str, np.ndarray], want_probs: bool, solo: bool = False
-            ) -> tuple[np.ndarray, np.ndarray | None]:
+    def run(self, feeds: dict[str, np.ndarray], want_probs: bool, solo: bool = False,
+            into: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """feeds: query (B, Lq, q_dim), key/value (B, Lk, kv_dim), and at most one of mask
         (B, Lq, Lk) bool, key_padding_mask (B, Lk) int32 or head_mask (B, H, Lq, Lk) bool
         (server.tensors.merge). solo: on the spinning session, where there is one.
+        into: "output" and/or "attn_probs" -> a C-contiguous float32 array of that output's
+        shape, which the run writes into (I/O binding, no copy; server.tensors.compute_batch).
         Returns output (B, Lq, out_dim) and attn_probs (B, H, Lq, Lk) or None."""
         kind = self.graph_for(feeds, want_probs)
         session = self._solo_sessions.get(kind) if solo else None
         self.solo_runs += session is not None
         try:
-            outputs = self._run(session or self._sessions[kind], _graph_feeds(kind, feeds))
+            graph_feeds = _graph_feeds(kind, feeds)
+            if into and self._writes_into:
+                outputs = self._run_into(session or self._sessions[kind], graph_feeds, into)
+            else:
+                outputs = self._run(session or self._sessions[kind], graph_feeds)
         finally:
             # Crowded (server.memory.heap, "Lean"), a large run's freed buffers go back to the system
             # now: sized by the batch's (B, H, Lq, Lk) matrix whichever graph ran, the run's scale.
             b, lq, _ = feeds["query"].shape
             heap.release_after(b * self.spec.num_heads * lq * feeds["key"].shape[1] * BYTES_PER_SCORE)
         self.runs[kind] += 1
+        if into:  # what the run did not write into its destination (on CUDA) is copied there
+            outputs = [_filled(into.get(name), array) for name, array in zip(GRAPH_OUTPUTS[kind], outputs, strict=True)]
         if len(outputs) == 2:  # all_outputs, head_mask_all_outputs
             output, attn_probs = outputs
             return output, (attn_probs if want_probs else None)
         return outputs[0], None
 
-    def run_solo(self, feeds: dict[str, np.ndarray], want_probs: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    def run_solo(self, feeds: dict[str, np.ndarray], want_probs: bool,
+                 into: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """`run` on the solo sessions (the batcher's run_solo)."""
-        return self.run(feeds, want_probs, solo=True)
+        return self.run(feeds, want_probs, solo=True, into=into)
 
     def _run(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         if not self._io_binding:
@@ -224,6 +242,32 @@ class Engine:
             binding.bind_output(output.name, self._output_device)
         session.run_with_iobinding(binding)
         return binding.copy_outputs_to_cpu()
+
+    @staticmethod
+    def _run_into(session: ort.InferenceSession, feeds: dict[str, np.ndarray],
+                  into: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """A CPU run whose outputs named in `into` are bound to those arrays' memory: ONNX Runtime
+        writes them there; the others it allocates, as session.run does."""
+        binding = session.io_binding()
+        for name, array in feeds.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(array))
+        for output in session.get_outputs():
+            target = into.get(output.name)
+            if target is None:
+                binding.bind_output(output.name, "cpu")
+            else:
+                binding.bind_output(output.name, "cpu", 0, np.float32, list(target.shape), target.ctypes.data)
+        session.run_with_iobinding(binding)
+        return [into[o.name] if o.name in into else value.numpy()
+                for o, value in zip(session.get_outputs(), binding.get_outputs(), strict=True)]
+
+
+def _filled(target: np.ndarray | None, array: np.ndarray) -> np.ndarray:
+    """`array`, or `target` once `array` is copied into it (when the run did not write there)."""
+    if target is None or target is array:
+        return array
+    np.copyto(target, array)
+    return target
 
 
 def _graph_feeds(kind: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -118,6 +118,10 @@ class Metrics:
                                          "load: seconds from the server's start (or the load's) until it "
                                          "reported ready, warm-up included.", ["model"], registry=self.registry,
                                          multiprocess_mode="livemax")
+        self.shared_memory_output_writes = Counter(
+            "attnserve_shared_memory_outputs", "Outputs written into a shared memory region, by how: \"run\" "
+            "(ONNX Runtime wrote them there, no copy) or \"copied\" (from a merged batch's result).",
+            ["written"], registry=self.registry)
         self.statistics: dict[str, ModelStatistics] = {}
         # `statistics` is written and read on the event loop thread only (batcher callbacks,
         # the servicer): no lock on the request path.
@@ -154,6 +158,15 @@ class Metrics:
         """Expose server.rest.RestPort's connections: open now, closed for a late request head
         (408), closed at the cap for a new connection."""
         self._watch(_HttpCollector(port))
+
+    def watch_shared_memory(self, regions) -> None:
+        """Expose server.shm.SystemSharedMemory: regions registered and mapped, and their bytes."""
+        self._watch(_SharedMemoryCollector(regions))
+
+    def shared_memory_outputs(self, written: str, count: int) -> None:
+        """`count` outputs of one request written into shared memory regions: "run" (ONNX Runtime
+        wrote them there) or "copied" (the split copied the batch's rows there)."""
+        self.shared_memory_output_writes.labels(written).inc(count)
 
     def _watch(self, collector) -> None:
         if self._shared_dir is None:
@@ -311,6 +324,28 @@ class _HttpCollector:
                                   "head took longer than --http-header-timeout-s.", value=p.head_timeouts)
         yield CounterMetricFamily("attnserve_http_evictions", "REST connections waiting for a request head, closed "
                                   "at --max-http-connections for a new connection.", value=p.evictions)
+
+
+class _SharedMemoryCollector:
+    """server.shm.SystemSharedMemory's figures, read at each scrape."""
+
+    def __init__(self, regions) -> None:
+        self._regions = regions
+
+    def describe(self):
+        return list(self.collect())
+
+    def collect(self):
+        r = self._regions
+        yield GaugeMetricFamily("attnserve_shared_memory_regions", "System shared memory regions registered now.",
+                                value=r.registered)
+        yield GaugeMetricFamily("attnserve_shared_memory_bytes", "Bytes of the system shared memory regions "
+                                "registered now.", value=r.registered_bytes)
+        yield GaugeMetricFamily("attnserve_shared_memory_mapped_regions", "System shared memory regions mapped now: "
+                                "registered, or unregistered and still in use by a request "
+                                "(--shared-memory-max-regions bounds them).", value=r.mapped)
+        yield GaugeMetricFamily("attnserve_shared_memory_mapped_bytes", "Bytes of the system shared memory regions "
+                                "mapped now (--shared-memory-max-bytes bounds them).", value=r.mapped_bytes)
 
 
 class _Mirror:

@@ -140,6 +140,7 @@ class _Opened(NamedTuple):
     graphs: GraphSet
     run_solo: RunBatch | None
     warm_up: WarmUp | None
+    writes_into: bool  # its runs write outputs where they are told (server.tensors.compute_batch)
 
 
 @dataclass(frozen=True)
@@ -464,12 +465,13 @@ class ModelRegistry:
         """Blocking: the run of one version (its ONNX Runtime sessions), what it runs on, its
         fingerprint as read before opening (a change while opening is seen next time), the
         graphs it runs (a run_batch without an Engine: UNFUSED, every run counts its whole matrix)
-        its run on solo sessions (None without them: a run_batch given, CUDA, or switched off) and
-        its warm-up (None with a run_batch given: no ONNX Runtime sessions to warm)."""
+        its run on solo sessions (None without them: a run_batch given, CUDA, or switched off), its
+        warm-up (None with a run_batch given: no ONNX Runtime sessions to warm) and whether its
+        runs write outputs where they are told (the Engine's on the CPU)."""
         fingerprint = version_fingerprint(spec)
         if self._run_batch is not None:
             return _Opened(self._run_batch(spec), "a run_batch given to the server, no ONNX Runtime", fingerprint,
-                           UNFUSED, None, None)
+                           UNFUSED, None, None, False)
         device = self._device
         if device is None:
             raise RuntimeError("ModelRegistry has no device to open models on")
@@ -486,7 +488,7 @@ class ModelRegistry:
             return warm_up(engine, spec, runs, ran)
 
         return _Opened(predictor.run_feeds, ",".join(engine.providers), fingerprint, engine.graphs, predictor.run_solo,
-                       warm)
+                       warm, engine.writes_into)
 
     def _warms(self, lv: LoadedVersion) -> bool:
         return lv.warm_up is not None and self.config.warmup != "none"
@@ -539,7 +541,7 @@ class ModelRegistry:
         for spec in specs:
             if spec.version not in built:
                 continue
-            run, runs_on, fingerprint, graphs, run_solo, warm = built[spec.version]  # an _Opened
+            run, runs_on, fingerprint, graphs, run_solo, warm, writes_into = built[spec.version]  # an _Opened
             policy = BatchPolicy(
                 max_batch_size=cfg.max_batch_size or spec.max_batch_size,
                 max_queue_delay_s=(cfg.max_queue_delay_ms if cfg.max_queue_delay_ms is not None
@@ -559,7 +561,8 @@ class ModelRegistry:
                               costing=None if self._budget is None else GraphCosting(spec, graphs),
                               run_solo=run_solo, lone_call_signal=self._lone_call_signal, compute_nice=cfg.compute_nice,
                               tracer=None if self._tracing is None else self._tracing.batch_tracer(
-                                  name, spec.version, graphs))
+                                  name, spec.version, graphs),
+                              writes_into=writes_into)
             limits = Limits(spec.max_q_len, spec.max_kv_len, cfg.max_attention_bytes,
                             max_response_bytes=cfg.max_message_bytes, max_typed_bytes=cfg.max_typed_bytes,
                             graphs=graphs)

@@ -49,11 +49,13 @@ def _duration(d) -> pb.StatisticDuration:
 class RequestPath:
     def __init__(self, registry: ModelRegistry, metrics: Metrics, draining: Draining,
                  calls: Calls | None = None, shared_memory: shm.SystemSharedMemory | None = None,
-                 data_plane: str = "python") -> None:
+                 data_plane: str = "python", why_no_cuda_shm: str | None = None) -> None:
         """draining: the server's (shared with the gates): not ready from SIGTERM on.
         calls: what each call records (spans, access lines: server.tracing); None: nothing.
         shared_memory: the registered regions (--allow-shared-memory); None: the extension is off.
-        data_plane: --data-plane; "native" is listed in ServerMetadata's extensions (NATIVE_DATA_PLANE)."""
+        data_plane: --data-plane; "native" is listed in ServerMetadata's extensions (NATIVE_DATA_PLANE).
+        why_no_cuda_shm: what the CUDA shared memory calls answer (shm.why_no_cuda)."""
+        self._why_no_cuda_shm = why_no_cuda_shm or shm.why_no_cuda(on_cuda=False)
         self._registry = registry
         self._metrics = metrics
         self._draining = draining
@@ -91,10 +93,9 @@ class RequestPath:
     def shm_unregister(self, name: str = "") -> None:
         self._regions().unregister(name)
 
-    @staticmethod
-    def cuda_shm() -> None:
-        """CUDA shared memory is not served by this build: always SharedMemoryUnavailable."""
-        raise shm.SharedMemoryUnavailable(shm.WHY_NO_CUDA)
+    def cuda_shm(self) -> None:
+        """CUDA shared memory is not served by this build: always SharedMemoryUnavailable, saying why."""
+        raise shm.SharedMemoryUnavailable(self._why_no_cuda_shm)
 
     def model_metadata(self, name: str, version: str = "") -> pb.ModelMetadataResponse:
         spec = self._registry.get(name, version).spec
@@ -170,6 +171,7 @@ class RequestPath:
         # Triton's schedule policy (`priority`, `timeout`): checked before any tensor is read.
         schedule = scheduling.request_schedule(request.parameters, model.spec.queue_policy)
         lease = self.shared_memory.lease() if self.shared_memory is not None else None
+        result = None
         try:
             decoded = codec.decode(request, model.spec, model.limits, lease)
             now = time.monotonic()
@@ -182,9 +184,10 @@ class RequestPath:
                 result = await model.batcher.submit(decoded.work, deadline, call.span, schedule.priority)
                 call.computed(result.queue_s, result.compute_s, result.batch_requests, model.spec.version)
             try:
-                if decoded.shm_outputs:
-                    await shm.write_outputs([(view, result.output if name == "output" else result.attn_probs)
-                                             for name, (_, view) in decoded.shm_outputs.items()])
+                if decoded.shm_outputs:  # the batch wrote them into the region (server.tensors.compute_batch)
+                    if not decoded.work.written:
+                        raise RuntimeError("the batch returned without writing the outputs into their region")
+                    self._metrics.shared_memory_outputs(decoded.work.written, len(decoded.shm_outputs))
                 response = codec.encode(request, decoded, result, model.spec.version)
                 if call is not None:
                     call.encoded()
@@ -194,7 +197,7 @@ class RequestPath:
                 raise
         finally:
             if lease is not None:
-                decoded = None  # its views of the regions go first, so that a retired one unmaps now
+                decoded = result = None  # their views of the regions go first, so that a retired one unmaps now
                 lease.release()
 
     def _metric_label(self, model_name: str) -> str:

@@ -6,8 +6,8 @@ a future native data plane calls the same code (docs/shared-memory.md).
     regions.register(name, key, offset, byte_size)   # maps /dev/shm/<key>; SharedMemoryError if refused
     lease = regions.lease()                           # one request's use of regions
     view = lease.input(placement, nbytes, what)       # a read-only view of the mapping, no copy
-    view = lease.output(placement, nbytes, what)      # where an output's bytes go
-    await write_outputs({view: array, ...})           # off the event loop when large
+    view = lease.output(placement, nbytes, what)      # where an output's bytes go: the batch writes
+                                                      # there (server.tensors.compute_batch)
     lease.release()                                   # the request is over
     regions.unregister(name)                          # unmapped once no request uses it
 
@@ -29,7 +29,6 @@ and the bound; SharedMemoryUnavailable (UNAVAILABLE / 503) says why an extension
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import mmap
 import os
@@ -37,7 +36,6 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
 from attnserve.server.memory.budget import MemoryBudget, MemoryExhausted, Reservation
 
 logger = logging.getLogger(__name__)
@@ -49,11 +47,18 @@ OFFSET = "shared_memory_offset"
 BYTE_SIZE = "shared_memory_byte_size"
 MAX_NAME_BYTES = 255  # NAME_MAX: the longest key shm_open takes, and our bound on region names
 _U64 = 1 << 64
-# Outputs at least this large are copied into their region on a thread (the event loop serves on).
-WRITE_ON_THREAD_BYTES = 1 << 20
 
-WHY_NO_CUDA = ("CUDA shared memory is not served: this server build has no CUDA IPC support (no GPU here); "
-               "use system shared memory (--allow-shared-memory) or send tensors in the request")
+_INSTEAD = "use system shared memory (--allow-shared-memory) or send tensors in the request"
+
+
+def why_no_cuda(on_cuda: bool, why_not_cuda: str | None = None) -> str:
+    """Why the CUDA shared memory calls answer UNAVAILABLE on this server: it runs on the CPU
+    (why_not_cuda: the device choice's reason, None: --device cpu), or, on CUDA, this build opens
+    no cudaIPC handles (docs/shared-memory.md, "CUDA shared memory")."""
+    if not on_cuda:
+        return (f"CUDA shared memory needs a GPU server: this one runs on the CPU "
+                f"({why_not_cuda or '--device cpu'}); {_INSTEAD}")
+    return f"CUDA shared memory is not served by this build (it opens no cudaIPC handles); {_INSTEAD}"
 
 
 class SharedMemoryError(ValueError):
@@ -141,6 +146,7 @@ class SystemSharedMemory:
         self._regions: dict[str, _Region] = {}
         self._mapped: list[_Region] = []  # registered, or unregistered and still in use
         self._mapped_bytes = 0
+        self._registered_bytes = 0  # kept, not summed: the metrics port's thread reads it at a scrape
 
     # -- the extension's three calls ----------------------------------------------------------
 
@@ -176,6 +182,7 @@ class SystemSharedMemory:
         self._regions[name] = region
         self._mapped.append(region)
         self._mapped_bytes += byte_size
+        self._registered_bytes += byte_size
 
     def _map(self, name: str, key: str, object_name: str, offset: int, byte_size: int,
              reservation: Reservation | None) -> _Region:
@@ -209,6 +216,7 @@ class SystemSharedMemory:
             raise SharedMemoryError(f"shared memory region {name!r} is not registered")
         for region_name in [name] if name else list(self._regions):
             region = self._regions.pop(region_name)
+            self._registered_bytes -= region.status.byte_size
             region.retired = True
             if region.users == 0:
                 self._unmap(region)
@@ -226,6 +234,19 @@ class SystemSharedMemory:
     def mapped(self) -> int:
         """Regions mapped now: registered, or unregistered and still in use."""
         return len(self._mapped)
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of the regions mapped now (what --shared-memory-max-bytes bounds)."""
+        return self._mapped_bytes
+
+    @property
+    def registered(self) -> int:
+        return len(self._regions)
+
+    @property
+    def registered_bytes(self) -> int:
+        return self._registered_bytes
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -312,20 +333,3 @@ def _unsigned(parameters: Mapping, key: str, what: str) -> int:
     if value < 0:
         raise SharedMemoryError(f"{what}: {key} must be >= 0, got {value}")
     return value
-
-
-_FP32 = np.dtype("<f4")  # the protocol's FP32 bytes, whatever this machine is
-
-
-def _copy(targets: list[tuple[memoryview, np.ndarray]]) -> None:
-    for view, array in targets:
-        np.copyto(np.frombuffer(view, dtype=_FP32, count=array.size).reshape(array.shape), array, casting="same_kind")
-
-
-async def write_outputs(targets: list[tuple[memoryview, np.ndarray]]) -> None:
-    """Copy each FP32 array into its region's view (the split's rows, padding dropped, written
-    there); a large copy runs on a thread."""
-    if sum(array.nbytes for _, array in targets) >= WRITE_ON_THREAD_BYTES:
-        await asyncio.to_thread(_copy, targets)
-    else:
-        _copy(targets)

@@ -28,8 +28,13 @@ if TYPE_CHECKING:
 
 # feeds {"query", "key", "value"} and at most one of "mask" (B, Lq, Lk) bool, "key_padding_mask"
 # (B, Lk) int32 (1 = attend), "head_mask" (B, H, Lq, Lk) bool, none = every key attended
-# -> (output, attn_probs or None); blocking.
+# -> (output, attn_probs or None); blocking. One that writes into given arrays (compute_batch's
+# writes_into: the Engine's) also takes `into={"output": array, "attn_probs": array}` (either
+# name) and returns those arrays, filled by the run.
 RunBatch = Callable[[dict[str, np.ndarray], bool], tuple[np.ndarray, "np.ndarray | None"]]
+# Where an answer's outputs go without a copy, when the run can write straight there (64: ONNX
+# Runtime's own buffers' alignment, which its kernels may count on).
+INTO_ALIGNMENT = 64
 
 @dataclass(slots=True)
 class Work:
@@ -43,6 +48,13 @@ class Work:
     # its heads differ (module docstring, "Masks").
     mask: np.ndarray | None
     want_probs: bool
+    # Where its outputs go (server.shm: views of the caller's region), shaped as the outputs,
+    # float32, writable; None: returned as the run made them. See compute_batch.
+    output_into: np.ndarray | None = None  # (b, lq, out_dim)
+    probs_into: np.ndarray | None = None  # (b, h, lq, lk)
+    # How compute_batch filled output_into/probs_into: "run" (the run wrote there, no copy),
+    # "copied" (from the run's result), "" (not yet, or nothing to fill).
+    written: str = field(init=False, default="")
     # True if some query row masks all of its keys: see "Exactness" above.
     exact_k_len: bool = field(init=False)
     # server.graphs' NO_MASK (no mask, or one that masks nothing), KEY_PADDING (every query row
@@ -108,8 +120,8 @@ def canonical_mask(mask: np.ndarray | None, rows: int) -> np.ndarray | None:
 
 @dataclass(slots=True)
 class Result:
-    output: np.ndarray  # (b, lq, out_dim)
-    attn_probs: np.ndarray | None  # (b, h, lq, lk)
+    output: np.ndarray | None  # (b, lq, out_dim); None: in the request's output_into
+    attn_probs: np.ndarray | None  # (b, h, lq, lk); None: not asked for, or in its probs_into
     queue_s: float
     compute_s: float
     batch_requests: int
@@ -122,22 +134,67 @@ class Result:
             self.reservation.release()
 
 
-def compute_batch(run_batch: RunBatch, works: list[Work]
-                  ) -> tuple[list[tuple[np.ndarray, np.ndarray | None]], float, tuple[float, float, float]]:
+def compute_batch(run_batch: RunBatch, works: list[Work], writes_into: bool = False
+                  ) -> tuple[list[tuple[np.ndarray | None, np.ndarray | None]], float, tuple[float, float, float]]:
     """On a worker thread: pad and merge, run, check, split (attnserve.runtime runs it too).
     Returns per-request outputs, the batch's padding ratio, and the seconds spent merging, running
-    and splitting."""
+    and splitting. A request's output_into/probs_into are filled: by the run itself when it is the
+    whole batch and `writes_into` (run_batch takes `into`), else by the split copying its rows
+    there; its outputs returned are then None (they are in those arrays, which the caller holds:
+    nothing that views the caller's memory outlives the call on the run's thread)."""
     t0 = time.perf_counter()
     feeds, padding_ratio = merge(works)
     want_probs = any(w.want_probs for w in works)
+    into = _run_into(works, feeds) if writes_into else None
     t1 = time.perf_counter()
-    output, attn_probs = run_batch(feeds, want_probs)
+    output, attn_probs = run_batch(feeds, want_probs, into=into) if into else run_batch(feeds, want_probs)
     t2 = time.perf_counter()
     rows = feeds["query"].shape[0]
     if output.shape[0] != rows or (want_probs and (attn_probs is None or attn_probs.shape[0] != rows)):
         raise RuntimeError(f"run returned {output.shape[0]} rows for a batch of {rows}")
-    results = split(works, output, attn_probs)
+    if into:
+        works[0].written = "run"
+        if output is not into.get("output", output) or attn_probs is not into.get("attn_probs", attn_probs):
+            raise RuntimeError("the run did not return the arrays it was given to write into")
+    results = [_copy_into(w, out, probs) for w, (out, probs) in zip(works, split(works, output, attn_probs),
+                                                                     strict=True)]
     return results, padding_ratio, (t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+
+def _run_into(works: list[Work], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    """The arrays the run may write its outputs into: a lone request's destinations, when they
+    are exactly the run's outputs (no padding to drop: it is the whole batch), aligned, and
+    overlap neither the inputs nor each other (the run reads the inputs while it writes)."""
+    if len(works) != 1:
+        return None
+    w = works[0]
+    into = {name: array for name, array in (("output", w.output_into), ("attn_probs", w.probs_into))
+            if array is not None}
+    if not into or any(a.dtype != np.float32 or a.ctypes.data % INTO_ALIGNMENT for a in into.values()):
+        return None
+    others = list(feeds.values()) + list(into.values())
+    if any(np.may_share_memory(a, b) for a in into.values() for b in others if b is not a):
+        return None
+    return into
+
+
+def _copy_into(w: Work, output: np.ndarray | None, attn_probs: np.ndarray | None
+               ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A request's rows copied into its destinations (the split writing there) unless the run
+    wrote them there; None in place of each output that is in a destination."""
+    if w.output_into is None and w.probs_into is None:
+        return output, attn_probs
+    written = "run" if w.written == "run" else "copied"
+    if w.output_into is not None:
+        if written == "copied":
+            np.copyto(w.output_into, output)
+        output = None
+    if w.probs_into is not None:
+        if written == "copied" and attn_probs is not None:
+            np.copyto(w.probs_into, attn_probs)
+        attn_probs = None
+    w.written = written
+    return output, attn_probs
 
 
 def batch_masking(maskings: set[str] | frozenset[str], same_k_len: bool) -> str:

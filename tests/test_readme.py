@@ -27,12 +27,14 @@ def test_metric_names_match_the_code():
     from attnserve.server.memory.budget import MemoryBudget
     from attnserve.server.metrics import Metrics
     from attnserve.server.native import IN_FLIGHT_METRIC
+    from attnserve.server.shm import SystemSharedMemory
     from attnserve.server.workers import HUNG_METRIC, RESTARTS_METRIC
 
     metrics = Metrics()
     metrics.watch_budget(MemoryBudget(1))
     metrics.watch_receiving(ReceiveSlots(1))
     metrics.watch_http(SimpleNamespace(open_connections=0, head_timeouts=0, evictions=0))  # a RestPort's figures
+    metrics.watch_shared_memory(SystemSharedMemory(1, 1))
     # prometheus_client names counters without their _total suffix
     families = {f"{m.name}_total" if m.type == "counter" else m.name for m in metrics.registry.collect()}
     documented = set(re.findall(r"`(attnserve_[a-z_]+)`", README))

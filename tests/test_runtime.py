@@ -156,6 +156,8 @@ def test_the_servers_registry_runs_its_batches_through_the_predictor(model_repos
     """The server and the batch adapters share one loader and run: the registry's run is the
     predictor's (a second copy of the loading code would drift from it)."""
     registry = ModelRegistry(ServerConfig(model_repository=str(model_repository)), choose_device("cpu"))
-    run, _runs_on, _fingerprint, graphs, _solo = registry._open(read_model_spec(model_repository / "cross_attention"))
-    assert isinstance(run.__self__, AttentionPredictor)
-    assert graphs is run.__self__.engine.graphs
+    opened = registry._open(read_model_spec(model_repository / "cross_attention"))
+    assert isinstance(opened.run.__self__, AttentionPredictor)
+    assert opened.graphs is opened.run.__self__.engine.graphs
+    # On the CPU its runs write outputs into shared memory themselves (server.tensors.compute_batch).
+    assert opened.writes_into is opened.run.__self__.engine.writes_into is True

@@ -27,7 +27,7 @@ from attnserve.client.batch.spec import BatchError, BatchJob, BatchSummary
 from attnserve.client.batch.workdir import WorkDir
 from attnserve.client.errors import InferenceError
 from attnserve.client.options import ClientOptions
-from attnserve.client.shm import EXTENSION, SharedMemorySlot, same_host
+from attnserve.client.shm import SharedMemorySlot, same_host, slot_dims, uses_shared_memory
 from attnserve.client.tracecontext import JobTrace
 
 
@@ -87,15 +87,14 @@ class Runner:
         this host and lists the extension."""
         if self._job.shared_memory != "auto" or not same_host(self._options.url):
             return
-        if EXTENSION not in (await client.server_metadata(timeout_s=self._job.timeout_s)).extensions:
-            return
+        extensions = (await client.server_metadata(timeout_s=self._job.timeout_s)).extensions
         metadata = await client.model_metadata(self._job.model, self._job.model_version, timeout_s=self._job.timeout_s)
-        output, probs = metadata.output("output"), metadata.output("attn_probs")
-        if output is None or probs is None or output.shape[-1] < 1 or probs.shape[1] < 1:
+        if not uses_shared_memory(self._job.shared_memory, self._options.url, extensions, metadata):
             return
+        out_dim, heads = slot_dims(metadata)
         self._slots = asyncio.Queue()
         for index in range(self._job.concurrency):
-            self._slots.put_nowait(SharedMemorySlot(f"attnserve-batch-{index}", output.shape[-1], probs.shape[1]))
+            self._slots.put_nowait(SharedMemorySlot(f"attnserve-batch-{index}", out_dim, heads))
         self._summary.shared_memory = True
 
     async def _close_slots(self, client: AsyncInferenceClient) -> None:
