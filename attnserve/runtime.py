@@ -22,7 +22,7 @@ import numpy as np
 from attnserve.contract import ITEM_ID, OUTPUT_NAMES
 from attnserve.server.engine import DeviceChoice, Engine, choose_device
 from attnserve.server.repository import ModelSpec, read_model_specs
-from attnserve.server.tensors import Work, compute_batch
+from attnserve.server.tensors import RunStop, Work, compute_batch
 
 
 class AttentionPredictor:
@@ -59,9 +59,11 @@ class AttentionPredictor:
 
     # -- the server's run ----------------------------------------------------------------------
 
-    def run_feeds(self, feeds: dict[str, np.ndarray], want_probs: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """The batcher's RunBatch: merged feeds in, (output, attn_probs or None) out; blocking."""
-        return self.engine.run(feeds, want_probs)
+    def run_feeds(self, feeds: dict[str, np.ndarray], want_probs: bool, stop: RunStop | None = None
+                  ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The batcher's RunBatch: merged feeds in, (output, attn_probs or None) out; blocking.
+        stop: its off switch (a stoppable run: server.tensors.RunStop)."""
+        return self.engine.run(feeds, want_probs, stop=stop)
 
     @property
     def run_solo(self):

@@ -17,7 +17,7 @@ from attnserve.server.cuda_probe import why_cuda_cannot_run
 from attnserve.server.graphs import BYTES_PER_SCORE, GraphSet, masking_of
 from attnserve.server.memory import heap
 from attnserve.server.repository import ModelSpec
-from attnserve.server.tensors import dense_mask
+from attnserve.server.tensors import RunStop, RunStopped, dense_mask
 
 from attnserve.contract import (
     ALL_OUTPUTS,
@@ -183,18 +183,29 @@ class Engine:
     def has_solo_sessions(self) -> bool:
         return bool(self._solo_sessions)
 
-    def run(self, feeds: dict[str, np.ndarray], want_probs: bool, solo: bool = False
+    def run(self, feeds: dict[str, np.ndarray], want_probs: bool, solo: bool = False, stop: RunStop | None = None
             ) -> tuple[np.ndarray, np.ndarray | None]:
         """feeds: query (B, Lq, q_dim), key/value (B, Lk, kv_dim), and at most one of mask
         (B, Lq, Lk) bool, key_padding_mask (B, Lk) int32 or head_mask (B, H, Lq, Lk) bool
-        (server.tensors.merge). solo: on the spinning session, where there is one.
-        Returns output (B, Lq, out_dim) and attn_probs (B, H, Lq, Lk) or None."""
+        (server.tensors.merge). solo: on the spinning session, where there is one. stop: the
+        run's off switch (server.tensors.RunStop): stopped, ONNX Runtime ends the run at its next
+        node and this raises RunStopped. Returns output (B, Lq, out_dim) and attn_probs (B, H, Lq, Lk) or None."""
         kind = self.graph_for(feeds, want_probs)
         session = self._solo_sessions.get(kind) if solo else None
         self.solo_runs += session is not None
+        options = None
+        if stop is not None:
+            options = ort.RunOptions()
+            stop.on_stop(lambda: setattr(options, "terminate", True))
         try:
-            outputs = self._run(session or self._sessions[kind], _graph_feeds(kind, feeds))
+            outputs = self._run(session or self._sessions[kind], _graph_feeds(kind, feeds), options)
+        except Exception as err:
+            if stop is not None and stop.stopped:  # ONNX Runtime's own Fail: "terminate flag being set"
+                raise RunStopped(f"stopped while it computed ({type(err).__name__})") from None
+            raise
         finally:
+            if stop is not None:
+                stop.off()
             # Crowded (server.memory.heap, "Lean"), a large run's freed buffers go back to the system
             # now: sized by the batch's (B, H, Lq, Lk) matrix whichever graph ran, the run's scale.
             b, lq, _ = feeds["query"].shape
@@ -205,19 +216,21 @@ class Engine:
             return output, (attn_probs if want_probs else None)
         return outputs[0], None
 
-    def run_solo(self, feeds: dict[str, np.ndarray], want_probs: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    def run_solo(self, feeds: dict[str, np.ndarray], want_probs: bool, stop: RunStop | None = None
+                 ) -> tuple[np.ndarray, np.ndarray | None]:
         """`run` on the solo sessions (the batcher's run_solo)."""
-        return self.run(feeds, want_probs, solo=True)
+        return self.run(feeds, want_probs, solo=True, stop=stop)
 
-    def _run(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def _run(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray],
+             options: ort.RunOptions | None = None) -> list[np.ndarray]:
         if not self._io_binding:
-            return session.run(None, feeds)
+            return session.run(None, feeds, options)
         binding = session.io_binding()
         for name, array in feeds.items():
             binding.bind_cpu_input(name, array)
         for output in session.get_outputs():
             binding.bind_output(output.name, self._output_device)
-        session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding, options)
         return binding.copy_outputs_to_cpu()
 
 

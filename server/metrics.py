@@ -3,7 +3,8 @@
 The metric names are a contract (dashboards are built on them): attnserve_requests_total,
 attnserve_request_duration_seconds, attnserve_queue_duration_seconds,
 attnserve_compute_duration_seconds, attnserve_batch_requests, attnserve_padding_ratio,
-attnserve_queue_depth; every one is labelled by model. The memory budget's (one per server,
+attnserve_queue_depth, attnserve_runs_in_flight, attnserve_cancelled_requests_total (also by reason
+and stage); every one is labelled by model. The memory budget's (one per server,
 unlabelled; watch_budget): attnserve_memory_limit_bytes, attnserve_memory_reserved_bytes,
 attnserve_memory_waiting_bytes, attnserve_memory_waiters, and the counters
 attnserve_memory_waits_total, attnserve_memory_shed_total, attnserve_memory_wait_timeouts_total,
@@ -106,6 +107,11 @@ class Metrics:
         # With several workers: the sum over the live ones (a dead worker's queue is gone).
         self.queue_depth = Gauge("attnserve_queue_depth", "Requests waiting in the model's queue.",
                                  ["model"], registry=self.registry, multiprocess_mode="livesum")
+        self.runs_in_flight = Gauge("attnserve_runs_in_flight", "Batches of the model computing now.",
+                                    ["model"], registry=self.registry, multiprocess_mode="livesum")
+        self.cancelled = Counter("attnserve_cancelled_requests", "Inference requests whose client went away, by "
+                                 "why (client, deadline, disconnect) and where they were (queued, running, "
+                                 "terminated, answered).", ["model", "reason", "stage"], registry=self.registry)
         self.statistics: dict[str, ModelStatistics] = {}
         # `statistics` is written and read on the event loop thread only (batcher callbacks,
         # the servicer): no lock on the request path.
@@ -154,6 +160,9 @@ class Metrics:
         self.statistics.setdefault(model, ModelStatistics())
         return ModelObserver(self, model)
 
+    def request_cancelled(self, model: str, reason: str, stage: str) -> None:
+        self.cancelled.labels(model, reason, stage).inc()
+
     def request_done(self, model: str, code: str, duration_s: float) -> None:
         self.requests.labels(model, code).inc()
         if code == "OK":
@@ -178,6 +187,7 @@ class ModelObserver:
         self._padding_ratio = metrics.padding_ratio.labels(model)
         self._queue_depth = metrics.queue_depth.labels(model)
         self._solo_batches = metrics.solo_batches.labels(model)
+        self._runs_in_flight = metrics.runs_in_flight.labels(model)
 
     def on_batch(self, stats: BatchStats) -> None:
         self._compute_duration.observe(stats.compute_s)
@@ -187,7 +197,7 @@ class ModelObserver:
             self._queue_duration.observe(waited)
         if stats.solo:
             self._solo_batches.inc()
-        if stats.failed:
+        if stats.failed or stats.terminated:  # a stopped run inferred nothing (nor failed anyone)
             return
         s = self._stats
         s.last_inference_ms = int(time.time() * 1000)
@@ -204,6 +214,9 @@ class ModelObserver:
 
     def on_queue_depth(self, depth: int) -> None:
         self._queue_depth.set(depth)
+
+    def on_runs(self, running: int) -> None:
+        self._runs_in_flight.set(running)
 
 
 class _BudgetCollector:

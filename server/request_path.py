@@ -4,6 +4,8 @@
     request_path.server_ready()                            # health: bool
     request_path.model_metadata(name, version)            # pb.ModelMetadataResponse (and config, stats, index)
     response, status = await request_path.infer(request, time_remaining_s)  # decode -> batcher -> encode
+    # cancelled (the client went away): counted by why and where; cancel_reason says why, the
+    # deadline aside (DISCONNECT for the REST port)
     response.release()                                # once sent: its memory budget share back
 
 Both transports are thin adapters over this one request path: the gRPC servicer (server.service)
@@ -15,10 +17,12 @@ Status of server.errors with the outcome counted in the metrics.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from attnserve.proto import inference_pb2 as pb
 from attnserve.server import __version__, codec, shm
+from attnserve.server.batcher import Stage
 from attnserve.server.errors import CANCELLED, OK, Status, status_for
 from attnserve.server.lifecycle import Draining
 from attnserve.server.metrics import Metrics
@@ -34,6 +38,13 @@ SERVER_NAME = "attnserve"
 EXTENSIONS = ("model_configuration", "statistics", "model_repository", "binary_tensor_data")
 SYSTEM_SHARED_MEMORY = "system_shared_memory"  # listed only with --allow-shared-memory
 _DATA_TYPES = {"FP32": pb.TYPE_FP32, "BOOL": pb.TYPE_BOOL}
+# Why a call was cancelled (attnserve_cancelled_requests_total's reason): its client cancelled it
+# (gRPC), its deadline passed, its REST client closed the connection.
+CLIENT, DEADLINE, DISCONNECT = "client", "deadline", "disconnect"
+# Where, besides the batcher's stages (batcher.Stage): computed, the client gone before it was sent.
+ANSWERED = "answered"
+# gRPC's deadline as the handler read it is later than the transport's by the microseconds between.
+_DEADLINE_SLACK_S = 0.001
 
 
 def _tensor_metadata(t: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:
@@ -151,8 +162,8 @@ class RequestPath:
 
     # -- inference ---------------------------------------------------------------------------
 
-    async def _infer(self, request: codec.InferRequest | pb.ModelInferRequest, time_remaining: float | None,
-                     call: Call | None = None) -> codec.InferResponse:
+    async def _infer(self, request: codec.InferRequest | pb.ModelInferRequest, deadline: float | None,
+                     call: Call | None, stage: Stage) -> codec.InferResponse:
         # Draining is decided per call when its headers arrive (server.gate, server.rest), not
         # here: a call admitted before SIGTERM is served even if its message arrives after. No
         # await before submit: lifecycle.Arrivals counts a request as on its way until its
@@ -163,13 +174,13 @@ class RequestPath:
         lease = self.shared_memory.lease() if self.shared_memory is not None else None
         try:
             decoded = codec.decode(request, model.spec, model.limits, lease)
-            deadline = None if time_remaining is None else time.monotonic() + time_remaining
             if call is None:
-                result = await model.batcher.submit(decoded.work, deadline)
+                result = await model.batcher.submit(decoded.work, deadline, stage=stage)
             else:
                 call.decoded(decoded.work)
-                result = await model.batcher.submit(decoded.work, deadline, call.span)
+                result = await model.batcher.submit(decoded.work, deadline, call.span, stage)
                 call.computed(result.queue_s, result.compute_s, result.batch_requests, model.spec.version)
+            stage.name = ANSWERED
             try:
                 if decoded.shm_outputs:
                     await shm.write_outputs([(view, result.output if name == "output" else result.attn_probs)
@@ -191,19 +202,27 @@ class RequestPath:
         return model_name if self._registry.known(model_name) else "_unknown"
 
     async def infer(self, request: codec.InferRequest | pb.ModelInferRequest, time_remaining: float | None,
-                    call: Call | None = None) -> tuple[codec.InferResponse | None, Status]:
+                    call: Call | None = None, cancel_reason: str = CLIENT) -> tuple[codec.InferResponse | None, Status]:
         """One inference request: its response and OK, or None and the status for what was
         raised. Its outcome is counted in the metrics either way; cancelled (the client went
-        away), it is counted as CANCELLED and the cancellation goes on. The caller calls the
+        away), it is counted as CANCELLED, and by why (`cancel_reason`, or DEADLINE once the
+        deadline passed) and where it was, and the cancellation goes on. The caller calls the
         response's `release()` once it is sent: until then it is counted in the memory budget.
         call (from self.calls.begin): recorded; finished here unless OK (then the transport
         finishes it once the answer is sent, with its size)."""
         started = time.monotonic()
+        deadline = None if time_remaining is None else started + time_remaining
+        stage = Stage()
         status = CANCELLED
         try:
-            response = await self._infer(request, time_remaining, call)
+            response = await self._infer(request, deadline, call, stage)
             status = OK
             return response, status
+        except asyncio.CancelledError:
+            reason = DEADLINE if deadline is not None and time.monotonic() >= deadline - _DEADLINE_SLACK_S else \
+                cancel_reason
+            self._metrics.request_cancelled(self._metric_label(request.model_name), reason, stage.name)
+            raise
         except Exception as err:
             status = status_for(err)
             return None, status
