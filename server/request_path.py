@@ -4,8 +4,7 @@
     request_path.server_ready()                            # health: bool
     request_path.model_metadata(name, version)            # pb.ModelMetadataResponse (and config, stats, index)
     response, status = await request_path.infer(request, time_remaining_s)  # decode -> batcher -> encode
-    # cancelled (the client went away): counted by why and where; cancel_reason says why, the
-    # deadline aside (DISCONNECT for the REST port)
+    # cancelled: counted by why (cancel_reason: CLIENT, DISCONNECT for REST; DEADLINE) and where
     response.release()                                # once sent: its memory budget share back
 
 Both transports are thin adapters over this one request path: the gRPC servicer (server.service)
@@ -43,8 +42,9 @@ _DATA_TYPES = {"FP32": pb.TYPE_FP32, "BOOL": pb.TYPE_BOOL}
 CLIENT, DEADLINE, DISCONNECT = "client", "deadline", "disconnect"
 # Where, besides the batcher's stages (batcher.Stage): computed, the client gone before it was sent.
 ANSWERED = "answered"
-# gRPC's deadline as the handler read it is later than the transport's by the microseconds between.
-_DEADLINE_SLACK_S = 0.001
+# A gRPC client's deadline runs out before the server's (which starts when the call arrives): the
+# client's cancel at its deadline comes this early or less; a cancel that close to it counts as it.
+_DEADLINE_SLACK_S = 0.5
 
 
 def _tensor_metadata(t: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:
@@ -205,8 +205,8 @@ class RequestPath:
                     call: Call | None = None, cancel_reason: str = CLIENT) -> tuple[codec.InferResponse | None, Status]:
         """One inference request: its response and OK, or None and the status for what was
         raised. Its outcome is counted in the metrics either way; cancelled (the client went
-        away), it is counted as CANCELLED, and by why (`cancel_reason`, or DEADLINE once the
-        deadline passed) and where it was, and the cancellation goes on. The caller calls the
+        away), it is counted as CANCELLED, and by why (`cancel_reason`, or DEADLINE at or near
+        the deadline) and where it was, and the cancellation goes on. The caller calls the
         response's `release()` once it is sent: until then it is counted in the memory budget.
         call (from self.calls.begin): recorded; finished here unless OK (then the transport
         finishes it once the answer is sent, with its size)."""
@@ -219,8 +219,8 @@ class RequestPath:
             status = OK
             return response, status
         except asyncio.CancelledError:
-            reason = DEADLINE if deadline is not None and time.monotonic() >= deadline - _DEADLINE_SLACK_S else \
-                cancel_reason
+            near = deadline is not None and time.monotonic() >= deadline - _DEADLINE_SLACK_S
+            reason = DEADLINE if near else cancel_reason
             self._metrics.request_cancelled(self._metric_label(request.model_name), reason, stage.name)
             raise
         except Exception as err:

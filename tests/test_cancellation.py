@@ -53,7 +53,8 @@ def _codes(text: str) -> set[str]:
 def _wait_metric(server: ServerProcess, name: str, value: float, **labels: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while (got := _sample(_metrics(server), name, **labels)) != value:
-        assert time.monotonic() < deadline, f"{name}{labels} is {got}, not {value}, after {WAIT_S}s"
+        text = "\n".join(line for line in _metrics(server).splitlines() if line.startswith(name))
+        assert time.monotonic() < deadline, f"{name}{labels} is {got}, not {value}, after {WAIT_S}s:\n{text}"
         time.sleep(0.01)
 
 
