@@ -7,6 +7,7 @@ or by tests.gated_server's gate: never by a sleep."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -18,12 +19,13 @@ import grpc
 import numpy as np
 import pytest
 from attnserve.proto import inference_pb2_grpc as pb_grpc
+from attnserve.server.batcher import Batcher, BatchPolicy
+from attnserve.server.memory.budget import MemoryBudget
+from attnserve.server.memory.costs import Cost
 
 from tests.gated_server import GatedServer
 from tests.oip import infer_request, outputs_of
 from tests.server_process import ServerProcess
-
-pytestmark = pytest.mark.e2e
 
 MODEL = "self_attention"
 LONG = (1, 8192, 512)  # the longest accepted: a run of it lasts well past the checks below
@@ -212,3 +214,50 @@ def test_a_queued_call_whose_deadline_passes_leaves_the_queue_at_once(model_repo
         assert not server.gate.has_started()
         server.gate.release()
         held.result()
+
+
+# -- the batcher alone: its queue and its memory, with the test's gated run (tests.test_batcher) ---
+
+
+class _FlatCosting:
+    """Every request costs the same: what each holds is then a count."""
+
+    COST = Cost(inputs=1000, run=2000, answer=500)
+
+    def cost(self, work) -> Cost:
+        return self.COST
+
+    def batch_run(self, rows: int, q_len: int, k_len: int, masking: str, want_probs: bool) -> int:
+        return rows * self.COST.run
+
+
+def test_a_cancelled_request_leaves_the_queue_at_once_and_a_running_ones_memory_waits_for_its_run():
+    from tests.test_batcher import Model, make_work, stop, wait_until
+
+    async def main():
+        model = Model()
+        budget = MemoryBudget(1 << 30)
+        batcher = Batcher("test", model, BatchPolicy(max_queue_delay_s=0.0), budget=budget, costing=_FlatCosting())
+        batcher.start()
+        try:
+            model.hold()
+            running = asyncio.create_task(batcher.submit(make_work()))
+            await model.run_started(1)
+            queued = asyncio.create_task(batcher.submit(make_work()))
+            await wait_until(lambda: batcher.queue_depth == 1)
+            one = _FlatCosting.COST.total
+            assert budget.reserved_bytes == 2 * one
+            queued.cancel()
+            await asyncio.gather(queued, return_exceptions=True)
+            # Out of the queue while the batch ahead still runs, not when the queue next moves.
+            assert batcher.queue_depth == 0 and budget.reserved_bytes == one
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            assert budget.reserved_bytes == one  # the run (not stoppable here) still holds its memory
+            model.open()
+            await wait_until(lambda: budget.reserved_bytes == 0)
+            assert len(model.calls) == 1  # the cancelled queued request was never computed
+        finally:
+            await stop(batcher, model)
+
+    asyncio.run(main())
