@@ -22,7 +22,7 @@ import numpy as np
 from attnserve.contract import ITEM_ID, OUTPUT_NAMES
 from attnserve.server.engine import DeviceChoice, Engine, choose_device
 from attnserve.server.repository import ModelSpec, read_model_specs
-from attnserve.server.tensors import Work, compute_batch
+from attnserve.server.tensors import RunStop, Work, compute_batch
 
 
 class AttentionPredictor:
@@ -60,10 +60,12 @@ class AttentionPredictor:
     # -- the server's run ----------------------------------------------------------------------
 
     def run_feeds(self, feeds: dict[str, np.ndarray], want_probs: bool,
-                  into: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+                  into: dict[str, np.ndarray] | None = None, stop: RunStop | None = None
+                  ) -> tuple[np.ndarray, np.ndarray | None]:
         """The batcher's RunBatch: merged feeds in, (output, attn_probs or None) out; blocking.
-        into: arrays the run writes its outputs into (server.tensors.compute_batch's writes_into)."""
-        return self.engine.run(feeds, want_probs, into=into)
+        into: arrays the run writes its outputs into (server.tensors.compute_batch's writes_into).
+        stop: its off switch (a stoppable run: server.tensors.RunStop)."""
+        return self.engine.run(feeds, want_probs, into=into, stop=stop)
 
     @property
     def run_solo(self):

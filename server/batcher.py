@@ -15,6 +15,9 @@ want_probs)` and runs it on its own worker threads, so the event loop keeps acce
 - Masks and exactness: server.tensors (Work, merge, split), which attnserve.runtime uses too.
 - Memory: each request reserves its cost in a memory.budget.MemoryBudget before it queues; a merged
   run's extra is reserved until the run ends; the reservation travels in its Result.
+- Cancellation: a request whose caller is cancelled leaves the queue at once; in a running batch
+  it is computed on for the others, and the last one to go stops the run (`stoppable_runs`: a
+  RunStop), whose memory goes back when the run returns (it holds that memory until then).
 More, and the figures behind each choice: docs/design.md ("The batcher") and docs/performance.md.
 """
 
@@ -33,7 +36,7 @@ from typing import Protocol
 from attnserve.server import priority, scheduling
 from attnserve.server.memory.budget import MemoryBudget, Reservation
 from attnserve.server.memory.costs import Cost
-from attnserve.server.tensors import Result, RunBatch, Work, batch_masking, compute_batch
+from attnserve.server.tensors import Result, RunBatch, RunStop, RunStopped, Work, batch_masking, compute_batch
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,20 @@ class DeadlineExpired(Exception):
 
 class BatcherClosed(Exception):
     """The batcher is shutting down and takes no new requests."""
+
+
+# Where a request was when its caller went away (Stage.name; request_path counts cancellations by it).
+QUEUED = "queued"  # waiting for memory or in the queue: it leaves at once, never computed
+RUNNING = "running"  # its batch computes: on for the other requests, or until the last one goes
+TERMINATED = "terminated"  # the last request of its running batch to go: the run was stopped
+
+
+@dataclass(slots=True)
+class Stage:
+    """Where one request is in its batcher, kept up to date for its caller (QUEUED, RUNNING,
+    TERMINATED), so that a cancellation can be counted by where it stopped the request."""
+
+    name: str = QUEUED
 
 
 class BatchFailed(Exception):
@@ -112,11 +129,13 @@ class BatchStats:
     run_s: float = 0.0  # the ONNX Runtime run
     split_s: float = 0.0  # slicing each request's outputs back
     solo: bool = False  # ran on run_solo ("Solo runs")
+    terminated: bool = False  # stopped midway: every request of it was cancelled (not a failure)
 
 
 class BatchObserver(Protocol):
     def on_batch(self, stats: BatchStats) -> None: ...
     def on_queue_depth(self, depth: int) -> None: ...
+    def on_runs(self, running: int) -> None: ...
 
 
 class ArrivalSignal(Protocol):
@@ -149,7 +168,7 @@ class Costing(Protocol):
     def batch_run(self, rows: int, q_len: int, k_len: int, masking: str, want_probs: bool) -> int: ...
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: a cancelled one is removed from the queue by it
 class _Pending:
     work: Work
     deadline: float | None  # time.monotonic()
@@ -161,11 +180,21 @@ class _Pending:
     priority: int = 1  # its level, 1 the highest (server.scheduling)
     since: int = 0  # the queue's batch count when it arrived: its aging (set by the queue)
     expiry: asyncio.TimerHandle | None = None  # refuses it when its deadline passes in the queue
+    stage: Stage | None = None  # its caller's view of where it is
+    run: _Run | None = None  # the batch computing it, once taken from the queue
 
     def drop(self) -> None:
         """It will not be answered with a Result: its memory goes back."""
         if self.reservation is not None:
             self.reservation.release()
+
+
+@dataclass(slots=True, eq=False)
+class _Run:
+    """A batch being computed: its requests, and its run's off switch (None: it cannot stop)."""
+
+    batch: list[_Pending]
+    stop: RunStop | None
 
 
 # The longest solo run computed on the event loop ("Solo runs"), judged by the last solo run of
@@ -181,11 +210,14 @@ class Batcher:
                  scores_of: ScoresOf | None = None, budget: MemoryBudget | None = None,
                  costing: Costing | None = None, run_solo: RunBatch | None = None,
                  lone_call_signal: LoneCallSignal | None = None, compute_nice: int = 0,
-                 tracer: BatchTracer | None = None, writes_into: bool = False) -> None:
+                 tracer: BatchTracer | None = None, writes_into: bool = False, stoppable_runs: bool = False) -> None:
         """writes_into: run_batch and run_solo take `into` (server.tensors.compute_batch): a lone
-        request's outputs are written by the run where the request says (shared memory)."""
+        request's outputs are written by the run where the request says (shared memory).
+        stoppable_runs: run_batch and run_solo take `stop=` (a RunStop) and end early when it is
+        stopped (the engine's do): a batch whose requests are all cancelled stops computing."""
         self.name = name
         self._writes_into = writes_into
+        self._stoppable_runs = stoppable_runs
         self._tracer = tracer
         self._run_batch = run_batch
         self._run_solo = run_solo if lone_call_signal is not None else None  # see _runs_solo
@@ -239,12 +271,14 @@ class Batcher:
         self._loop_task = asyncio.get_running_loop().create_task(self._collect_forever(), name=f"batcher-{self.name}")
 
     async def submit(self, work: Work, deadline: float | None = None, trace: object = None,
-                     priority: int = 1) -> Result:
+                     priority: int = 1, stage: Stage | None = None) -> Result:
         """Queue one request and wait for its own result. Raises QueueFull, DeadlineExpired,
-        BatcherClosed or BatchFailed; cancelling the caller drops the request if not yet run.
+        BatcherClosed or BatchFailed; cancelling the caller takes the request out of the queue,
+        or out of its running batch (the last one out stops the run: `stoppable_runs`).
         deadline (time.monotonic()): refused unrun once it passes while queued.
         trace: its call's span, handed to the tracer with its batch's (server.tracing).
-        priority: its level, 1 the highest (server.scheduling's queue order)."""
+        priority: its level, 1 the highest (server.scheduling's queue order).
+        stage: kept up to date with where the request is (Stage), for its caller."""
         if self._closing:
             raise BatcherClosed(f"model {self.name} is shutting down")
         if len(self._pending) >= self.policy.max_queue_size:
@@ -277,12 +311,14 @@ class Batcher:
                                   "not computed")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        pending = _Pending(work, deadline, future, now, reservation, run_share, trace, priority=priority)
+        pending = _Pending(work, deadline, future, now, reservation, run_share, trace, priority=priority, stage=stage)
         self._enqueue(pending, loop)
         try:
-            return await future  # cancelling the caller cancels the future: the batcher skips it
+            return await future  # cancelling the caller cancels the future
         except BaseException:
-            if future.done() and not future.cancelled() and future.exception() is None:
+            if not future.done() or future.cancelled():
+                self._cancelled(pending)
+            elif future.exception() is None:
                 future.result().release()  # answered, but the caller is gone
             else:
                 pending.drop()
@@ -316,6 +352,31 @@ class Batcher:
         if pending.expiry is not None:
             pending.expiry.cancel()
             pending.expiry = None
+
+
+    # -- cancellation (docs/server.md, "Cancellation") --------------------------------------
+
+    def _cancelled(self, pending: _Pending) -> None:
+        """Its caller is gone: out of the queue now, or out of its running batch, whose run the
+        last request to go stops. A running request's memory goes back when its run returns
+        (_run): the run holds it until then, and a stopped run returns within one graph node."""
+        run = pending.run
+        if run is None:
+            self._withdraw(pending)
+            pending.drop()
+            return
+        if run.stop is not None and not run.stop.stopped and all(p.future.done() for p in run.batch):
+            run.stop.stop()
+            if pending.stage is not None:
+                pending.stage.name = TERMINATED
+
+    def _withdraw(self, pending: _Pending) -> None:
+        """A queued request leaves the queue at once: its depth and bytes no longer count."""
+        self._dequeued(pending)
+        if not self._pending.remove(pending):
+            return  # not queued: still waiting for memory, or closed
+        self._queued_bytes -= pending.work.nbytes
+        self._report_depth()
 
     async def close(self, abandon_queued: bool = False) -> None:
         """Take no new requests, finish every running one and, unless `abandon_queued`, every
@@ -361,7 +422,13 @@ class Batcher:
 
     def _start(self, batch: list[_Pending], extra: Reservation | None) -> None:
         self._computing += 1
-        task = asyncio.get_running_loop().create_task(self._run(batch, extra))
+        run = _Run(batch, RunStop() if self._stoppable_runs else None)
+        for p in batch:
+            p.run = run
+            if p.stage is not None:
+                p.stage.name = RUNNING
+        self._report_runs()
+        task = asyncio.get_running_loop().create_task(self._run(run, extra))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
@@ -456,10 +523,12 @@ class Batcher:
 
     # -- running a batch --------------------------------------------------------------------
 
-    async def _run(self, batch: list[_Pending], extra: Reservation | None = None) -> None:
+    async def _run(self, run: _Run, extra: Reservation | None = None) -> None:
+        batch = run.batch
         started = time.monotonic()
         queue_s = tuple(started - p.enqueued_at for p in batch)
         failed = True
+        terminated = False
         padding_ratio = 0.0
         timings = (0.0, 0.0, 0.0)
         solo = self._runs_solo(batch)
@@ -473,7 +542,7 @@ class Batcher:
             else:
                 results, padding_ratio, timings = await loop.run_in_executor(
                     self._executor, _compute_handed, self._run_solo if solo else self._run_batch, [works],
-                    self._writes_into)
+                    self._writes_into, run.stop)
             if solo:
                 self._time_solo_run(shape, sum(timings))
             compute_s = time.monotonic() - started
@@ -484,6 +553,13 @@ class Batcher:
                     p.drop()
             failed = False
         except Exception as err:
+            if run.stop is not None and run.stop.stopped:  # every request was cancelled: nobody to tell
+                if not isinstance(err, RunStopped):
+                    logger.debug("model %s: a stopped run raised %s: %s", self.name, type(err).__name__, err)
+                failed, terminated = False, True
+                for p in batch:
+                    p.drop()
+                return
             logger.exception("model %s: batch of %d requests failed", self.name, len(batch))
             for p in batch:
                 if not p.future.done():
@@ -498,14 +574,17 @@ class Batcher:
         finally:
             if extra is not None:
                 extra.release()
+            for p in batch:
+                p.run = None  # no cycle: the batch goes with its callers' last references
             self._computing -= 1
+            self._report_runs()
             self._slots.release()
             self._wakeup.set()  # a partial batch waiting for company stops waiting once the model idles
             if self._observer is not None or self._tracer is not None:
                 stats = BatchStats(
                     requests=len(batch), rows=sum(p.work.rows for p in batch), padding_ratio=padding_ratio,
                     compute_s=time.monotonic() - started, queue_s=queue_s, failed=failed,
-                    merge_s=timings[0], run_s=timings[1], split_s=timings[2], solo=solo)
+                    merge_s=timings[0], run_s=timings[1], split_s=timings[2], solo=solo, terminated=terminated)
                 if self._observer is not None:
                     self._observer.on_batch(stats)
                 if self._tracer is not None:
@@ -521,12 +600,16 @@ class Batcher:
         if self._observer is not None:
             self._observer.on_queue_depth(len(self._pending))
 
+    def _report_runs(self) -> None:
+        if self._observer is not None:
+            self._observer.on_runs(self._computing)
 
-def _compute_handed(run_batch: RunBatch, handed: list[list[Work]], writes_into: bool):
+
+def _compute_handed(run_batch: RunBatch, handed: list[list[Work]], writes_into: bool, stop: RunStop | None):
     """compute_batch on the works handed over: the executor's work item, which its (lowered)
     thread drops only once it is scheduled again, then holds no Work, whose arrays may view a
     caller's shared memory region that would stay mapped until then."""
-    return compute_batch(run_batch, handed.pop(), writes_into)
+    return compute_batch(run_batch, handed.pop(), writes_into, stop)
 
 
 def _solo_shape(work: Work) -> tuple:

@@ -17,7 +17,7 @@ from attnserve.server.cuda_probe import why_cuda_cannot_run
 from attnserve.server.graphs import BYTES_PER_SCORE, GraphSet, masking_of
 from attnserve.server.memory import heap
 from attnserve.server.repository import ModelSpec
-from attnserve.server.tensors import dense_mask
+from attnserve.server.tensors import RunStop, RunStopped, dense_mask
 
 from attnserve.contract import (
     ALL_OUTPUTS,
@@ -198,23 +198,36 @@ class Engine:
         return frozenset(self._solo_sessions)
 
     def run(self, feeds: dict[str, np.ndarray], want_probs: bool, solo: bool = False,
-            into: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+            into: dict[str, np.ndarray] | None = None, stop: RunStop | None = None
+            ) -> tuple[np.ndarray, np.ndarray | None]:
         """feeds: query (B, Lq, q_dim), key/value (B, Lk, kv_dim), and at most one of mask
         (B, Lq, Lk) bool, key_padding_mask (B, Lk) int32 or head_mask (B, H, Lq, Lk) bool
         (server.tensors.merge). solo: on the spinning session, where there is one.
         into: "output" and/or "attn_probs" -> a C-contiguous float32 array of that output's
         shape, which the run writes into (I/O binding, no copy; server.tensors.compute_batch).
+        stop: the run's off switch (server.tensors.RunStop): stopped, ONNX Runtime ends the run
+        at its next node and this raises RunStopped.
         Returns output (B, Lq, out_dim) and attn_probs (B, H, Lq, Lk) or None."""
         kind = self.graph_for(feeds, want_probs)
         session = self._solo_sessions.get(kind) if solo else None
         self.solo_runs += session is not None
+        options = None
+        if stop is not None:
+            options = ort.RunOptions()
+            stop.on_stop(lambda: setattr(options, "terminate", True))
         try:
             graph_feeds = _graph_feeds(kind, feeds)
             if into and self._writes_into:
-                outputs = self._run_into(session or self._sessions[kind], graph_feeds, into)
+                outputs = self._run_into(session or self._sessions[kind], graph_feeds, into, options)
             else:
-                outputs = self._run(session or self._sessions[kind], graph_feeds)
+                outputs = self._run(session or self._sessions[kind], graph_feeds, options)
+        except Exception as err:
+            if stop is not None and stop.stopped:  # ONNX Runtime's own Fail: "terminate flag being set"
+                raise RunStopped(f"stopped while it computed ({type(err).__name__})") from None
+            raise
         finally:
+            if stop is not None:
+                stop.off()
             # Crowded (server.memory.heap, "Lean"), a large run's freed buffers go back to the system
             # now: sized by the batch's (B, H, Lq, Lk) matrix whichever graph ran, the run's scale.
             b, lq, _ = feeds["query"].shape
@@ -228,24 +241,26 @@ class Engine:
         return outputs[0], None
 
     def run_solo(self, feeds: dict[str, np.ndarray], want_probs: bool,
-                 into: dict[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+                 into: dict[str, np.ndarray] | None = None, stop: RunStop | None = None
+                 ) -> tuple[np.ndarray, np.ndarray | None]:
         """`run` on the solo sessions (the batcher's run_solo)."""
-        return self.run(feeds, want_probs, solo=True, into=into)
+        return self.run(feeds, want_probs, solo=True, into=into, stop=stop)
 
-    def _run(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def _run(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray],
+             options: ort.RunOptions | None = None) -> list[np.ndarray]:
         if not self._io_binding:
-            return session.run(None, feeds)
+            return session.run(None, feeds, options)
         binding = session.io_binding()
         for name, array in feeds.items():
             binding.bind_cpu_input(name, array)
         for output in session.get_outputs():
             binding.bind_output(output.name, self._output_device)
-        session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding, options)
         return binding.copy_outputs_to_cpu()
 
     @staticmethod
     def _run_into(session: ort.InferenceSession, feeds: dict[str, np.ndarray],
-                  into: dict[str, np.ndarray]) -> list[np.ndarray]:
+                  into: dict[str, np.ndarray], options: ort.RunOptions | None = None) -> list[np.ndarray]:
         """A CPU run whose outputs named in `into` are bound to those arrays' memory: ONNX Runtime
         writes them there; the others it allocates, as session.run does."""
         binding = session.io_binding()
@@ -257,7 +272,7 @@ class Engine:
                 binding.bind_output(output.name, "cpu")
             else:
                 binding.bind_output(output.name, "cpu", 0, np.float32, list(target.shape), target.ctypes.data)
-        session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding, options)
         return [into[o.name] if o.name in into else value.numpy()
                 for o, value in zip(session.get_outputs(), binding.get_outputs(), strict=True)]
 

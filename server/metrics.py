@@ -3,7 +3,8 @@
 The metric names are a contract (dashboards are built on them): attnserve_requests_total,
 attnserve_request_duration_seconds, attnserve_queue_duration_seconds,
 attnserve_compute_duration_seconds, attnserve_batch_requests, attnserve_padding_ratio,
-attnserve_queue_depth; every one is labelled by model; so are the warm-up's (server.warmup)
+attnserve_queue_depth, attnserve_runs_in_flight, attnserve_cancelled_requests_total (also by reason
+and stage); every one is labelled by model; so are the warm-up's (server.warmup)
 attnserve_warmup_runs_total (and graph, session) and attnserve_model_ready_seconds. The memory budget's (one per server,
 unlabelled; watch_budget): attnserve_memory_limit_bytes, attnserve_memory_reserved_bytes,
 attnserve_memory_waiting_bytes, attnserve_memory_waiters, and the counters
@@ -122,6 +123,11 @@ class Metrics:
             "attnserve_shared_memory_outputs", "Outputs written into a shared memory region, by how: \"run\" "
             "(ONNX Runtime wrote them there, no copy) or \"copied\" (from a merged batch's result).",
             ["written"], registry=self.registry)
+        self.runs_in_flight = Gauge("attnserve_runs_in_flight", "Batches of the model computing now.",
+                                    ["model"], registry=self.registry, multiprocess_mode="livesum")
+        self.cancelled = Counter("attnserve_cancelled_requests", "Inference requests whose client went away, by "
+                                 "why (client, deadline, disconnect) and where they were (queued, running, "
+                                 "terminated, answered).", ["model", "reason", "stage"], registry=self.registry)
         self.statistics: dict[str, ModelStatistics] = {}
         # `statistics` is written and read on the event loop thread only (batcher callbacks,
         # the servicer): no lock on the request path.
@@ -209,6 +215,9 @@ class Metrics:
         self.statistics.setdefault(model, ModelStatistics())
         return ModelObserver(self, model)
 
+    def request_cancelled(self, model: str, reason: str, stage: str) -> None:
+        self.cancelled.labels(model, reason, stage).inc()
+
     def request_done(self, model: str, code: str, duration_s: float) -> None:
         self.requests.labels(model, code).inc()
         if code == "OK":
@@ -233,6 +242,7 @@ class ModelObserver:
         self._padding_ratio = metrics.padding_ratio.labels(model)
         self._queue_depth = metrics.queue_depth.labels(model)
         self._solo_batches = metrics.solo_batches.labels(model)
+        self._runs_in_flight = metrics.runs_in_flight.labels(model)
 
     def on_batch(self, stats: BatchStats) -> None:
         self._compute_duration.observe(stats.compute_s)
@@ -242,7 +252,7 @@ class ModelObserver:
             self._queue_duration.observe(waited)
         if stats.solo:
             self._solo_batches.inc()
-        if stats.failed:
+        if stats.failed or stats.terminated:  # a stopped run inferred nothing (nor failed anyone)
             return
         s = self._stats
         s.last_inference_ms = int(time.time() * 1000)
@@ -259,6 +269,9 @@ class ModelObserver:
 
     def on_queue_depth(self, depth: int) -> None:
         self._queue_depth.set(depth)
+
+    def on_runs(self, running: int) -> None:
+        self._runs_in_flight.set(running)
 
 
 class _BudgetCollector:

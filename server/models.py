@@ -93,7 +93,8 @@ class ModelLoadFailed(RuntimeError):
 
 
 # The blocking run of a model's batches, made from its spec. The default is an ONNX Runtime
-# Engine on the chosen device; the one seam for running the server without a model.
+# Engine on the chosen device; the one seam for running the server without a model. A factory
+# whose `stoppable` attribute is true makes runs that take `stop=` (server.tensors.RunStop).
 RunBatchFactory = Callable[[ModelSpec], RunBatch]
 # Told after each change of a model: (name, whether it has a version ready).
 StateListener = Callable[[str, bool], Awaitable[None]]
@@ -562,7 +563,8 @@ class ModelRegistry:
                               run_solo=run_solo, lone_call_signal=self._lone_call_signal, compute_nice=cfg.compute_nice,
                               tracer=None if self._tracing is None else self._tracing.batch_tracer(
                                   name, spec.version, graphs),
-                              writes_into=writes_into)
+                              writes_into=writes_into,
+                              stoppable_runs=self._run_batch is None or getattr(self._run_batch, "stoppable", False))
             limits = Limits(spec.max_q_len, spec.max_kv_len, cfg.max_attention_bytes,
                             max_response_bytes=cfg.max_message_bytes, max_typed_bytes=cfg.max_typed_bytes,
                             graphs=graphs)

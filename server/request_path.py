@@ -4,6 +4,7 @@
     request_path.server_ready()                            # health: bool
     request_path.model_metadata(name, version)            # pb.ModelMetadataResponse (and config, stats, index)
     response, status = await request_path.infer(request, time_remaining_s)  # decode -> batcher -> encode
+    # cancelled: counted by why (cancel_reason: CLIENT, DISCONNECT for REST; DEADLINE) and where
     response.release()                                # once sent: its memory budget share back
 
 Both transports are thin adapters over this one request path: the gRPC servicer (server.service)
@@ -15,10 +16,12 @@ Status of server.errors with the outcome counted in the metrics.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from attnserve.proto import inference_pb2 as pb
 from attnserve.server import __version__, codec, scheduling, shm
+from attnserve.server.batcher import Stage
 from attnserve.server.errors import CANCELLED, OK, Status, status_for
 from attnserve.server.lifecycle import Draining
 from attnserve.server.metrics import Metrics
@@ -36,6 +39,14 @@ SYSTEM_SHARED_MEMORY = "system_shared_memory"  # listed only with --allow-shared
 # Listed only with --data-plane native: a client (or a test) can tell which plane serves ModelInfer.
 NATIVE_DATA_PLANE = "native_data_plane"
 _DATA_TYPES = {"FP32": pb.TYPE_FP32, "BOOL": pb.TYPE_BOOL}
+# Why a call was cancelled (attnserve_cancelled_requests_total's reason): its client cancelled it
+# (gRPC), its deadline passed, its REST client closed the connection.
+CLIENT, DEADLINE, DISCONNECT = "client", "deadline", "disconnect"
+# Where, besides the batcher's stages (batcher.Stage): computed, the client gone before it was sent.
+ANSWERED = "answered"
+# A gRPC client's deadline runs out before the server's (which starts when the call arrives): the
+# client's cancel at its deadline comes this early or less; a cancel that close to it counts as it.
+_DEADLINE_SLACK_S = 0.5
 
 
 def _tensor_metadata(t: TensorSpec) -> pb.ModelMetadataResponse.TensorMetadata:
@@ -159,8 +170,8 @@ class RequestPath:
 
     # -- inference ---------------------------------------------------------------------------
 
-    async def _infer(self, request: codec.InferRequest | pb.ModelInferRequest, time_remaining: float | None,
-                     call: Call | None = None) -> codec.InferResponse:
+    async def _infer(self, request: codec.InferRequest | pb.ModelInferRequest, deadline: float | None,
+                     call: Call | None, stage: Stage) -> codec.InferResponse:
         # Draining is decided per call when its headers arrive (server.gate, server.rest), not
         # here: a call admitted before SIGTERM is served even if its message arrives after. No
         # await before submit: lifecycle.Arrivals counts a request as on its way until its
@@ -174,15 +185,16 @@ class RequestPath:
         result = None
         try:
             decoded = codec.decode(request, model.spec, model.limits, lease)
-            now = time.monotonic()
-            deadline = scheduling.earliest(None if time_remaining is None else now + time_remaining,
-                                           None if schedule.timeout_s is None else now + schedule.timeout_s)
+            # The earlier of the call's deadline and its schedule `timeout` (refused unrun once passed).
+            if schedule.timeout_s is not None:
+                deadline = scheduling.earliest(deadline, time.monotonic() + schedule.timeout_s)
             if call is None:
-                result = await model.batcher.submit(decoded.work, deadline, priority=schedule.priority)
+                result = await model.batcher.submit(decoded.work, deadline, priority=schedule.priority, stage=stage)
             else:
                 call.decoded(decoded.work)
-                result = await model.batcher.submit(decoded.work, deadline, call.span, schedule.priority)
+                result = await model.batcher.submit(decoded.work, deadline, call.span, schedule.priority, stage)
                 call.computed(result.queue_s, result.compute_s, result.batch_requests, model.spec.version)
+            stage.name = ANSWERED
             try:
                 if decoded.shm_outputs:  # the batch wrote them into the region (server.tensors.compute_batch)
                     if not decoded.work.written:
@@ -205,19 +217,27 @@ class RequestPath:
         return model_name if self._registry.known(model_name) else "_unknown"
 
     async def infer(self, request: codec.InferRequest | pb.ModelInferRequest, time_remaining: float | None,
-                    call: Call | None = None) -> tuple[codec.InferResponse | None, Status]:
+                    call: Call | None = None, cancel_reason: str = CLIENT) -> tuple[codec.InferResponse | None, Status]:
         """One inference request: its response and OK, or None and the status for what was
         raised. Its outcome is counted in the metrics either way; cancelled (the client went
-        away), it is counted as CANCELLED and the cancellation goes on. The caller calls the
+        away), it is counted as CANCELLED, and by why (`cancel_reason`, or DEADLINE at or near
+        the deadline) and where it was, and the cancellation goes on. The caller calls the
         response's `release()` once it is sent: until then it is counted in the memory budget.
         call (from self.calls.begin): recorded; finished here unless OK (then the transport
         finishes it once the answer is sent, with its size)."""
         started = time.monotonic()
+        deadline = None if time_remaining is None else started + time_remaining
+        stage = Stage()
         status = CANCELLED
         try:
-            response = await self._infer(request, time_remaining, call)
+            response = await self._infer(request, deadline, call, stage)
             status = OK
             return response, status
+        except asyncio.CancelledError:
+            near = deadline is not None and time.monotonic() >= deadline - _DEADLINE_SLACK_S
+            reason = DEADLINE if near else cancel_reason
+            self._metrics.request_cancelled(self._metric_label(request.model_name), reason, stage.name)
+            raise
         except Exception as err:
             status = status_for(err)
             return None, status

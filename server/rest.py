@@ -14,12 +14,15 @@ it into the pb.ModelInferRequest that RequestPath.infer handles like a gRPC one.
 
 aiohttp's low-level server, no router or middleware chain per request; each connection is a
 _Connection that times its request head and, at --max-http-connections, is closed first if it
-has waited longest for one. Bounds and why: docs/rest-hardening.md, docs/performance.md.
+has waited longest for one. A client that closes its connection while its inference request is
+queued or computing cancels it (_Connection.cancelled_if_lost): it leaves the queue, or its run
+stops (server.batcher, "Cancellation"). Bounds and why: docs/rest-hardening.md, docs/performance.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -46,7 +49,7 @@ from attnserve.server.listen import listen_addresses
 from attnserve.server.memory.budget import MemoryBudget, MemoryExhausted, Reservation
 from attnserve.server.quoting import quoted
 from attnserve.server.ratelimit import CLIENT_ERRORS
-from attnserve.server.request_path import RequestPath
+from attnserve.server.request_path import DISCONNECT, RequestPath
 from attnserve.server.rest_codec import (
     HEADER_LENGTH,
     as_json,
@@ -430,7 +433,8 @@ class RestPort:
             held.release()
         start()  # no await from here to the batcher's queue (lifecycle.Arrivals)
         call = request.get(_CALL)
-        answer, status = await self._request_path.infer(message, None, call)
+        with request.protocol.cancelled_if_lost():
+            answer, status = await self._request_path.infer(message, None, call, DISCONNECT)
         if answer is None:
             return error_response(status)
         try:
@@ -554,6 +558,7 @@ class _Connection(web.RequestHandler):
         self._head_timer: asyncio.TimerHandle | None = None
         self._idle = False  # between requests: the next byte starts a head
         self._evicted = False
+        self._cancelled_if_lost: asyncio.Task | None = None  # see cancelled_if_lost
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -570,7 +575,23 @@ class _Connection(web.RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._port._lost(self)
+        task, self._cancelled_if_lost = self._cancelled_if_lost, None
+        if task is not None:
+            task.cancel()
         super().connection_lost(exc)
+
+    @contextlib.contextmanager
+    def cancelled_if_lost(self):
+        """Losing the connection cancels the handler while in this block: only an inference's
+        wait, not aiohttp's handler_cancellation's every handler (a model load must not stop
+        halfway because its client left)."""
+        self._cancelled_if_lost = asyncio.current_task()
+        if self.transport is None:  # lost before the block began: cancelled at its first wait
+            self._cancelled_if_lost.cancel()
+        try:
+            yield
+        finally:
+            self._cancelled_if_lost = None
 
     def data_received(self, data: bytes) -> None:
         if self._idle and data:

@@ -12,6 +12,7 @@ attnserve.runtime's offline predictor both compute through it.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,10 +32,49 @@ if TYPE_CHECKING:
 # -> (output, attn_probs or None); blocking. One that writes into given arrays (compute_batch's
 # writes_into: the Engine's) also takes `into={"output": array, "attn_probs": array}` (either
 # name) and returns those arrays, filled by the run.
+# A stoppable run (the engine's) also takes `stop=`, a RunStop (server.batcher's stoppable_runs).
 RunBatch = Callable[[dict[str, np.ndarray], bool], tuple[np.ndarray, "np.ndarray | None"]]
 # Where an answer's outputs go without a copy, when the run can write straight there (64: ONNX
 # Runtime's own buffers' alignment, which its kernels may count on).
 INTO_ALIGNMENT = 64
+
+
+class RunStopped(Exception):
+    """The run was stopped (RunStop.stop) before or while it computed: nobody waits for it."""
+
+
+class RunStop:
+    """One run's off switch, thrown on the event loop, seen by the run on its worker thread.
+
+    The batcher stops a run once every request of its batch is cancelled; a stoppable run
+    registers how to stop itself (the engine: its ONNX Runtime RunOptions' terminate flag) with
+    `on_stop` and unregisters it with `off` once it returns. Thread-safe."""
+
+    __slots__ = ("_lock", "_hook", "stopped")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hook: Callable[[], None] | None = None
+        self.stopped = False
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopped = True
+            hook, self._hook = self._hook, None
+        if hook is not None:
+            hook()
+
+    def on_stop(self, hook: Callable[[], None]) -> None:
+        """Call `hook` on stop(), or now if stopped already (a stop between the check and the run)."""
+        with self._lock:
+            if not self.stopped:
+                self._hook = hook
+                return
+        hook()
+
+    def off(self) -> None:
+        with self._lock:
+            self._hook = None
 
 @dataclass(slots=True)
 class Work:
@@ -134,20 +174,28 @@ class Result:
             self.reservation.release()
 
 
-def compute_batch(run_batch: RunBatch, works: list[Work], writes_into: bool = False
+def compute_batch(run_batch: RunBatch, works: list[Work], writes_into: bool = False, stop: RunStop | None = None
                   ) -> tuple[list[tuple[np.ndarray | None, np.ndarray | None]], float, tuple[float, float, float]]:
     """On a worker thread: pad and merge, run, check, split (attnserve.runtime runs it too).
     Returns per-request outputs, the batch's padding ratio, and the seconds spent merging, running
     and splitting. A request's output_into/probs_into are filled: by the run itself when it is the
     whole batch and `writes_into` (run_batch takes `into`), else by the split copying its rows
     there; its outputs returned are then None (they are in those arrays, which the caller holds:
-    nothing that views the caller's memory outlives the call on the run's thread)."""
+    nothing that views the caller's memory outlives the call on the run's thread).
+    stop: handed to a stoppable run_batch; RunStopped if it was stopped before the run."""
     t0 = time.perf_counter()
     feeds, padding_ratio = merge(works)
     want_probs = any(w.want_probs for w in works)
     into = _run_into(works, feeds) if writes_into else None
     t1 = time.perf_counter()
-    output, attn_probs = run_batch(feeds, want_probs, into=into) if into else run_batch(feeds, want_probs)
+    options = {}
+    if into:
+        options["into"] = into
+    if stop is not None:
+        if stop.stopped:  # every request left while the batch waited for its thread
+            raise RunStopped("stopped before it ran")
+        options["stop"] = stop
+    output, attn_probs = run_batch(feeds, want_probs, **options)
     t2 = time.perf_counter()
     rows = feeds["query"].shape[0]
     if output.shape[0] != rows or (want_probs and (attn_probs is None or attn_probs.shape[0] != rows)):

@@ -126,15 +126,16 @@ def _gated_engine_factory(directory: Path, intra_op_threads: int):
     def factory(spec):
         engine = Engine(spec, device, intra_op_threads)
 
-        def run(feeds, want_probs):
+        def run(feeds, want_probs, stop=None):
             with lock:
                 os.write(fifo("started", os.O_WRONLY), f"{feeds['query'].shape[0]} {os.getpid()}\n".encode())
             if not os.read(fifo("release", os.O_RDONLY), 1):
                 raise RuntimeError("the test closed the gate")
-            return engine.run(feeds, want_probs)
+            return engine.run(feeds, want_probs, stop=stop)
 
         return run
 
+    factory.stoppable = True  # its runs stop as the server's own do (server.models)
     return factory
 
 

@@ -175,6 +175,9 @@ class Observer:
     def on_queue_depth(self, depth: int) -> None:
         self.depths.append(depth)
 
+    def on_runs(self, running: int) -> None:
+        pass
+
 
 _rng = np.random.default_rng(1234)
 
