@@ -206,8 +206,8 @@ class InferenceClient:
         *,
         model_version: str = "",
         timeout_s: float | None = None,
-        priority: int | None = None,
-        timeout_us: int | None = None,
+        priority: int = 0,
+        timeout_us: int = 0,
     ) -> InferCall:
         """`infer` without waiting: an `InferCall` whose `result(timeout)` is `infer`'s answer, with
         `done()` and `cancel()` (which cancels the gRPC call: the server stops waiting for it).
