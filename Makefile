@@ -8,7 +8,7 @@ PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
 PRESETS := self_attention cross_attention
 
-.PHONY: native native-deps native-if-possible install test test-fast docs lint test-ray test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-sweep bench-shm bench-tools clean nginx
+.PHONY: native native-deps native-if-possible test-native-asan fuzz-native fuzz-deps install test test-fast docs lint test-ray test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-sweep bench-shm bench-tools clean nginx
 
 install: $(STAMP)
 
@@ -107,6 +107,60 @@ native: $(STAMP) native-deps
 	cmake -S native -B $(NATIVE_BUILD) -DPython_EXECUTABLE=$(abspath $(PY)) \
 	  -Dpybind11_DIR="$$($(PY) -c 'import pybind11; print(pybind11.get_cmake_dir())')"
 	cmake --build $(NATIVE_BUILD) -j
+
+# The native plane under AddressSanitizer and UBSan (docs/native-data-plane.md, "Sanitizers and
+# fuzzing"): the extension into build/native-asan/site, loaded there by native/asan/sitecustomize.py
+# (server/_native*.so is left alone), and the native tests run with libasan preloaded into Python.
+# A sanitizer report stops the process it is in and fails the run, whatever the tests said. The
+# models are exported beforehand, outside the sanitizers (torch's export under them outlasts the
+# tests' timeout).
+NATIVE_ASAN_BUILD := build/native-asan
+NATIVE_ASAN_TESTS ?= tests/test_native_plane.py
+# libstdc++ preloaded too: else ASan, starting before anything loads it, cannot intercept
+# __cxa_throw and aborts at the first C++ exception (onnx's, at import).
+NATIVE_ASAN_ENV = LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libstdc++.so)" \
+  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:log_path=$(abspath $(NATIVE_ASAN_BUILD))/reports/asan \
+  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(abspath $(NATIVE_ASAN_BUILD))/reports/ubsan \
+  PYTHONPATH=$(abspath $(NATIVE_ASAN_BUILD))/site
+test-native-asan: $(STAMP) native-deps export
+	@$(PY) -c 'import pybind11' 2>/dev/null || $(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev,native]'
+	cmake -S native -B $(NATIVE_ASAN_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DATTNSERVE_SANITIZE=address,undefined \
+	  -DATTNSERVE_MODULE_DIR=$(abspath $(NATIVE_ASAN_BUILD))/site -DPython_EXECUTABLE=$(abspath $(PY)) \
+	  -Dpybind11_DIR="$$($(PY) -c 'import pybind11; print(pybind11.get_cmake_dir())')"
+	cmake --build $(NATIVE_ASAN_BUILD) -j
+	cp native/asan/sitecustomize.py $(NATIVE_ASAN_BUILD)/site/
+	rm -rf $(NATIVE_ASAN_BUILD)/reports && mkdir -p $(NATIVE_ASAN_BUILD)/reports
+	$(NATIVE_ASAN_ENV) $(PY) -c 'from attnserve.server import _native as n; assert "native-asan" in n.__file__, n.__file__'
+	@$(NATIVE_ASAN_ENV) ATTNSERVE_TEST_NO_SKIP=1 ATTNSERVE_TEST_MODEL_REPOSITORY=$(abspath $(MODELS)) $(PY) -m pytest -q -p no:cacheprovider $(NATIVE_ASAN_TESTS); rc=$$?; \
+	if [ -n "$$(ls -A $(NATIVE_ASAN_BUILD)/reports)" ]; then \
+	  cat $(NATIVE_ASAN_BUILD)/reports/*; echo "test-native-asan: sanitizer reports above ($(NATIVE_ASAN_BUILD)/reports)"; exit 1; \
+	fi; exit $$rc
+
+# A libFuzzer target over the wire parser, contract checks, batching and split (native/fuzz/), with
+# ASan and UBSan, seeded with tests/test_fuzz.py's cases; a bounded run: FUZZ_SECONDS (or FUZZ_RUNS).
+# New inputs it finds are kept in build/native-fuzz/corpus; a crash is written there as crash-*.
+NATIVE_FUZZ_BUILD := build/native-fuzz
+FUZZ_SECONDS ?= 60
+FUZZ_RUNS ?= -1
+FUZZ_DEBS := clang libclang-rt-dev
+fuzz-native: $(STAMP) native-deps fuzz-deps
+	cmake -S native -B $(NATIVE_FUZZ_BUILD) -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DATTNSERVE_MODULE=OFF -DATTNSERVE_FUZZER=ON -DATTNSERVE_SANITIZE=address,undefined
+	cmake --build $(NATIVE_FUZZ_BUILD) -j --target plane_fuzzer
+	$(PY) native/fuzz/seeds.py $(NATIVE_FUZZ_BUILD)
+	mkdir -p $(NATIVE_FUZZ_BUILD)/corpus
+	cd $(NATIVE_FUZZ_BUILD) && ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 ./plane_fuzzer \
+	  -max_total_time=$(FUZZ_SECONDS) -runs=$(FUZZ_RUNS) -max_len=65536 -print_final_stats=1 -artifact_prefix=corpus/ \
+	  corpus seeds
+
+# clang and its libFuzzer runtime, installed when missing and we are root.
+fuzz-deps:
+	@if command -v clang++ >/dev/null \
+	  && [ -f "$$(clang++ -print-file-name=libclang_rt.fuzzer-x86_64.a)" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing clang and libFuzzer for make fuzz-native: $(FUZZ_DEBS)"; \
+	  apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y $(FUZZ_DEBS); \
+	else echo "make fuzz-native needs clang with libFuzzer ($(FUZZ_DEBS), Debian names)"; exit 1; fi
 
 # `make test` builds the native plane where it can (root, or the Debian packages present), so its
 # tests run; elsewhere it says why and tests/test_native_plane.py skips.

@@ -4,6 +4,8 @@
 #include <cstring>
 #include <sstream>
 
+#include <grpcpp/support/proto_buffer_reader.h>
+
 namespace attnserve {
 
 namespace {
@@ -18,10 +20,25 @@ uint64_t NanosSince(Clock::time_point start) {
 
 Status Invalid(const std::string& message) { return Status(StatusCode::INVALID_ARGUMENT, message); }
 
+// Client text in a status travels in a grpc-message trailer: a huge one gives the client
+// RESOURCE_EXHAUSTED ("header too large") instead of ours. server/quoting.py's MAX_DETAILS_CHARS.
+constexpr size_t kMaxDetailsChars = 1024;
+
+Status Bounded(const Status& status) {
+  const std::string& details = status.error_message();
+  if (details.size() <= kMaxDetailsChars) return status;
+  return Status(status.error_code(), details.substr(0, kMaxDetailsChars) + "... (cut: " +
+                                         std::to_string(details.size() - kMaxDetailsChars) + " more characters)");
+}
+
+// At most this many dims are written out: a hostile shape may have millions.
+constexpr int kShapeDimsShown = 8;
+
 std::string ShapeText(const google::protobuf::RepeatedField<int64_t>& shape) {
   std::ostringstream out;
   out << "(";
-  for (int i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  for (int i = 0; i < shape.size() && i < kShapeDimsShown; ++i) out << (i ? ", " : "") << shape[i];
+  if (shape.size() > kShapeDimsShown) out << ", ... " << shape.size() << " dims";
   out << (shape.size() == 1 ? ",)" : ")");
   return out.str();
 }
@@ -83,7 +100,7 @@ void Plane::Count(Queue* queue, const Status& status) {
 
 void Plane::Answer(grpc::ServerUnaryReactor* reactor, Queue* queue, const Status& status) {
   Count(queue, status);
-  reactor->Finish(status);
+  reactor->Finish(Bounded(status));
 }
 
 void Plane::Settle(const Pending& p, Queue* queue, const Status& status) {
@@ -92,7 +109,7 @@ void Plane::Settle(const Pending& p, Queue* queue, const Status& status) {
     return;
   }
   Count(queue, status);
-  p.stream->Answered(p.seq, status);
+  p.stream->Answered(p.seq, Bounded(status));
 }
 
 void Plane::Left(int64_t calls) {
@@ -203,8 +220,9 @@ Status Plane::Check(const Queue& queue, const inference::ModelInferRequest& requ
   if (p.k_len > m.max_kv_len) {
     return Invalid(c.key + ": k_len " + std::to_string(p.k_len) + " is over the limit " + std::to_string(m.max_kv_len));
   }
-  int64_t scores = 0;
-  if (__builtin_mul_overflow(p.rows * m.num_heads, p.q_len * p.k_len, &scores) || scores > m.max_attention_bytes / 4) {
+  int64_t row_heads = 0, scores = 0;
+  if (__builtin_mul_overflow(p.rows, m.num_heads, &row_heads) ||
+      __builtin_mul_overflow(row_heads, p.q_len * p.k_len, &scores) || scores > m.max_attention_bytes / 4) {
     return Invalid("the attention matrix (" + std::to_string(p.rows) + ", " + std::to_string(m.num_heads) + ", " +
                    std::to_string(p.q_len) + ", " + std::to_string(p.k_len) + ") is over " +
                    std::to_string(m.max_attention_bytes) + " bytes (--max-attention-bytes)");
@@ -287,6 +305,11 @@ Status Plane::Check(const Queue& queue, const inference::ModelInferRequest& requ
                        c.attn_probs);
       }
     }
+    // Each repeat would be answered in full: a small request could ask for any number of copies.
+    if (request.outputs_size() > 2 || (request.outputs_size() == 2 && p.order_probs[0] == p.order_probs[1])) {
+      return Invalid("an output is requested more than once (" + std::to_string(request.outputs_size()) +
+                     " outputs named); each of " + c.output + " and " + c.attn_probs + " at most once");
+    }
   }
   p.want_probs = std::find(p.order_probs.begin(), p.order_probs.end(), true) != p.order_probs.end();
   return Status::OK;
@@ -330,16 +353,59 @@ void Plane::AnswerZeros(Pending& p, Queue& queue) {
   Settle(p, &queue, Status::OK);
 }
 
-grpc::ServerUnaryReactor* Plane::ModelInfer(grpc::CallbackServerContext* context,
-                                            const inference::ModelInferRequest* request,
-                                            inference::ModelInferResponse* response) {
-  auto* reactor = context->DefaultReactor();
+namespace {
+
+// A ModelInfer call whose request the plane parses itself (gRPC's generated handler answers bytes
+// that do not parse UNIMPLEMENTED, without a message); it owns the parsed request until gRPC is done.
+class InferCall final : public grpc::ServerUnaryReactor {
+ public:
+  inference::ModelInferRequest request;
+  void OnDone() override { delete this; }
+};
+
+}  // namespace
+
+Plane::Plane(Contract contract) : contract_(std::move(contract)) {
+  // ModelInfer's request as raw bytes (the response stays typed), by the method's index in the proto.
+  const int method = inference::ModelInferRequest::descriptor()
+                         ->file()
+                         ->FindServiceByName("GRPCInferenceService")
+                         ->FindMethodByName("ModelInfer")
+                         ->index();
+  MarkMethodCallback(
+      method, new grpc::internal::CallbackUnaryHandler<grpc::ByteBuffer, inference::ModelInferResponse>(
+                  [this](grpc::CallbackServerContext*, const grpc::ByteBuffer* bytes,
+                         inference::ModelInferResponse* response) {
+                    auto* call = new InferCall;
+                    std::string why;
+                    if (!Parse(*bytes, &call->request, &why)) {
+                      counters_.requests++;
+                      counters_.refused++;
+                      Answer(call, nullptr, Invalid(why));
+                    } else {
+                      Admit(call, &call->request, response);
+                    }
+                    return call;
+                  }));
+}
+
+bool Plane::Parse(const grpc::ByteBuffer& bytes, inference::ModelInferRequest* request, std::string* why) {
+  grpc::ByteBuffer copy(bytes);  // shares the slices; the reader takes a mutable buffer
+  grpc::ProtoBufferReader reader(&copy);
+  if (!reader.status().ok() || !request->ParseFromZeroCopyStream(&reader)) {
+    *why = "the request message does not parse as a ModelInferRequest (" + std::to_string(bytes.Length()) + " bytes)";
+    return false;
+  }
+  return true;
+}
+
+void Plane::Admit(grpc::ServerUnaryReactor* reactor, const inference::ModelInferRequest* request,
+                  inference::ModelInferResponse* response) {
   Pending p;
   p.reactor = reactor;
   p.request = request;
   p.response = response;
   Admit(std::move(p));
-  return reactor;
 }
 
 void Plane::Admit(Pending p) {

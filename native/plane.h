@@ -96,7 +96,7 @@ struct Counters {
 
 class Plane final : public inference::GRPCInferenceService::CallbackService {
  public:
-  explicit Plane(Contract contract) : contract_(std::move(contract)) {}
+  explicit Plane(Contract contract);  // ModelInfer's handler: raw bytes, parsed by Parse, then Admit
   ~Plane() override;
 
   size_t AddModel(const ModelLimits& limits);
@@ -127,11 +127,14 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   int64_t InFlight() const { return in_flight_; }  // calls queued or computing, every model
   const ModelLimits& model(size_t index) const { return models_.at(index)->limits; }
 
-  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
-                                       const inference::ModelInferRequest* request,
-                                       inference::ModelInferResponse* response) override;
   grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>* ModelStreamInfer(
       grpc::CallbackServerContext* context) override;
+  // Bytes that do not parse are refused with `why` (INVALID_ARGUMENT), as the Python plane does.
+  static bool Parse(const grpc::ByteBuffer& bytes, inference::ModelInferRequest* request, std::string* why);
+  // Checks one parsed ModelInfer call and queues it (or answers it, when it is refused or in zeros
+  // mode); the request and response must outlive the call. The handler and the fuzzer's entry point.
+  void Admit(grpc::ServerUnaryReactor* reactor, const inference::ModelInferRequest* request,
+             inference::ModelInferResponse* response);
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,
                                        inference::ServerLiveResponse* response) override;

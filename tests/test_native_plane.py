@@ -32,7 +32,9 @@ from attnserve.server import native
 from attnserve.server.config import ServerConfig
 from attnserve.server.engine import Engine, choose_device
 from attnserve.server.repository import read_model_spec
+from hypothesis import HealthCheck, given, settings
 
+from tests import test_fuzz
 from tests.gated_server import GatedServer
 from tests.oip import eager, infer_request, outputs_of
 from tests.server_process import REPO_ROOT, ServerProcess
@@ -157,12 +159,110 @@ def test_unknown_model_and_version_are_not_found(stub):
         assert exc.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_bytes_that_are_no_message_are_refused_without_a_crash(channel, stub):
+@pytest.mark.parametrize("data", [b"\xff\xff\xff\xff\x0f garbage", b"\x0a\xff\xff\xff\xff\x0f", b"\x12"],
+                         ids=["bad_varint", "cut_string", "cut_tag"])
+def test_bytes_that_are_no_message_are_invalid_argument_with_a_message(channel, stub, data):
     call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
     with pytest.raises(grpc.RpcError) as exc:
-        call(b"\xff\xff\xff\xff\x0f garbage", timeout=30)
-    assert exc.value.code() != grpc.StatusCode.OK
+        call(data, timeout=30)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value.details()
+    assert "does not parse as a ModelInferRequest" in exc.value.details()
     assert stub.ServerLive(pb.ServerLiveRequest(), timeout=30).live
+
+
+# -- hostile bytes: no crash, no overread, no unbounded allocation, a short answer ---------------
+
+MAX_DETAILS = 1024 + 64  # server/quoting.py's MAX_DETAILS_CHARS and the cut marker
+
+
+def _hostile_requests() -> dict[str, tuple[pb.ModelInferRequest, grpc.StatusCode]]:
+    good = inputs("self_attention", np.random.default_rng(4), 1, 4, 5, "b_q_k")
+    invalid, not_found = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
+    cases = {}
+    for raw in (True, False):  # a huge declared shape (within every limit) and no contents at all
+        r = infer_request("self_attention", raw=raw, **good)
+        r.inputs[0].shape[:] = [1, 8192, 512]
+        r.inputs[1].shape[:] = r.inputs[2].shape[:] = [1, 8192, 512]
+        r.inputs[3].shape[:] = [1, 8192, 8192]
+        del r.raw_input_contents[:]
+        for t in r.inputs:
+            t.ClearField("contents")
+        cases[f"huge_shape_no_contents_{'raw' if raw else 'typed'}"] = (r, invalid)
+    r = infer_request("self_attention", **good)
+    r.inputs[0].shape[:] = [1] * 1_000_000  # the message names a million dims
+    cases["million_dims"] = (r, invalid)
+    r = infer_request("self_attention", **good)
+    r.inputs[3].shape[:] = [1, 1 << 40, 4, 5]  # heads no data could fill
+    cases["mask_heads_absurd"] = (r, invalid)
+    big = inputs("self_attention", np.random.default_rng(5), 1, 64, 64, None)
+    r = infer_request("self_attention", **big)
+    for _ in range(20_000):  # each repeat would be answered in full: 20,000 x 128 KiB
+        r.outputs.add(name="attn_probs")
+    cases["outputs_repeated"] = (r, invalid)
+    cases["output_twice"] = (infer_request("self_attention", outputs=("output", "output"), **good), invalid)
+    r = infer_request("self_attention", **good)
+    r.raw_input_contents.extend([b""] * 20_000)
+    cases["raw_entries_blown_up"] = (r, invalid)
+    r = infer_request("self_attention", **good)
+    r.raw_input_contents.append(b"\x00" * 16)
+    cases["raw_entry_extra"] = (r, invalid)
+    r = infer_request("self_attention", **good)
+    for _ in range(20_000):
+        r.inputs.add(name="key", datatype="FP32", shape=[1, 5, 512])
+    cases["inputs_repeated"] = (r, invalid)
+    r = infer_request("self_attention", raw=False, **good)
+    r.inputs[0].contents.fp32_contents.extend([0.0] * 4)  # typed values one row short of, then past, the shape
+    cases["typed_count_over"] = (r, invalid)
+    r = infer_request("self_attention", raw=False, **good)
+    del r.inputs[1].contents.fp32_contents[-1]
+    cases["typed_count_under"] = (r, invalid)
+    r = infer_request("self_attention", raw=False, **good)
+    r.inputs[3].contents.ClearField("bool_contents")
+    r.inputs[3].contents.fp32_contents.extend([1.0] * 20)  # the mask's values in the wrong field
+    cases["mask_wrong_field"] = (r, invalid)
+    long_name = "x" * (1 << 20)  # quoted back: the trailer must stay small
+    cases["long_model_name"] = (infer_request(long_name, **good), not_found)
+    cases["long_version"] = (infer_request("self_attention", version=long_name, **good), not_found)
+    r = infer_request("self_attention", **good)
+    r.inputs[3].name = long_name
+    cases["long_input_name"] = (r, invalid)
+    r = infer_request("self_attention", **good)
+    r.inputs[0].datatype = long_name
+    cases["long_datatype"] = (r, invalid)
+    cases["long_output_name"] = (infer_request("self_attention", outputs=(long_name,), **good), invalid)
+    return cases
+
+
+HOSTILE = _hostile_requests()
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_request_gets_a_short_answer_and_no_memory_grows(native_server, stub, case):
+    request, code = HOSTILE[case]
+    before_kib = native_server.memory_kib("VmRSS")
+    with pytest.raises(grpc.RpcError) as exc:
+        stub.ModelInfer(request, timeout=30)
+    assert exc.value.code() == code, (exc.value.code(), exc.value.details()[:300])
+    assert len(exc.value.details()) <= MAX_DETAILS, len(exc.value.details())
+    # Nothing was allocated for what the shapes declare (a (1, 8192, 8192) mask and its batch, or
+    # 20,000 answers of 128 KiB): the peak stays within the message itself, a few MiB.
+    grown_kib = native_server.memory_kib("VmHWM") - before_kib
+    assert grown_kib < 256 * 1024, grown_kib
+    rng = np.random.default_rng(8)
+    assert outputs_of(stub.ModelInfer(infer_request("self_attention", **inputs("self_attention", rng, 1, 3, 3, None))))
+
+
+@settings(max_examples=100, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
+@given(request=test_fuzz.malformed_requests())
+def test_malformed_requests_get_a_proper_status(stub, request):
+    """tests/test_fuzz.py's attack, against the native port."""
+    try:
+        response = stub.ModelInfer(request, timeout=30)
+    except grpc.RpcError as err:
+        assert err.code() not in test_fuzz.FORBIDDEN, (err.code(), err.details(), request)
+    else:
+        test_fuzz._check_ok(request, response)
 
 
 # -- batching, in-process: the test is the plane's runner -----------------------------------------
