@@ -337,6 +337,7 @@ def test_one_json_access_line_per_call_with_its_fields_for_ok_and_each_error_cla
         proc.gate.release()
         stub.ModelInfer(infer_request("self_attention", request_id="ok-1", **_inputs(1, 4)),
                         metadata=(("traceparent", header),), timeout=WAIT_S)
+        proc.gate.wait_started()  # ok-1's own line: the next wait_started() must be the held batch's
         bad = _inputs(1, 4)
         bad["query"] = bad["query"][:, :, :100]
         for request in (infer_request("self_attention", request_id="bad-1", **bad),
