@@ -115,6 +115,38 @@ PYBIND11_MODULE(_native, m) {
         return std::vector<uint64_t>(codes.begin(), codes.end());
       }, "calls of model `index` finished, by gRPC status code (a list of 17); index == models: unknown models")
       .def("models", &Plane::Models)
+      // Request control (docs/native-data-plane.md, "Request control").
+      .def("set_schedule", [](Plane& p, size_t index, uint64_t priority_levels, uint64_t default_priority_level,
+                              uint64_t default_timeout_us, bool allow_timeout_override) {
+        if (index >= p.Models()) throw py::index_error("no such model");
+        p.SetSchedule(index, ModelLimits::Schedule{priority_levels, default_priority_level, default_timeout_us,
+                                                   allow_timeout_override});
+      }, py::arg("index"), py::arg("priority_levels"), py::arg("default_priority_level"),
+         py::arg("default_timeout_us"), py::arg("allow_timeout_override"),
+         "model `index`'s schedule policy (server.scheduling.QueuePolicy's numbers)")
+      .def("set_priority_aging", &Plane::SetPriorityAging,
+           "a queued request gains one level per this many batches formed without it (--priority-aging-batches)")
+      .def("on_stop", [](Plane& p, Batch& batch, py::object stop) {
+        // The callable is released under the GIL, whichever thread drops the last reference.
+        std::shared_ptr<py::object> held(new py::object(std::move(stop)), [](py::object* o) {
+          py::gil_scoped_acquire gil;
+          delete o;
+        });
+        p.OnStop(batch, [held] {
+          py::gil_scoped_acquire gil;  // a gRPC thread's, rarely: once per stopped run
+          try {
+            (*held)();
+          } catch (py::error_already_set& err) {
+            err.discard_as_unraisable("attnserve.server._native: a batch's stop");
+          }
+        });
+      }, "stop() is called once every call of the batch is cancelled (at once if they are), from a gRPC thread "
+         "holding the GIL")
+      .def("cancellations", [](const Plane& p, size_t index) {
+        if (index >= p.Models()) throw py::index_error("no such model");
+        auto counts = p.Cancellations(index);
+        return std::vector<uint64_t>(counts.begin(), counts.end());
+      }, "cancelled calls of model `index`: (client, deadline) x (queued, running, terminated), a list of 6")
       .def("counters", [](const Plane& p) {
         const auto& c = p.counters();
         py::dict d;

@@ -1,9 +1,14 @@
 #include "plane.h"
 
 #include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <numeric>
 #include <sstream>
 
+#include <grpc/support/time.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
 namespace attnserve {
@@ -58,10 +63,117 @@ struct Data {
   size_t size = 0;
 };
 
+// -- request control's helpers (docs/native-data-plane.md, "Request control") --------------------
+
+// A gRPC client cancels at its own deadline, which runs out before the server's: a cancel this
+// close to it counts as the deadline (server.request_path's _DEADLINE_SLACK_S).
+constexpr auto kDeadlineSlack = std::chrono::milliseconds(500);
+// Longer timeouts are as good as none, and stay clear of the clock's overflow.
+constexpr uint64_t kMaxTimeoutUs = uint64_t{1} << 50;
+enum CancelReason : size_t { kClient = 0, kDeadline = 1 };
+enum CancelStage : size_t { kQueued = 0, kRunning = 1, kTerminated = 2 };
+
+Status Cancelled() { return Status(StatusCode::CANCELLED, "the client went away"); }  // server.errors.CANCELLED
+
+// The call's gRPC deadline on the steady clock (kNever: none).
+TimePoint CallDeadline(const grpc::CallbackServerContext* context) {
+  const gpr_timespec raw = context->raw_deadline();
+  const gpr_timespec left = gpr_time_sub(gpr_convert_clock_type(raw, GPR_CLOCK_MONOTONIC), gpr_now(GPR_CLOCK_MONOTONIC));
+  if (gpr_time_cmp(raw, gpr_inf_future(raw.clock_type)) == 0 || left.tv_sec > (int64_t{1} << 32)) return kNever;
+  return Clock::now() + std::chrono::seconds(left.tv_sec) + std::chrono::nanoseconds(left.tv_nsec);
+}
+
+// Seconds with three decimals, as the Python plane's f"{s:.3f}".
+std::string Seconds3(Clock::duration d) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.3f", std::chrono::duration<double>(d).count());
+  return text;
+}
+
+// Python's repr() of a str (quotes, escapes) and of a float: the Python plane's words.
+std::string PyRepr(const std::string& s) {
+  const char quote = s.find('\'') != std::string::npos && s.find('"') == std::string::npos ? '"' : '\'';
+  std::string out(1, quote);
+  for (unsigned char c : s) {
+    if (c == '\\' || c == static_cast<unsigned char>(quote)) {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c < 0x20 || c == 0x7f) {
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "\\x%02x", c);
+      out += hex;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + quote;
+}
+
+std::string PyFloat(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v < 0 ? "-inf" : "inf";
+  char buf[64];
+  auto end = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::scientific).ptr;  // shortest digits
+  std::string sci(buf, end);
+  const size_t e = sci.find('e');
+  const int exp = std::stoi(sci.substr(e + 1));
+  std::string digits = sci.substr(0, e);
+  const bool negative = digits[0] == '-';
+  if (negative) digits.erase(0, 1);
+  digits.erase(std::remove(digits.begin(), digits.end(), '.'), digits.end());
+  std::string out;
+  if (exp < -4 || exp >= 16) {  // repr's switch to exponent notation
+    out = digits.substr(0, 1) + (digits.size() > 1 ? "." + digits.substr(1) : "");
+    char tail[16];
+    std::snprintf(tail, sizeof tail, "e%c%02d", exp < 0 ? '-' : '+', std::abs(exp));
+    out += tail;
+  } else if (exp < 0) {
+    out = "0." + std::string(static_cast<size_t>(-exp - 1), '0') + digits;
+  } else {
+    if (digits.size() <= static_cast<size_t>(exp) + 1) digits += std::string(static_cast<size_t>(exp) + 1 - digits.size(), '0');
+    out = digits.substr(0, static_cast<size_t>(exp) + 1) + "." +
+          (digits.size() > static_cast<size_t>(exp) + 1 ? digits.substr(static_cast<size_t>(exp) + 1) : "0");
+  }
+  return negative ? "-" + out : out;
+}
+
+// A schedule parameter as server.scheduling._parameter_int reads it: absent (false), an integer
+// >= 0, or INVALID_ARGUMENT in the Python plane's words.
+Status ParameterInt(const inference::ModelInferRequest& request, const std::string& name, uint64_t* value, bool* given) {
+  const auto found = request.parameters().find(name);
+  *given = found != request.parameters().end();
+  if (!*given) return Status::OK;
+  const inference::InferParameter& v = found->second;
+  using P = inference::InferParameter;
+  if (v.parameter_choice_case() == P::kUint64Param) {
+    *value = v.uint64_param();
+    return Status::OK;
+  }
+  if (v.parameter_choice_case() == P::kInt64Param) {
+    if (v.int64_param() < 0) {
+      return Invalid("parameter '" + name + "' must be >= 0, got " + std::to_string(v.int64_param()));
+    }
+    *value = static_cast<uint64_t>(v.int64_param());
+    return Status::OK;
+  }
+  std::string got = "nothing";
+  if (v.parameter_choice_case() == P::kBoolParam) got = std::string("bool_param ") + (v.bool_param() ? "True" : "False");
+  if (v.parameter_choice_case() == P::kStringParam) got = "string_param " + PyRepr(v.string_param());
+  if (v.parameter_choice_case() == P::kDoubleParam) got = "double_param " + PyFloat(v.double_param());
+  return Invalid("parameter '" + name + "' must be an integer (int64_param or uint64_param; a JSON integer), got " + got);
+}
+
 }  // namespace
 
 Plane::~Plane() {
   if (server_ && !stopping_) Stop(0);
+  StopTimer();
 }
 
 size_t Plane::AddModel(const ModelLimits& limits) {
@@ -90,6 +202,7 @@ int Plane::Start(const std::string& address, int max_message_bytes, int max_conc
     server_.reset();
     return 0;
   }
+  if (!timer_.joinable()) timer_ = std::thread([this] { Reap(); });
   return port;
 }
 
@@ -150,6 +263,7 @@ void Plane::Stop(double grace_s) {
                       std::chrono::microseconds(static_cast<int64_t>(grace_s * 1e6)));
     server_.reset();
   }
+  StopTimer();
 }
 
 Status Plane::Check(const Queue& queue, const inference::ModelInferRequest& request, Pending& p) const {
@@ -159,6 +273,8 @@ Status Plane::Check(const Queue& queue, const inference::ModelInferRequest& requ
     return Status(StatusCode::NOT_FOUND, "model " + m.name + " has no version '" + request.model_version() +
                                               "'; serving version " + m.version);
   }
+  // Triton's schedule policy (`priority`, `timeout`), read before any tensor, as the Python plane does.
+  if (Status schedule = Schedule(m, request, p); !schedule.ok()) return schedule;
   const bool raw = request.raw_input_contents_size() > 0;
   if (raw && request.raw_input_contents_size() != request.inputs_size()) {
     return Invalid("raw_input_contents holds " + std::to_string(request.raw_input_contents_size()) +
@@ -359,8 +475,14 @@ namespace {
 // that do not parse UNIMPLEMENTED, without a message); it owns the parsed request until gRPC is done.
 class InferCall final : public grpc::ServerUnaryReactor {
  public:
+  InferCall(Plane* plane, TimePoint deadline) : plane_(plane), deadline_(deadline) {}
   inference::ModelInferRequest request;
+  void OnCancel() override { plane_->Cancel(this, nullptr, deadline_); }  // after the handler returned
   void OnDone() override { delete this; }
+
+ private:
+  Plane* plane_;
+  TimePoint deadline_;
 };
 
 }  // namespace
@@ -374,16 +496,17 @@ Plane::Plane(Contract contract) : contract_(std::move(contract)) {
                          ->index();
   MarkMethodCallback(
       method, new grpc::internal::CallbackUnaryHandler<grpc::ByteBuffer, inference::ModelInferResponse>(
-                  [this](grpc::CallbackServerContext*, const grpc::ByteBuffer* bytes,
+                  [this](grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
                          inference::ModelInferResponse* response) {
-                    auto* call = new InferCall;
+                    const TimePoint deadline = CallDeadline(context);
+                    auto* call = new InferCall(this, deadline);
                     std::string why;
                     if (!Parse(*bytes, &call->request, &why)) {
                       counters_.requests++;
                       counters_.refused++;
                       Answer(call, nullptr, Invalid(why));
                     } else {
-                      Admit(call, &call->request, response);
+                      Admit(call, &call->request, response, deadline);
                     }
                     return call;
                   }));
@@ -400,8 +523,9 @@ bool Plane::Parse(const grpc::ByteBuffer& bytes, inference::ModelInferRequest* r
 }
 
 void Plane::Admit(grpc::ServerUnaryReactor* reactor, const inference::ModelInferRequest* request,
-                  inference::ModelInferResponse* response) {
+                  inference::ModelInferResponse* response, TimePoint call_deadline) {
   Pending p;
+  p.deadline = call_deadline;
   p.reactor = reactor;
   p.request = request;
   p.response = response;
@@ -438,6 +562,7 @@ void Plane::Admit(Pending p) {
     AnswerZeros(p, queue);
     return;
   }
+  TimePoint deadline = kNever;
   {
     std::unique_lock<std::mutex> lock(queue.mu);
     if (static_cast<int64_t>(queue.pending.size()) >= queue.limits.max_queue_size) {
@@ -448,15 +573,25 @@ void Plane::Admit(Pending p) {
                                    std::to_string(queue.limits.max_queue_size) + " requests, --max-queue-size)"));
       return;
     }
+    if (p.deadline <= Clock::now()) {  // server.batcher's words
+      lock.unlock();
+      counters_.refused++;
+      Settle(p, &queue, Status(StatusCode::DEADLINE_EXCEEDED, "model " + queue.limits.name +
+                                   ": the request's deadline passed before it was queued; not computed"));
+      return;
+    }
+    p.since = queue.formed;
+    deadline = p.deadline;
     queue.pending.push_back(std::move(p));
     in_flight_++;
   }
   queue.arrived.notify_one();
+  if (deadline != kNever) Arm(deadline);
 }
 
 grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>* Plane::ModelStreamInfer(
-    grpc::CallbackServerContext*) {
-  return new StreamCall(this);  // deletes itself in OnDone
+    grpc::CallbackServerContext* context) {
+  return new StreamCall(this, CallDeadline(context));  // deletes itself in OnDone
 }
 
 namespace {
@@ -472,7 +607,23 @@ const char* CodeName(StatusCode code) {
 
 }  // namespace
 
-StreamCall::StreamCall(Plane* plane) : plane_(plane) { StartRead(&incoming_); }
+StreamCall::StreamCall(Plane* plane, TimePoint call_deadline) : plane_(plane), deadline_(call_deadline) {
+  StartRead(&incoming_);
+}
+
+void StreamCall::OnCancel() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    broken_ = true;  // nobody reads the answers: those still owed are dropped as they come
+  }
+  plane_->Cancel(nullptr, this, deadline_);
+  Next next;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    next = Step();
+  }
+  Run(next);
+}
 
 void StreamCall::OnReadDone(bool ok) {
   if (!ok) {  // the client's half-close, or the stream is gone
@@ -488,6 +639,7 @@ void StreamCall::OnReadDone(bool ok) {
   }
   Pending p;
   p.stream = this;
+  p.deadline = deadline_;
   {
     std::lock_guard<std::mutex> lock(mu_);
     Slot slot;
@@ -573,11 +725,30 @@ std::unique_ptr<Batch> Plane::Form(size_t index, Queue& queue) {
   const ModelLimits& m = queue.limits;
   auto batch = std::make_unique<Batch>();
   batch->model = index;
-  std::deque<Pending> kept;
   int64_t useful = 0, exact_k = -1;
-  while (!queue.pending.empty()) {
-    Pending p = std::move(queue.pending.front());
-    queue.pending.pop_front();
+  // Service order (server.scheduling.PriorityQueue): by aged level, then arrival; one level: arrival.
+  const size_t n = queue.pending.size();
+  std::vector<size_t> order(n);
+  std::iota(order.begin(), order.end(), size_t{0});
+  const bool one_level = std::all_of(queue.pending.begin(), queue.pending.end(),
+                                     [&](const Pending& p) { return p.priority == queue.pending.front().priority; });
+  if (!one_level) {
+    std::vector<uint64_t> level(n);
+    for (size_t i = 0; i < n; ++i) {  // one level better per aging_batches_ batches that passed it over
+      const uint64_t gained = (queue.formed - queue.pending[i].since) / aging_batches_;
+      level[i] = queue.pending[i].priority > gained + 1 ? queue.pending[i].priority - gained : 1;
+    }
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return level[a] < level[b]; });
+  }
+  std::vector<char> taken(n, 0);
+  const auto now = Clock::now();
+  for (size_t i : order) {
+    Pending& p = queue.pending[i];
+    if (p.deadline <= now) {  // expired, its timer not yet run: refused by NextBatch
+      queue.expired.push_back(std::move(p));
+      taken[i] = 1;
+      continue;
+    }
     if (!batch->items.empty()) {
       const int64_t rows = batch->rows + p.rows;
       const int64_t q = std::max(batch->q_len, p.q_len), k = std::max(batch->k_len, p.k_len);
@@ -585,11 +756,9 @@ std::unique_ptr<Batch> Plane::Form(size_t index, Queue& queue) {
                                       (static_cast<double>(rows) * q * k);
       const bool fits = rows <= m.max_batch_size && padded <= m.max_padding_ratio && (exact_k < 0 || exact_k == k) &&
                         (!p.exact_k_len || p.k_len == k);
-      if (!fits) {
-        kept.push_back(std::move(p));
-        continue;
-      }
+      if (!fits) continue;
     }
+    taken[i] = 1;
     batch->first_row.push_back(batch->rows);
     batch->rows += p.rows;
     batch->q_len = std::max(batch->q_len, p.q_len);
@@ -600,8 +769,15 @@ std::unique_ptr<Batch> Plane::Form(size_t index, Queue& queue) {
     if (p.heads_differ) batch->mask_heads = m.num_heads;
     batch->items.push_back(std::move(p));
   }
-  batch->padding_ratio = 1.0 - static_cast<double>(useful) / (static_cast<double>(batch->rows) * batch->q_len * batch->k_len);
+  std::deque<Pending> kept;  // in arrival order still
+  for (size_t i = 0; i < n; ++i)
+    if (!taken[i]) kept.push_back(std::move(queue.pending[i]));
   queue.pending.swap(kept);
+  if (batch->items.empty()) return batch;  // every one had expired
+  batch->padding_ratio = 1.0 - static_cast<double>(useful) / (static_cast<double>(batch->rows) * batch->q_len * batch->k_len);
+  queue.formed++;
+  batch->cancelled.assign(batch->items.size(), 0);
+  queue.running.push_back(batch.get());
   return batch;
 }
 
@@ -614,13 +790,22 @@ size_t Plane::Queued(size_t index) {
 std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
   Queue& queue = *models_.at(index);
   std::unique_ptr<Batch> batch;
+  std::vector<Pending> expired;
   {
     std::unique_lock<std::mutex> lock(queue.mu);
     queue.arrived.wait_for(lock, std::chrono::milliseconds(timeout_ms),
                            [&] { return stopping_ || !queue.pending.empty(); });
     if (stopping_ || queue.pending.empty()) return nullptr;
     batch = Form(index, queue);
+    expired.swap(queue.expired);
   }
+  for (auto& p : expired) {  // server.batcher's words, at batch formation
+    Settle(p, &queue, Status(StatusCode::DEADLINE_EXCEEDED, "deadline passed after " +
+                                 Seconds3(Clock::now() - p.arrived) + "s in the queue of model " +
+                                 queue.limits.name + "; not computed"));
+  }
+  if (!expired.empty()) Left(static_cast<int64_t>(expired.size()));
+  if (batch->items.empty()) return nullptr;
   const auto started = Clock::now();
   const ModelLimits& m = queue.limits;
   const int64_t rows = batch->rows, lq = batch->q_len, lk = batch->k_len;
@@ -668,6 +853,7 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
 void Plane::Complete(Batch& batch, const float* output, const float* attn_probs) {
   if (batch.settled) return;
   batch.settled = true;
+  const std::vector<char> cancelled = Unrun(batch);
   auto started = Clock::now();
   counters_.python_ns += static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(started - batch.formed).count());
@@ -676,6 +862,10 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
   for (size_t i = 0; i < batch.items.size(); ++i) {
     Pending& p = batch.items[i];
     const int64_t r0 = batch.first_row[i];
+    if (cancelled[i]) {  // its client went away while it ran (counted then): nobody reads an answer
+      Settle(p, models_.at(batch.model).get(), Cancelled());
+      continue;
+    }
     if (p.want_probs && attn_probs == nullptr) {
       Settle(p, models_.at(batch.model).get(), Status(StatusCode::INTERNAL, "the run returned no attn_probs"));
       continue;
@@ -712,8 +902,175 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
 void Plane::Fail(Batch& batch, StatusCode code, const std::string& message) {
   if (batch.settled) return;
   batch.settled = true;
-  for (auto& p : batch.items) Settle(p, models_.at(batch.model).get(), Status(code, message));
+  const std::vector<char> cancelled = Unrun(batch);  // a stopped run ends here: all cancelled
+  for (size_t i = 0; i < batch.items.size(); ++i)
+    Settle(batch.items[i], models_.at(batch.model).get(), cancelled[i] ? Cancelled() : Status(code, message));
   Left(static_cast<int64_t>(batch.items.size()));
+}
+
+// -- request control (docs/native-data-plane.md, "Request control") --------------------------------
+
+void Plane::SetSchedule(size_t index, const ModelLimits::Schedule& schedule) {
+  Queue& queue = *models_.at(index);
+  std::lock_guard<std::mutex> lock(queue.mu);
+  queue.limits.schedule = schedule;
+}
+
+Status Plane::Schedule(const ModelLimits& m, const inference::ModelInferRequest& request, Pending& p) const {
+  const ModelLimits::Schedule& policy = m.schedule;
+  uint64_t priority = 0, asked = 0;
+  bool given = false;
+  if (Status status = ParameterInt(request, "priority", &priority, &given); !status.ok()) return status;
+  if (!given || priority == 0) {
+    priority = policy.default_priority_level;
+  } else if (priority > policy.priority_levels) {
+    return Invalid("parameter 'priority': this model has priority levels 1.." + std::to_string(policy.priority_levels) +
+                   " (1 the highest, 0 its default " + std::to_string(policy.default_priority_level) + "), got " +
+                   std::to_string(priority));
+  }
+  if (Status status = ParameterInt(request, "timeout", &asked, &given); !status.ok()) return status;
+  uint64_t timeout_us = policy.default_timeout_us;
+  if (asked > 0 && policy.allow_timeout_override) {  // as Triton: it may shorten the model's, never lengthen it
+    timeout_us = timeout_us == 0 ? asked : std::min(asked, timeout_us);
+  }
+  p.priority = priority;
+  if (timeout_us > 0 && timeout_us < kMaxTimeoutUs) {
+    p.deadline = std::min(p.deadline, Clock::now() + std::chrono::microseconds(static_cast<int64_t>(timeout_us)));
+  }
+  return Status::OK;
+}
+
+void Plane::Arm(TimePoint deadline) {
+  {
+    std::lock_guard<std::mutex> lock(timer_mu_);
+    if (deadline >= next_expiry_) return;  // the timer wakes by then already
+    next_expiry_ = deadline;
+  }
+  timer_cv_.notify_one();
+}
+
+void Plane::Reap() {
+  std::unique_lock<std::mutex> lock(timer_mu_);
+  while (!timer_stop_) {
+    if (next_expiry_ == kNever) {
+      timer_cv_.wait(lock);
+    } else {
+      timer_cv_.wait_until(lock, next_expiry_);
+    }
+    if (timer_stop_ || next_expiry_ == kNever || Clock::now() < next_expiry_) continue;
+    next_expiry_ = kNever;  // what is admitted meanwhile arms it again
+    lock.unlock();
+    const TimePoint next = Expire();
+    lock.lock();
+    next_expiry_ = std::min(next_expiry_, next);
+  }
+}
+
+TimePoint Plane::Expire() {
+  TimePoint next = kNever;
+  for (auto& owned : models_) {
+    Queue& queue = *owned;
+    std::vector<Pending> expired;
+    size_t still = 0;
+    {
+      std::lock_guard<std::mutex> lock(queue.mu);
+      const auto now = Clock::now();
+      for (auto it = queue.pending.begin(); it != queue.pending.end();) {
+        if (it->deadline <= now) {
+          expired.push_back(std::move(*it));
+          it = queue.pending.erase(it);
+        } else {
+          next = std::min(next, it->deadline);
+          ++it;
+        }
+      }
+      still = queue.pending.size();
+    }
+    for (auto& p : expired) {  // server.batcher's words, for its queue's timer
+      Settle(p, &queue, Status(StatusCode::DEADLINE_EXCEEDED, "deadline passed after " +
+                                   Seconds3(Clock::now() - p.arrived) + "s in the queue of model " + queue.limits.name +
+                                   " (" + std::to_string(still) + " requests still queued); not computed"));
+    }
+    if (!expired.empty()) Left(static_cast<int64_t>(expired.size()));
+  }
+  return next;
+}
+
+void Plane::StopTimer() {
+  {
+    std::lock_guard<std::mutex> lock(timer_mu_);
+    timer_stop_ = true;
+  }
+  timer_cv_.notify_all();
+  if (timer_.joinable() && timer_.get_id() != std::this_thread::get_id()) timer_.join();
+}
+
+void Plane::Cancel(grpc::ServerUnaryReactor* reactor, StreamCall* stream, TimePoint call_deadline) {
+  const size_t reason = call_deadline != kNever && Clock::now() >= call_deadline - kDeadlineSlack ? kDeadline : kClient;
+  auto mine = [&](const Pending& p) { return reactor != nullptr ? p.reactor == reactor : p.stream == stream; };
+  for (auto& owned : models_) {
+    Queue& queue = *owned;
+    std::vector<Pending> left;
+    std::vector<std::function<void()>> stops;
+    {
+      std::lock_guard<std::mutex> lock(queue.mu);
+      for (auto it = queue.pending.begin(); it != queue.pending.end();) {
+        if (mine(*it)) {
+          left.push_back(std::move(*it));
+          it = queue.pending.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (Batch* batch : queue.running) {
+        for (size_t i = 0; i < batch->items.size(); ++i) {
+          if (!mine(batch->items[i]) || batch->cancelled[i]) continue;
+          batch->cancelled[i] = 1;
+          const bool all = std::all_of(batch->cancelled.begin(), batch->cancelled.end(), [](char c) { return c != 0; });
+          // The last one out stops the run (once); until then the batch computes for the others.
+          const bool stops_it = all && !batch->stopped;
+          if (stops_it) {
+            batch->stopped = true;
+            if (batch->on_stop) stops.push_back(batch->on_stop);
+          }
+          queue.cancels[reason * kCancelStages + (stops_it ? kTerminated : kRunning)]++;
+        }
+      }
+      queue.cancels[reason * kCancelStages + kQueued] += left.size();
+    }
+    for (auto& p : left) Settle(p, &queue, Cancelled());
+    if (!left.empty()) Left(static_cast<int64_t>(left.size()));
+    for (auto& stop : stops) stop();  // no lock held: it may take the GIL
+  }
+}
+
+void Plane::OnStop(Batch& batch, std::function<void()> stop) {
+  Queue& queue = *models_.at(batch.model);
+  {
+    std::lock_guard<std::mutex> lock(queue.mu);
+    if (!batch.stopped) {
+      batch.on_stop = std::move(stop);
+      return;
+    }
+  }
+  stop();  // every call left before the runner registered it
+}
+
+std::vector<char> Plane::Unrun(Batch& batch) {
+  Queue& queue = *models_.at(batch.model);
+  std::lock_guard<std::mutex> lock(queue.mu);
+  auto& running = queue.running;
+  running.erase(std::remove(running.begin(), running.end(), &batch), running.end());
+  std::vector<char> cancelled = batch.cancelled;
+  cancelled.resize(batch.items.size(), 0);
+  return cancelled;
+}
+
+std::array<uint64_t, kCancelReasons * kCancelStages> Plane::Cancellations(size_t index) const {
+  const Cancels& cancels = models_.at(index)->cancels;
+  std::array<uint64_t, kCancelReasons * kCancelStages> out{};
+  for (size_t i = 0; i < out.size(); ++i) out[i] = cancels[i].load();
+  return out;
 }
 
 grpc::ServerUnaryReactor* Plane::Table(grpc::CallbackServerContext* context, const std::string& method,

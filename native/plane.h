@@ -10,10 +10,12 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -40,11 +42,24 @@ struct ModelLimits {
   // Masks whose heads differ run on the head-mask graphs; without them they are refused with this.
   bool head_masks = false;
   std::string why_no_head_masks;
+  // The schedule policy (server.scheduling.QueuePolicy from its config.json; Plane::SetSchedule).
+  struct Schedule {
+    uint64_t priority_levels = 2, default_priority_level = 1;  // level 1 the highest
+    uint64_t default_timeout_us = 0;                           // 0: no queue timeout
+    bool allow_timeout_override = true;                        // a request's `timeout` may shorten it
+  } schedule;
 };
 
 // Final statuses by gRPC code (0..16), read by Python at scrape time (attnserve_requests).
 constexpr size_t kCodes = 17;
 using Codes = std::array<std::atomic<uint64_t>, kCodes>;
+
+// Cancelled calls by why x where (attnserve_cancelled_requests_total's reason and stage), in this
+// order: (client, deadline) x (queued, running, terminated); Plane::Cancellations reads them.
+constexpr size_t kCancelReasons = 2, kCancelStages = 3;
+using Cancels = std::array<std::atomic<uint64_t>, kCancelReasons * kCancelStages>;
+using TimePoint = std::chrono::steady_clock::time_point;
+constexpr TimePoint kNever = TimePoint::max();
 
 class StreamCall;
 
@@ -69,6 +84,11 @@ struct Pending {
   std::vector<bool> order_probs;  // the requested outputs in order: true = attn_probs
   bool exact_k_len = false;       // a query row masks all its keys: never pad its keys
   std::chrono::steady_clock::time_point started, arrived;  // the handler's start; queued
+  // The schedule (docs/server.md, "Priorities and queue timeouts"): refused unrun once `deadline`
+  // (the earlier of the call's and its `timeout`) passes while queued; served by aged level.
+  TimePoint deadline = kNever;
+  uint64_t priority = 1;
+  uint64_t since = 0;  // its queue's batches formed when it arrived: how long it was passed over
 };
 
 // A formed batch: its requests and their merged, padded inputs, owned here, viewed by numpy.
@@ -86,6 +106,11 @@ struct Batch {
   std::vector<double> done_s;            // each answered request's time in the server (seconds), once complete
   std::chrono::steady_clock::time_point formed;
   bool settled = false;
+  // Cancellation, under its model's queue lock: which items' clients went away while it ran, and
+  // once all had, the run's stop (the runner's RunStop, Plane::OnStop) called once.
+  std::vector<char> cancelled;
+  bool stopped = false;
+  std::function<void()> on_stop;
 };
 
 // Counters of where time goes (nanoseconds, counts), read by Python at any time.
@@ -127,6 +152,17 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   int64_t InFlight() const { return in_flight_; }  // calls queued or computing, every model
   const ModelLimits& model(size_t index) const { return models_.at(index)->limits; }
 
+  // Request control (docs/native-data-plane.md, "Request control"): schedule policy per model,
+  // aging in batches (--priority-aging-batches), cancellation of a call or a whole stream.
+  void SetSchedule(size_t index, const ModelLimits::Schedule& schedule);
+  void SetPriorityAging(uint64_t batches) { aging_batches_ = batches > 0 ? batches : 1; }
+  // A call's client went away (OnCancel): out of its queue now, or marked in its running batch,
+  // whose stop is called once every call in it is gone. call_deadline: its gRPC deadline (the reason).
+  void Cancel(grpc::ServerUnaryReactor* reactor, StreamCall* stream, TimePoint call_deadline);
+  // The runner's way to stop `batch`'s run: called once every call in it is cancelled (now if so).
+  void OnStop(Batch& batch, std::function<void()> stop);
+  std::array<uint64_t, kCancelReasons * kCancelStages> Cancellations(size_t index) const;
+
   grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>* ModelStreamInfer(
       grpc::CallbackServerContext* context) override;
   // Bytes that do not parse are refused with `why` (INVALID_ARGUMENT), as the Python plane does.
@@ -134,7 +170,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   // Checks one parsed ModelInfer call and queues it (or answers it, when it is refused or in zeros
   // mode); the request and response must outlive the call. The handler and the fuzzer's entry point.
   void Admit(grpc::ServerUnaryReactor* reactor, const inference::ModelInferRequest* request,
-             inference::ModelInferResponse* response);
+             inference::ModelInferResponse* response, TimePoint call_deadline = kNever);
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,
                                        inference::ServerLiveResponse* response) override;
@@ -163,8 +199,12 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
     ModelLimits limits;
     std::mutex mu;
     std::condition_variable arrived;
-    std::deque<Pending> pending;
+    std::deque<Pending> pending;  // in arrival order; Form takes them in service order
     Codes codes{};
+    std::vector<Batch*> running;  // formed, not yet settled: where a cancelled call may be
+    uint64_t formed = 0;          // batches formed that took requests (aging)
+    Cancels cancels{};
+    std::vector<Pending> expired;  // found expired by Form, refused by NextBatch once unlocked
   };
 
   grpc::Status Check(const Queue& queue, const inference::ModelInferRequest& request, Pending& p) const;
@@ -179,6 +219,14 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   grpc::ServerUnaryReactor* Table(grpc::CallbackServerContext* context, const std::string& method,
                                   const std::string& name, google::protobuf::Message* response);
   std::unique_ptr<Batch> Form(size_t index, Queue& queue);  // with queue.mu held
+  // Request control's private parts: the parameters read at admission, the timer thread that
+  // refuses a queued call once its deadline passes, and a running batch's end.
+  grpc::Status Schedule(const ModelLimits& m, const inference::ModelInferRequest& request, Pending& p) const;
+  void Arm(TimePoint deadline);  // the timer wakes by `deadline`
+  void Reap();                   // the timer thread
+  TimePoint Expire();            // refuses what has expired; the next deadline still queued
+  void StopTimer();
+  std::vector<char> Unrun(Batch& batch);  // out of its queue's running list; which items were cancelled
 
   Contract contract_;
   std::vector<std::unique_ptr<Queue>> models_;
@@ -193,6 +241,12 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   bool zeros_ = false;
   int64_t stream_window_ = 64;
   Counters counters_;
+  uint64_t aging_batches_ = 4;
+  std::thread timer_;
+  std::mutex timer_mu_;
+  std::condition_variable timer_cv_;
+  TimePoint next_expiry_ = kNever;
+  bool timer_stop_ = false;
 };
 
 // One ModelStreamInfer stream: reads requests as they come (up to the plane's stream window in
@@ -202,8 +256,9 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
 class StreamCall final
     : public grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse> {
  public:
-  explicit StreamCall(Plane* plane);
+  StreamCall(Plane* plane, TimePoint call_deadline);
   void OnReadDone(bool ok) override;
+  void OnCancel() override;  // every request of it leaves the plane (Plane::Cancel)
   void OnWriteDone(bool ok) override;
   void OnDone() override { delete this; }
   // The plane settled request `seq` (any thread): its answer, OK from its response, else the status.
@@ -224,6 +279,7 @@ class StreamCall final
   void Run(const Next& next);
 
   Plane* plane_;
+  TimePoint deadline_;  // the stream's gRPC deadline: each request's
   std::mutex mu_;
   inference::ModelInferRequest incoming_;
   std::deque<Slot> slots_;  // in request order: the first is the next to write

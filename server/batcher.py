@@ -249,6 +249,11 @@ class Batcher:
         return self._run_batch
 
     @property
+    def stoppable_runs(self) -> bool:
+        """Whether run_batch and run_solo take `stop=` (server.native's runner hands its RunStop)."""
+        return self._stoppable_runs
+
+    @property
     def run_solo(self) -> RunBatch | None:
         """The solo sessions' run (None without them): for server.native's lone requests."""
         return self._run_solo

@@ -11,7 +11,12 @@ batch's own buffers (no copies), runs the model's existing ONNX Runtime engine o
 the outputs back; C++ splits and encodes the answers. The rare RPCs answer from tables made
 here at start (a prototype: they do not follow model changes). Metrics: each batch's figures
 go to the event loop once per batch (server.metrics' histograms and Triton statistics); the calls'
-final statuses are counted in C++ and read into attnserve_requests at scrape time.
+final statuses and cancellations are counted in C++ and read into attnserve_requests and
+attnserve_cancelled_requests at scrape time.
+Request control, with the Python plane's semantics: each model's schedule policy (its
+QueuePolicy) and --priority-aging-batches are handed to C++, which reads `priority`/`timeout`,
+orders and expires its queue; a cancelled call leaves it at once, and a batch whose calls are
+all cancelled is stopped through the RunStop its runner registers (plane.on_stop).
 docs/native-data-plane.md.
 """
 
@@ -23,9 +28,11 @@ import threading
 import time
 
 import grpc
-from attnserve.server.batcher import BatchStats
+from attnserve.server.batcher import QUEUED, RUNNING, TERMINATED, BatchStats
 from attnserve.server.codec import heads_differ_refusal
 from attnserve.server.listen import listen_addresses
+from attnserve.server.request_path import CLIENT, DEADLINE
+from attnserve.server.tensors import RunStop
 
 from attnserve import contract
 
@@ -44,6 +51,8 @@ _WAIT_MS = 100  # how often an idle runner thread looks whether the plane is sto
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}  # as the Python plane labels them
 IN_FLIGHT_METRIC = "attnserve_native_in_flight"  # registered only while the plane serves
 UNKNOWN_MODEL = "_unknown"  # the label of calls naming no known model (server.request_path's)
+# plane.cancellations(index)'s order (native/plane.h's kCancelReasons x kCancelStages).
+CANCEL_LABELS = tuple((reason, stage) for reason in (CLIENT, DEADLINE) for stage in (QUEUED, RUNNING, TERMINATED))
 
 
 def why_unavailable() -> str | None:
@@ -91,11 +100,13 @@ class NativePlane:
         self._metrics = metrics
         self._loop = loop
         self._codes_counted: dict[tuple[str, str], int] = {}  # (model, code) -> final statuses counted so far
+        self._cancels_counted: dict[tuple[str, str, str], int] = {}  # (model, reason, stage) -> counted so far
         self._plane = new_plane(zeros)
         self._runners: list[threading.Thread] = []
         self._stopping = threading.Event()
         names = sorted(registry.loaded)
-        self._models = []  # (name, spec, run, run_solo), by the plane's model index
+        self._models = []  # (name, spec, run, run_solo, stoppable), by the plane's model index
+        self._plane.set_priority_aging(config.priority_aging_batches)
         self._observers = []  # server.metrics.ModelObserver, by the plane's model index
         for name in names:
             lv = registry.get(name)
@@ -106,7 +117,10 @@ class NativePlane:
                 config.max_attention_bytes, config.max_queue_size, config.max_padding_ratio,
                 "" if lv.limits.graphs.takes_head_masks else heads_differ_refusal(spec))
             assert index == len(self._models)
-            self._models.append((name, spec, lv.batcher.run_batch, lv.batcher.run_solo))
+            policy = spec.queue_policy  # the one source of the schedule's numbers (config.json)
+            self._plane.set_schedule(index, policy.priority_levels, policy.default_priority_level,
+                                     policy.default_timeout_us, policy.allow_timeout_override)
+            self._models.append((name, spec, lv.batcher.run_batch, lv.batcher.run_solo, lv.batcher.stoppable_runs))
             if metrics is not None:
                 self._observers.append(metrics.observer(name))
         add_tables(self._plane, request_path, names)
@@ -138,36 +152,48 @@ class NativePlane:
         # Not lowered (unlike the batchers' run threads): this thread also sends the answers
         # (gRPC's Finish), the event loop's part in the Python plane; ONNX Runtime's pool
         # threads keep the compute priority they were opened with.
-        name, spec, run, run_solo = self._models[index]
+        name, spec, run, run_solo, stoppable = self._models[index]
         plane = self._plane
         while not self._stopping.is_set():
             batch = plane.next_batch(index, _WAIT_MS)
             if batch is None:
                 continue
             started = time.perf_counter()
-            solo = failed = False
+            solo = failed = terminated = False
+            # C++ calls stop.stop() once every call of the batch is cancelled (RunOptions.terminate).
+            stop = RunStop()
+            plane.on_stop(batch, stop.stop)
             try:
+                if stop.stopped:  # every call left before it ran
+                    raise RuntimeError("stopped before it ran")
                 feeds = batch.feeds(spec.query_dim, spec.kv_dim)
                 # A lone call (no other in flight) takes the spinning sessions, as the Python
                 # batcher's solo runs do; under load their spinning would starve gRPC's threads.
                 solo = run_solo is not None and plane.in_flight() <= 1
-                output, attn_probs = (run_solo if solo else run)(feeds, batch.want_probs)
+                options = {"stop": stop} if stoppable else {}
+                output, attn_probs = (run_solo if solo else run)(feeds, batch.want_probs, **options)
                 ran = time.perf_counter()
                 plane.complete(batch, output, attn_probs if batch.want_probs else None)
-            except Exception as err:  # the batch's calls fail; the plane keeps serving
-                logger.exception("native data plane: a batch of %s failed", name)
-                plane.fail(batch, f"{type(err).__name__}: {err}")
-                failed, ran = True, time.perf_counter()
-            self._observe(index, batch, started, ran, solo, failed)
+            except Exception as err:
+                ran = time.perf_counter()
+                if stop.stopped:  # every call was cancelled: nobody to tell, no failure (answered CANCELLED)
+                    plane.fail(batch, "stopped")
+                    terminated = True
+                else:  # the batch's calls fail; the plane keeps serving
+                    logger.exception("native data plane: a batch of %s failed", name)
+                    plane.fail(batch, f"{type(err).__name__}: {err}")
+                    failed = True
+            self._observe(index, batch, started, ran, solo, failed, terminated=terminated)
 
-    def _observe(self, index: int, batch, started: float, ran: float, solo: bool, failed: bool) -> None:
+    def _observe(self, index: int, batch, started: float, ran: float, solo: bool, failed: bool,
+                 terminated: bool = False) -> None:
         """The batch's figures to the event loop, which owns the metrics: once per batch."""
         if not self._observers or self._loop is None:
             return
         done = time.perf_counter()
         stats = BatchStats(requests=batch.requests, rows=batch.rows, padding_ratio=batch.padding_ratio,
                            compute_s=done - started, queue_s=tuple(batch.queue_s), failed=failed,
-                           run_s=ran - started, split_s=done - ran, solo=solo)
+                           run_s=ran - started, split_s=done - ran, solo=solo, terminated=terminated)
         try:
             self._loop.call_soon_threadsafe(self._observed, index, stats, tuple(batch.done_s))
         except RuntimeError:
@@ -189,6 +215,13 @@ class NativePlane:
                 if delta > 0:
                     self._metrics.requests.labels(*key).inc(delta)
                     self._codes_counted[key] = count
+        for index, (name, *_rest) in enumerate(self._models):
+            for labels, count in zip(CANCEL_LABELS, self._plane.cancellations(index), strict=True):
+                key = (name, *labels)
+                delta = count - self._cancels_counted.get(key, 0)
+                if delta > 0:
+                    self._metrics.cancelled.labels(*key).inc(delta)
+                    self._cancels_counted[key] = count
 
     def counters(self) -> dict[str, int]:
         return self._plane.counters()
