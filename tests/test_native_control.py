@@ -353,4 +353,6 @@ def test_cancelled_runs_stop_and_a_batch_with_a_live_call_computes_it_exactly(mo
             assert proc.gate.wait_started() == 1
             proc.gate.release()
             np.testing.assert_array_equal(outputs_of(after_all.result())["output"], together)
+            # Computed: the blocker, a + b, b alone and the last; the two stopped runs inferred nothing.
+            _wait_statistics(proc, (5, 4))
         assert "failed" not in proc.log()
