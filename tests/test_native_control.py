@@ -197,6 +197,29 @@ def test_a_timeout_shorter_than_the_queue_ahead_is_refused_unrun(gated, pool):
     assert not gated.gate.has_started()
 
 
+def test_a_queued_call_whose_grpc_deadline_passes_leaves_the_queue_at_once(gated, pool):
+    def gone() -> float:
+        return _cancelled(gated, "deadline", "queued") + _codes(gated, "DEADLINE_EXCEEDED")
+
+    before = gone()
+    held = _hold(gated, pool)
+    late = gated.native.ModelInfer.future(_request(2), timeout=2.0)
+    _in_flight(gated, 2)
+    with pytest.raises(grpc.RpcError) as exc:
+        late.result()
+    assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _in_flight(gated, 1)  # gone while the batch ahead is still held
+    # Whichever comes first takes it out: gRPC's cancel at the deadline (counted cancelled,
+    # deadline, queued) or the plane's own timer at the same deadline (DEADLINE_EXCEEDED).
+    deadline = time.monotonic() + WAIT_S
+    while (left := gone() - before) != 1:
+        assert left == 0 and time.monotonic() < deadline, left
+        time.sleep(0.01)
+    assert not gated.gate.has_started()
+    gated.gate.release()
+    held.result()
+
+
 def test_the_models_default_queue_timeout_and_levels_come_from_its_config(gated, pool):
     held = _hold(gated, pool, CONFIGURED)
     started = time.monotonic()
