@@ -131,7 +131,8 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   // Requests of one ModelStreamInfer stream in the plane at once; reading pauses beyond it.
   void SetStreamWindow(int64_t window) { stream_window_ = window > 0 ? window : 1; }
   int Start(const std::string& address, int max_message_bytes, int max_concurrent_streams);
-  // Blocks up to timeout_ms for a batch of model `index`; nullptr on timeout or once stopping.
+  // Blocks up to timeout_ms for a batch of model `index`; nullptr on timeout, once stopping, or when
+  // every queued call had expired (refused DEADLINE_EXCEEDED here).
   std::shared_ptr<Batch> NextBatch(size_t index, int64_t timeout_ms);
   // output (rows, q_len, out_dim), attn_probs (rows, heads, q_len, k_len) or nullptr: contiguous.
   void Complete(Batch& batch, const float* output, const float* attn_probs);
