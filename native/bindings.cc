@@ -10,6 +10,7 @@ using attnserve::Batch;
 using attnserve::Contract;
 using attnserve::ModelLimits;
 using attnserve::Plane;
+using attnserve::RelayDone;
 
 namespace {
 
@@ -81,6 +82,40 @@ PYBIND11_MODULE(_native, m) {
       .def("set_answer", [](Plane& p, const std::string& method, const std::string& name, py::bytes data) {
         p.SetAnswer(method, name, std::string(data));
       })
+      .def("route", &Plane::Route, py::arg("name"), py::arg("versions"), py::arg("code"), py::arg("refusal"),
+           py::arg("not_loaded"), py::call_guard<py::gil_scoped_release>(),
+           "the versions of `name` served now (version -> model index), or code != 0: every call refused so")
+      .def("unroute", &Plane::Unroute, py::call_guard<py::gil_scoped_release>(), "a name no model has any more")
+      .def("set_serving", &Plane::SetServing, py::call_guard<py::gil_scoped_release>(),
+           "what completes \"unknown model 'X'\"")
+      .def("retire", &Plane::Retire, py::call_guard<py::gil_scoped_release>(),
+           "no call reaches model `index` any more; what is queued there still runs")
+      .def("drained", &Plane::Drained, "retired and nothing queued: its runner may end")
+      .def("set_relay", [](Plane& p, py::function relay) {
+        // Held by gRPC's threads; let go of (and called) with the GIL taken.
+        auto held = std::shared_ptr<py::function>(new py::function(std::move(relay)), [](py::function* f) {
+          py::gil_scoped_acquire gil;
+          delete f;
+        });
+        p.SetRelay([held](const std::string& method, const std::string& request, RelayDone done) {
+          py::gil_scoped_acquire gil;
+          py::cpp_function reply([done](int code, const std::string& details, py::bytes response) {
+            std::string bytes(response);
+            py::gil_scoped_release release;
+            done(code, details, bytes);
+          });
+          try {
+            (*held)(method, py::bytes(request), reply);
+          } catch (py::error_already_set& err) {
+            throw std::runtime_error(err.what());
+          }
+        });
+      }, "relay(method, request bytes, reply): the rare RPCs; reply(code, details, response bytes) once, any thread")
+      .def("final_codes_by_name", [](const Plane& p) {
+        std::map<std::string, std::vector<uint64_t>> out;
+        for (const auto& [name, codes] : p.FinalCodesByName()) out[name] = {codes.begin(), codes.end()};
+        return out;
+      }, "calls finished by model name, by gRPC status code (lists of 17)")
       .def("set_zeros", &Plane::SetZeros)
       .def("set_stream_window", &Plane::SetStreamWindow,
            "requests of one ModelStreamInfer stream in the plane at once; reading pauses beyond it")

@@ -179,9 +179,147 @@ Plane::~Plane() {
 size_t Plane::AddModel(const ModelLimits& limits) {
   auto queue = std::make_unique<Queue>();
   queue->limits = limits;
-  models_.push_back(std::move(queue));
-  by_name_[limits.name] = models_.size() - 1;
-  return models_.size() - 1;
+  std::unique_lock<std::shared_mutex> routes(routes_mu_);
+  queue->codes = CodesOf(limits.name);
+  size_t index;
+  {
+    std::unique_lock<std::shared_mutex> lock(models_mu_);
+    models_.push_back(std::move(queue));
+    index = models_.size() - 1;
+  }
+  Routing& route = routes_[limits.name];  // the name routes here until Python routes it (Route)
+  if (route.versions.empty()) {
+    route.codes = CodesOf(limits.name);
+    int64_t number = 0;
+    route.versions[std::all_of(limits.version.begin(), limits.version.end(), ::isdigit) && !limits.version.empty() &&
+                           limits.version.size() < 18
+                       ? (number = std::stoll(limits.version))
+                       : 0] = index;
+    route.not_loaded = " is not loaded (loaded: [" + limits.version + "])";
+  }
+  return index;
+}
+
+// -- model changes, pushed by Python (server.native's sync) ------------------------------------
+
+Codes* Plane::CodesOf(const std::string& name) {
+  auto& codes = codes_[name];
+  if (!codes) codes = std::make_unique<Codes>();
+  return codes.get();
+}
+
+Plane::Queue& Plane::At(size_t index) const {
+  std::shared_lock<std::shared_mutex> lock(models_mu_);
+  return *models_.at(index);
+}
+
+void Plane::Route(const std::string& name, const std::map<int64_t, size_t>& versions, int code,
+                  const std::string& refusal, const std::string& not_loaded) {
+  for (const auto& [version, index] : versions) At(index);  // each index exists (throws otherwise)
+  std::unique_lock<std::shared_mutex> lock(routes_mu_);
+  Routing& route = routes_[name];
+  route.versions = versions;
+  route.refusal = code == 0 ? Status::OK : Status(static_cast<StatusCode>(code), refusal);
+  route.not_loaded = not_loaded;
+  route.codes = CodesOf(name);
+}
+
+void Plane::Unroute(const std::string& name) {
+  std::unique_lock<std::shared_mutex> lock(routes_mu_);
+  routes_.erase(name);
+}
+
+void Plane::SetServing(const std::string& serving) {
+  std::unique_lock<std::shared_mutex> lock(routes_mu_);
+  serving_ = serving;
+}
+
+void Plane::Retire(size_t index) {
+  Queue& queue = At(index);
+  {
+    // An Admit that found this queue holds routes_mu_ until it has queued: taking it here waits for it.
+    std::unique_lock<std::shared_mutex> routes(routes_mu_);
+    std::lock_guard<std::mutex> lock(queue.mu);
+    queue.retired = true;
+  }
+  queue.arrived.notify_all();
+}
+
+bool Plane::Drained(size_t index) {
+  Queue& queue = At(index);
+  std::lock_guard<std::mutex> lock(queue.mu);
+  return queue.retired && queue.pending.empty();
+}
+
+Status Plane::Find(const inference::ModelInferRequest& request, Queue** queue, Codes** codes) const {
+  const std::string& name = request.model_name();
+  auto found = routes_.find(name);
+  if (found == routes_.end()) return Status(StatusCode::NOT_FOUND, "unknown model " + Quoted(name) + serving_);
+  const Routing& route = found->second;
+  *codes = route.codes;
+  if (!route.refusal.ok()) return route.refusal;
+  const std::string& version = request.model_version();
+  auto served = route.versions.end();
+  if (version.empty() && !route.versions.empty()) {
+    served = std::prev(route.versions.end());  // the highest, as the registry's default
+  } else if (!version.empty() && version.size() < 18 && std::all_of(version.begin(), version.end(), ::isdigit)) {
+    served = route.versions.find(std::stoll(version));  // "01" is version 1, as int() reads it
+  }
+  if (served == route.versions.end()) {
+    return Status(StatusCode::NOT_FOUND, "model " + name + " version " + Quoted(version) + route.not_loaded);
+  }
+  *queue = &At(served->second);
+  return Status::OK;
+}
+
+std::map<std::string, std::array<uint64_t, kCodes>> Plane::FinalCodesByName() const {
+  std::map<std::string, std::array<uint64_t, kCodes>> out;
+  std::shared_lock<std::shared_mutex> lock(routes_mu_);
+  for (const auto& [name, codes] : codes_) {
+    auto& counts = out[name];
+    for (size_t i = 0; i < kCodes; ++i) counts[i] = (*codes)[i].load();
+  }
+  auto& unknown = out[""];  // no model has the name "" (a repository's names are directories)
+  for (size_t i = 0; i < kCodes; ++i) unknown[i] += unknown_codes_[i].load();
+  return out;
+}
+
+std::string Quoted(const std::string& text) {
+  constexpr size_t kLimit = 100;  // server/quoting.py's QUOTED_CHARS, in characters
+  const bool has_single = text.find('\'') != std::string::npos, has_double = text.find('"') != std::string::npos;
+  const char quote = has_single && !has_double ? '"' : '\'';
+  std::vector<std::string> chars;  // the repr's characters, each as UTF-8
+  chars.emplace_back(1, quote);
+  static const char* const kHex = "0123456789abcdef";
+  auto hex = [&](unsigned value, int digits, char kind) {
+    std::string out = {'\\', kind};
+    for (int d = digits - 1; d >= 0; --d) out += kHex[(value >> (4 * d)) & 0xf];
+    chars.push_back(out);
+  };
+  for (size_t i = 0; i < text.size();) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    size_t n = c < 0x80 ? 1 : c < 0xe0 ? 2 : c < 0xf0 ? 3 : 4;
+    if (i + n > text.size()) n = text.size() - i;
+    unsigned cp = n == 1 ? c : c & (0xff >> (n + 1));
+    for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<unsigned char>(text[i + k]) & 0x3f);
+    if (c == '\\' || c == static_cast<unsigned char>(quote)) {
+      chars.push_back(std::string{'\\', static_cast<char>(c)});
+    } else if (c == '\n' || c == '\r' || c == '\t') {
+      chars.push_back(std::string{'\\', c == '\n' ? 'n' : c == '\r' ? 'r' : 't'});
+    } else if (cp < 0x20 || cp == 0x7f || (cp >= 0x80 && cp <= 0xa0) || cp == 0xad) {
+      hex(cp, 2, 'x');  // not printable: str.isprintable()'s common cases
+    } else if ((cp >= 0x2000 && cp <= 0x200f) || (cp >= 0x2028 && cp <= 0x202f) || cp == 0xfeff) {
+      hex(cp, 4, 'u');
+    } else {
+      chars.push_back(text.substr(i, n));
+    }
+    i += n;
+  }
+  chars.emplace_back(1, quote);
+  std::string out;
+  for (size_t i = 0; i < chars.size() && i < kLimit; ++i) out += chars[i];
+  if (chars.size() > kLimit) out += "... (cut: " + std::to_string(chars.size() - kLimit) + " more characters)";
+  return out;
 }
 
 void Plane::SetAnswer(const std::string& method, const std::string& name, std::string bytes) {
@@ -207,8 +345,12 @@ int Plane::Start(const std::string& address, int max_message_bytes, int max_conc
 }
 
 void Plane::Count(Queue* queue, const Status& status) {
+  Count(queue != nullptr ? queue->codes : &unknown_codes_, status);
+}
+
+void Plane::Count(Codes* codes, const Status& status) {
   const auto code = static_cast<size_t>(status.error_code());
-  (queue != nullptr ? queue->codes : unknown_codes_)[code < kCodes ? code : static_cast<size_t>(StatusCode::UNKNOWN)]++;
+  (codes != nullptr ? *codes : unknown_codes_)[code < kCodes ? code : static_cast<size_t>(StatusCode::UNKNOWN)]++;
 }
 
 void Plane::Answer(grpc::ServerUnaryReactor* reactor, Queue* queue, const Status& status) {
@@ -217,11 +359,15 @@ void Plane::Answer(grpc::ServerUnaryReactor* reactor, Queue* queue, const Status
 }
 
 void Plane::Settle(const Pending& p, Queue* queue, const Status& status) {
+  Settle(p, queue != nullptr ? queue->codes : &unknown_codes_, status);
+}
+
+void Plane::Settle(const Pending& p, Codes* codes, const Status& status) {
+  Count(codes, status);
   if (p.stream == nullptr) {
-    Answer(p.reactor, queue, status);
+    p.reactor->Finish(Bounded(status));
     return;
   }
-  Count(queue, status);
   p.stream->Answered(p.seq, Bounded(status));
 }
 
@@ -237,7 +383,8 @@ bool Plane::WaitIdle(int64_t timeout_ms) {
 }
 
 std::array<uint64_t, kCodes> Plane::FinalCodes(size_t index) const {
-  const Codes& codes = index < models_.size() ? models_[index]->codes : unknown_codes_;
+  std::shared_lock<std::shared_mutex> lock(models_mu_);
+  const Codes& codes = index < models_.size() ? *models_[index]->codes : unknown_codes_;
   std::array<uint64_t, kCodes> out{};
   for (size_t i = 0; i < kCodes; ++i) out[i] = codes[i].load();
   return out;
@@ -247,14 +394,19 @@ void Plane::Stop(double grace_s) {
   stopping_ = true;
   refusing_ = true;
   ready_ = false;
-  for (auto& queue : models_) {
+  std::vector<Queue*> queues;
+  {
+    std::shared_lock<std::shared_mutex> lock(models_mu_);
+    for (auto& queue : models_) queues.push_back(queue.get());
+  }
+  for (Queue* queue : queues) {
     std::deque<Pending> refused;
     {
       std::lock_guard<std::mutex> lock(queue->mu);
       refused.swap(queue->pending);
     }
     queue->arrived.notify_all();
-    for (auto& p : refused) Settle(p, queue.get(), Status(StatusCode::UNAVAILABLE, "the server is stopping; not computed"));
+    for (auto& p : refused) Settle(p, queue, Status(StatusCode::UNAVAILABLE, "the server is stopping; not computed"));
     if (!refused.empty()) Left(static_cast<int64_t>(refused.size()));
   }
   if (server_) {
@@ -269,10 +421,6 @@ void Plane::Stop(double grace_s) {
 Status Plane::Check(const Queue& queue, const inference::ModelInferRequest& request, Pending& p) const {
   const ModelLimits& m = queue.limits;
   const Contract& c = contract_;
-  if (!request.model_version().empty() && request.model_version() != m.version) {
-    return Status(StatusCode::NOT_FOUND, "model " + m.name + " has no version '" + request.model_version() +
-                                              "'; serving version " + m.version);
-  }
   // Triton's schedule policy (`priority`, `timeout`), read before any tensor, as the Python plane does.
   if (Status schedule = Schedule(m, request, p); !schedule.ok()) return schedule;
   const bool raw = request.raw_input_contents_size() > 0;
@@ -536,57 +684,78 @@ void Plane::Admit(Pending p) {
   const auto started = Clock::now();
   const inference::ModelInferRequest& request = *p.request;
   counters_.requests++;
-  auto found = by_name_.find(request.model_name());
-  Queue* known = found == by_name_.end() ? nullptr : models_[found->second].get();
-  if (refusing_) {  // draining: never computed, retry elsewhere (the Python plane's words)
-    counters_.refused++;
-    Settle(p, known, Status(StatusCode::UNAVAILABLE, "server is shutting down; retry on another replica"));
-    return;
-  }
-  if (known == nullptr) {
-    counters_.refused++;
-    Settle(p, nullptr, Status(StatusCode::NOT_FOUND, "unknown model '" + request.model_name() + "'"));
-    return;
-  }
-  Queue& queue = *known;
-  Status status = Check(queue, request, p);
-  if (!status.ok()) {
-    counters_.refused++;
-    Settle(p, &queue, status);
-    return;
-  }
-  p.started = started;
-  p.arrived = Clock::now();
-  counters_.check_ns += NanosSince(started);
-  if (zeros_) {
-    AnswerZeros(p, queue);
-    return;
-  }
-  TimePoint deadline = kNever;
-  {
-    std::unique_lock<std::mutex> lock(queue.mu);
-    if (static_cast<int64_t>(queue.pending.size()) >= queue.limits.max_queue_size) {
-      lock.unlock();
+  // A queue retired between the lookup and the queueing (a swap) sends the call to the new one.
+  for (int attempt = 0;; ++attempt) {
+    Queue* known = nullptr;
+    Codes* codes = nullptr;
+    Status status;
+    {
+      std::shared_lock<std::shared_mutex> routes(routes_mu_);
+      status = Find(request, &known, &codes);
+    }
+    if (refusing_) {  // draining: never computed, retry elsewhere (the Python plane's words)
       counters_.refused++;
-      Settle(p, &queue, Status(StatusCode::RESOURCE_EXHAUSTED,
-                               "model " + queue.limits.name + "'s queue is full (" +
-                                   std::to_string(queue.limits.max_queue_size) + " requests, --max-queue-size)"));
+      Settle(p, codes, Status(StatusCode::UNAVAILABLE, "server is shutting down; retry on another replica"));
       return;
     }
-    if (p.deadline <= Clock::now()) {  // server.batcher's words
-      lock.unlock();
+    if (!status.ok()) {
       counters_.refused++;
-      Settle(p, &queue, Status(StatusCode::DEADLINE_EXCEEDED, "model " + queue.limits.name +
-                                   ": the request's deadline passed before it was queued; not computed"));
+      Settle(p, codes, status);
       return;
     }
-    p.since = queue.formed;
-    deadline = p.deadline;
-    queue.pending.push_back(std::move(p));
-    in_flight_++;
+    Queue& queue = *known;
+    Pending fresh;  // a retry checks afresh
+    fresh.reactor = p.reactor;
+    fresh.stream = p.stream;
+    fresh.seq = p.seq;
+    fresh.request = p.request;
+    fresh.response = p.response;
+    fresh.deadline = p.deadline;
+    p = std::move(fresh);
+    status = Check(queue, request, p);
+    if (!status.ok()) {
+      counters_.refused++;
+      Settle(p, &queue, status);
+      return;
+    }
+    p.started = started;
+    p.arrived = Clock::now();
+    counters_.check_ns += NanosSince(started);
+    if (zeros_) {
+      AnswerZeros(p, queue);
+      return;
+    }
+    TimePoint deadline = kNever;
+    {
+      std::unique_lock<std::mutex> lock(queue.mu);
+      if (queue.retired && attempt < 8) continue;
+      if (queue.retired || static_cast<int64_t>(queue.pending.size()) >= queue.limits.max_queue_size) {
+        const bool full = !queue.retired;
+        lock.unlock();
+        counters_.refused++;
+        Settle(p, &queue, full ? Status(StatusCode::RESOURCE_EXHAUSTED,
+                                        "model " + queue.limits.name + "'s queue is full (" +
+                                            std::to_string(queue.limits.max_queue_size) + " requests, --max-queue-size)")
+                               : Status(StatusCode::UNAVAILABLE, "model " + queue.limits.name +
+                                                                     " is changing versions; retry"));
+        return;
+      }
+      if (p.deadline <= Clock::now()) {  // server.batcher's words
+        lock.unlock();
+        counters_.refused++;
+        Settle(p, &queue, Status(StatusCode::DEADLINE_EXCEEDED, "model " + queue.limits.name +
+                                     ": the request's deadline passed before it was queued; not computed"));
+        return;
+      }
+      p.since = queue.formed;
+      deadline = p.deadline;
+      queue.pending.push_back(std::move(p));
+      in_flight_++;
+    }
+    queue.arrived.notify_one();
+    if (deadline != kNever) Arm(deadline);
+    return;
   }
-  queue.arrived.notify_one();
-  if (deadline != kNever) Arm(deadline);
 }
 
 grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>* Plane::ModelStreamInfer(
@@ -782,19 +951,19 @@ std::unique_ptr<Batch> Plane::Form(size_t index, Queue& queue) {
 }
 
 size_t Plane::Queued(size_t index) {
-  Queue& queue = *models_.at(index);
+  Queue& queue = At(index);
   std::lock_guard<std::mutex> lock(queue.mu);
   return queue.pending.size();
 }
 
 std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
-  Queue& queue = *models_.at(index);
+  Queue& queue = At(index);
   std::unique_ptr<Batch> batch;
   std::vector<Pending> expired;
   {
     std::unique_lock<std::mutex> lock(queue.mu);
     queue.arrived.wait_for(lock, std::chrono::milliseconds(timeout_ms),
-                           [&] { return stopping_ || !queue.pending.empty(); });
+                           [&] { return stopping_ || queue.retired || !queue.pending.empty(); });
     if (stopping_ || queue.pending.empty()) return nullptr;
     batch = Form(index, queue);
     expired.swap(queue.expired);
@@ -857,7 +1026,8 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
   auto started = Clock::now();
   counters_.python_ns += static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(started - batch.formed).count());
-  const ModelLimits& m = models_.at(batch.model)->limits;
+  Queue& queue = At(batch.model);
+  const ModelLimits& m = queue.limits;
   const int64_t lq = batch.q_len, lk = batch.k_len, h = m.num_heads, od = m.out_dim;
   for (size_t i = 0; i < batch.items.size(); ++i) {
     Pending& p = batch.items[i];
@@ -867,7 +1037,7 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
       continue;
     }
     if (p.want_probs && attn_probs == nullptr) {
-      Settle(p, models_.at(batch.model).get(), Status(StatusCode::INTERNAL, "the run returned no attn_probs"));
+      Settle(p, &queue, Status(StatusCode::INTERNAL, "the run returned no attn_probs"));
       continue;
     }
     p.response->set_model_name(m.name);
@@ -892,7 +1062,7 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
     counters_.split_ns += static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(finishing - started).count());
     batch.done_s.push_back(static_cast<double>(NanosSince(p.started)) * 1e-9);
-    Settle(p, models_.at(batch.model).get(), Status::OK);  // gRPC may send the answer on this thread
+    Settle(p, &queue, Status::OK);  // gRPC may send the answer on this thread
     counters_.finish_ns += NanosSince(finishing);
     started = Clock::now();
   }
@@ -902,9 +1072,10 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
 void Plane::Fail(Batch& batch, StatusCode code, const std::string& message) {
   if (batch.settled) return;
   batch.settled = true;
+  Queue& queue = At(batch.model);
   const std::vector<char> cancelled = Unrun(batch);  // a stopped run ends here: all cancelled
   for (size_t i = 0; i < batch.items.size(); ++i)
-    Settle(batch.items[i], models_.at(batch.model).get(), cancelled[i] ? Cancelled() : Status(code, message));
+    Settle(batch.items[i], &queue, cancelled[i] ? Cancelled() : Status(code, message));
   Left(static_cast<int64_t>(batch.items.size()));
 }
 
@@ -1093,8 +1264,48 @@ grpc::ServerUnaryReactor* Plane::ServerLive(grpc::CallbackServerContext* context
   return reactor;
 }
 
-grpc::ServerUnaryReactor* Plane::ServerReady(grpc::CallbackServerContext* context, const inference::ServerReadyRequest*,
+namespace {
+
+// A relayed call's answer: given once by Python (or, if Python drops it unanswered, UNAVAILABLE).
+class Reply {
+ public:
+  Reply(grpc::ServerUnaryReactor* reactor, google::protobuf::Message* response) : reactor_(reactor), response_(response) {}
+  ~Reply() { Give(static_cast<int>(StatusCode::UNAVAILABLE), "the server did not answer (it is stopping)", ""); }
+  void Give(int code, const std::string& details, const std::string& bytes) {
+    if (given_.exchange(true)) return;
+    if (code == 0 && !response_->ParseFromString(bytes)) {
+      reactor_->Finish(Status(StatusCode::INTERNAL, "the answer does not parse"));
+    } else {
+      reactor_->Finish(code == 0 ? Status::OK : Bounded(Status(static_cast<StatusCode>(code), details)));
+    }
+  }
+
+ private:
+  grpc::ServerUnaryReactor* reactor_;
+  google::protobuf::Message* response_;
+  std::atomic<bool> given_{false};
+};
+
+}  // namespace
+
+template <class Request, class Response>
+grpc::ServerUnaryReactor* Plane::Relayed(grpc::CallbackServerContext* context, const char* method,
+                                         const Request& request, Response* response) {
+  auto* reactor = context->DefaultReactor();
+  auto reply = std::make_shared<Reply>(reactor, response);
+  try {
+    relay_(method, request.SerializeAsString(),
+           [reply](int code, const std::string& details, const std::string& bytes) { reply->Give(code, details, bytes); });
+  } catch (const std::exception& err) {  // Python could not take it: the reply's end answers UNAVAILABLE
+    reply->Give(static_cast<int>(StatusCode::UNAVAILABLE), std::string("the server could not answer: ") + err.what(), "");
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* Plane::ServerReady(grpc::CallbackServerContext* context,
+                                             const inference::ServerReadyRequest* request,
                                              inference::ServerReadyResponse* response) {
+  if (relay_ && !stopping_) return Relayed(context, "ServerReady", *request, response);
   response->set_ready(ready_ && !stopping_);
   auto* reactor = context->DefaultReactor();
   reactor->Finish(Status::OK);
@@ -1104,34 +1315,54 @@ grpc::ServerUnaryReactor* Plane::ServerReady(grpc::CallbackServerContext* contex
 grpc::ServerUnaryReactor* Plane::ModelReady(grpc::CallbackServerContext* context,
                                             const inference::ModelReadyRequest* request,
                                             inference::ModelReadyResponse* response) {
-  response->set_ready(ready_ && !stopping_ && by_name_.count(request->name()) > 0);
+  if (relay_ && !stopping_) return Relayed(context, "ModelReady", *request, response);
+  bool routed;
+  {
+    std::shared_lock<std::shared_mutex> lock(routes_mu_);
+    auto found = routes_.find(request->name());
+    routed = found != routes_.end() && found->second.refusal.ok() && !found->second.versions.empty();
+  }
+  response->set_ready(ready_ && !stopping_ && routed);
   auto* reactor = context->DefaultReactor();
   reactor->Finish(Status::OK);
   return reactor;
 }
 
 grpc::ServerUnaryReactor* Plane::ServerMetadata(grpc::CallbackServerContext* context,
-                                                const inference::ServerMetadataRequest*,
+                                                const inference::ServerMetadataRequest* request,
                                                 inference::ServerMetadataResponse* response) {
+  if (relay_) return Relayed(context, "ServerMetadata", *request, response);
   return Table(context, "ServerMetadata", "", response);
 }
 
 grpc::ServerUnaryReactor* Plane::ModelMetadata(grpc::CallbackServerContext* context,
                                                const inference::ModelMetadataRequest* request,
                                                inference::ModelMetadataResponse* response) {
+  if (relay_) return Relayed(context, "ModelMetadata", *request, response);
   return Table(context, "ModelMetadata", request->name(), response);
 }
 
 grpc::ServerUnaryReactor* Plane::ModelConfig(grpc::CallbackServerContext* context,
                                              const inference::ModelConfigRequest* request,
                                              inference::ModelConfigResponse* response) {
+  if (relay_) return Relayed(context, "ModelConfig", *request, response);
   return Table(context, "ModelConfig", request->name(), response);
 }
 
 grpc::ServerUnaryReactor* Plane::ModelStatistics(grpc::CallbackServerContext* context,
                                                  const inference::ModelStatisticsRequest* request,
                                                  inference::ModelStatisticsResponse* response) {
+  if (relay_) return Relayed(context, "ModelStatistics", *request, response);
   return Table(context, "ModelStatistics", request->name(), response);
+}
+
+grpc::ServerUnaryReactor* Plane::RepositoryIndex(grpc::CallbackServerContext* context,
+                                                 const inference::RepositoryIndexRequest* request,
+                                                 inference::RepositoryIndexResponse* response) {
+  if (relay_) return Relayed(context, "RepositoryIndex", *request, response);
+  auto* reactor = context->DefaultReactor();
+  reactor->Finish(Status(StatusCode::UNIMPLEMENTED, "RepositoryIndex is served on the Python port"));
+  return reactor;
 }
 
 }  // namespace attnserve

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -62,6 +63,15 @@ using TimePoint = std::chrono::steady_clock::time_point;
 constexpr TimePoint kNever = TimePoint::max();
 
 class StreamCall;
+
+// A rare RPC handed to Python (docs/native-data-plane.md, "Model changes and the rare RPCs"):
+// done(code, details, response bytes) is called once, from any thread; dropped uncalled, the
+// call is answered UNAVAILABLE.
+using RelayDone = std::function<void(int code, const std::string& details, const std::string& response)>;
+using Relay = std::function<void(const std::string& method, const std::string& request, RelayDone done)>;
+
+// Client text quoted as Python's repr() quotes it, cut as server/quoting.py's quoted() cuts it.
+std::string Quoted(const std::string& text);
 
 // A checked request waiting in its model's queue; the request and response belong to gRPC's call
 // (ModelInfer) or to its stream's slot (ModelStreamInfer).
@@ -124,7 +134,22 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   explicit Plane(Contract contract);  // ModelInfer's handler: raw bytes, parsed by Parse, then Admit
   ~Plane() override;
 
+  // A queue (and its runner's batches) for one model version; the name routes to it unless
+  // Python routes the name itself (Route).
   size_t AddModel(const ModelLimits& limits);
+  // Model changes, pushed by Python on every change of its registry, in one step each: the
+  // versions of `name` served now (version -> queue index), or a refusal for every call naming
+  // it (`code` != 0: not ready: unloaded, failed, warming), and what completes "model NAME
+  // version 'V'" for a version not served. `serving` completes "unknown model 'X'".
+  void Route(const std::string& name, const std::map<int64_t, size_t>& versions, int code,
+             const std::string& refusal, const std::string& not_loaded);
+  void Unroute(const std::string& name);  // a name the registry does not know
+  void SetServing(const std::string& serving);
+  // No call reaches queue `index` any more (route it away first); what is queued there runs.
+  void Retire(size_t index);
+  bool Drained(size_t index);  // retired and nothing queued: its runner may end
+  // The rare RPCs (ready, metadata, config, statistics, index) answered by Python, live.
+  void SetRelay(Relay relay) { relay_ = std::move(relay); }
   // Serialized answers of the rare RPCs, by method and model name ("" for server-wide ones).
   void SetAnswer(const std::string& method, const std::string& name, std::string bytes);
   void SetZeros(bool zeros) { zeros_ = zeros; }  // the native floor: answer zeros, no Python
@@ -147,11 +172,16 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   void Stop(double grace_s);
   // Final statuses of model `index`'s calls by code; index == models: calls naming no known model.
   std::array<uint64_t, kCodes> FinalCodes(size_t index) const;
-  size_t Models() const { return models_.size(); }
+  // Final statuses by model name (every version's calls and the refusals naming it); "": no known model.
+  std::map<std::string, std::array<uint64_t, kCodes>> FinalCodesByName() const;
+  size_t Models() const {
+    std::shared_lock<std::shared_mutex> lock(models_mu_);
+    return models_.size();
+  }
   const Counters& counters() const { return counters_; }
   size_t Queued(size_t index);  // requests waiting for model `index`
   int64_t InFlight() const { return in_flight_; }  // calls queued or computing, every model
-  const ModelLimits& model(size_t index) const { return models_.at(index)->limits; }
+  const ModelLimits& model(size_t index) const { return At(index).limits; }
 
   // Request control (docs/native-data-plane.md, "Request control"): schedule policy per model,
   // aging in batches (--priority-aging-batches), cancellation of a call or a whole stream.
@@ -193,6 +223,9 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   grpc::ServerUnaryReactor* ModelStatistics(grpc::CallbackServerContext* context,
                                             const inference::ModelStatisticsRequest* request,
                                             inference::ModelStatisticsResponse* response) override;
+  grpc::ServerUnaryReactor* RepositoryIndex(grpc::CallbackServerContext* context,
+                                            const inference::RepositoryIndexRequest* request,
+                                            inference::RepositoryIndexResponse* response) override;
 
  private:
   friend class StreamCall;
@@ -201,11 +234,19 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
     std::mutex mu;
     std::condition_variable arrived;
     std::deque<Pending> pending;  // in arrival order; Form takes them in service order
-    Codes codes{};
+    Codes* codes = nullptr;  // its model name's (codes_), shared by the name's versions
+    bool retired = false;    // no route leads here any more (with mu held)
     std::vector<Batch*> running;  // formed, not yet settled: where a cancelled call may be
     uint64_t formed = 0;          // batches formed that took requests (aging)
     Cancels cancels{};
     std::vector<Pending> expired;  // found expired by Form, refused by NextBatch once unlocked
+  };
+  // One model name as the Python plane serves it now.
+  struct Routing {
+    std::map<int64_t, size_t> versions;  // served: version -> queue index
+    grpc::Status refusal;                // not OK: every call naming it gets this
+    std::string not_loaded;              // completes "model NAME version 'V'"
+    Codes* codes = nullptr;
   };
 
   grpc::Status Check(const Queue& queue, const inference::ModelInferRequest& request, Pending& p) const;
@@ -213,7 +254,16 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   // Every call ends here: counted by code (per model; nullptr: no known model), then finished.
   void Answer(grpc::ServerUnaryReactor* reactor, Queue* queue, const grpc::Status& status);
   void Settle(const Pending& p, Queue* queue, const grpc::Status& status);  // Answer, or its stream's answer
+  void Settle(const Pending& p, Codes* codes, const grpc::Status& status);
   void Count(Queue* queue, const grpc::Status& status);
+  void Count(Codes* codes, const grpc::Status& status);
+  Queue& At(size_t index) const;  // queues are added while serving: looked up under models_mu_
+  Codes* CodesOf(const std::string& name);  // with routes_mu_ held exclusively
+  // The queue serving the request's model and version now (routes_mu_ held), or Python's refusal.
+  grpc::Status Find(const inference::ModelInferRequest& request, Queue** queue, Codes** codes) const;
+  template <class Request, class Response>
+  grpc::ServerUnaryReactor* Relayed(grpc::CallbackServerContext* context, const char* method, const Request& request,
+                                    Response* response);
   // A ModelInfer request, from a call or a stream: checked, then queued or answered at once.
   void Admit(Pending p);
   void Left(int64_t calls);  // calls out of the queue and the run: in_flight_ down, WaitIdle told
@@ -231,7 +281,12 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
 
   Contract contract_;
   std::vector<std::unique_ptr<Queue>> models_;
-  std::map<std::string, size_t> by_name_;
+  mutable std::shared_mutex models_mu_;
+  std::map<std::string, Routing> routes_;
+  std::map<std::string, std::unique_ptr<Codes>> codes_;  // by model name, never erased (names Python knew)
+  std::string serving_;
+  mutable std::shared_mutex routes_mu_;  // Admit holds it shared from lookup to queueing
+  Relay relay_;
   std::map<std::pair<std::string, std::string>, std::string> answers_;
   std::unique_ptr<grpc::Server> server_;
   std::atomic<bool> stopping_{false}, refusing_{false}, ready_{true};

@@ -288,7 +288,10 @@ class Server:
     async def _model_changed(self, name: str, ready: bool) -> None:
         """Health follows the registry: per model, and overall (serving while any model is).
         After the start, a change may retire a version: what freeze_gc() left out of the
-        collector's walks becomes collectable again (server.memory.heap.unfreeze_gc)."""
+        collector's walks becomes collectable again (server.memory.heap.unfreeze_gc).
+        The native plane follows first, before any await: both ports change in the same turn."""
+        if self._native is not None:
+            self._native.sync()
         if self._gc_frozen:
             heap.unfreeze_gc()
             self._gc_frozen = False

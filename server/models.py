@@ -243,7 +243,7 @@ class ModelRegistry:
         Submit to its batcher before awaiting anything else (see the module's docstring)."""
         model = self._models.get(name)
         if model is None:
-            raise ModelNotFound(f"unknown model {quoted(name)}; serving {self.ready_names()}")
+            raise ModelNotFound(f"unknown model {quoted(name)}{self.unknown_tail()}")
         if not model.versions:
             raise ModelUnavailable(f"model {name} is not ready: {self._why_not(model)}")
         if model.warming:
@@ -252,9 +252,19 @@ class ModelRegistry:
             return model.default
         loaded = model.versions.get(int(version)) if version.isdigit() else None
         if loaded is None:
-            raise ModelNotFound(f"model {name} version {quoted(version)} is not loaded (loaded: "
-                                f"{sorted(model.versions)}, on disk: {list(model.default.spec.available_versions)})")
+            raise ModelNotFound(f"model {name} version {quoted(version)}{self.not_loaded_tail(name)}")
         return loaded
+
+    # The native data plane composes the same words around the client's text (server.native).
+    def unknown_tail(self) -> str:
+        """What follows "unknown model 'X'" in get()'s refusal."""
+        return f"; serving {self.ready_names()}"
+
+    def not_loaded_tail(self, name: str) -> str:
+        """What follows "model NAME version 'V'" in get()'s refusal of a version `name` does not serve."""
+        model = self._models[name]
+        on_disk = list(model.default.spec.available_versions)
+        return f" is not loaded (loaded: {sorted(model.versions)}, on disk: {on_disk})"
 
     def ready(self, name: str, version: str = "") -> bool:
         try:

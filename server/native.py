@@ -8,15 +8,19 @@ each ModelInfer request, checks it against the contract (the names and datatypes
 attnserve.contract's, the numbers each model's ModelSpec), queues it per model and forms padded
 batches with their masks. One thread per model here takes each batch as numpy views of the
 batch's own buffers (no copies), runs the model's existing ONNX Runtime engine on them, and hands
-the outputs back; C++ splits and encodes the answers. The rare RPCs answer from tables made
-here at start (a prototype: they do not follow model changes). Metrics: each batch's figures
-go to the event loop once per batch (server.metrics' histograms and Triton statistics); the calls'
-final statuses and cancellations are counted in C++ and read into attnserve_requests and
-attnserve_cancelled_requests at scrape time.
+the outputs back; C++ splits and encodes the answers. The plane serves exactly the versions the
+registry serves: sync() pushes the registry's state in the same event-loop turn as each change
+(a new version gets its queue and runner; a retired one finishes what is queued on it, then its
+runner ends). The rare RPCs (readiness, metadata, config, statistics, the index) are relayed to
+the event loop as bytes and answered by the same RequestPath as the Python port: one source of
+truth. Metrics: each batch's figures go to the event loop once per batch (server.metrics'
+histograms and Triton statistics); the calls' final statuses are counted in C++ by model name
+and read into attnserve_requests at scrape time.
 Request control, with the Python plane's semantics: each model's schedule policy (its
 QueuePolicy) and --priority-aging-batches are handed to C++, which reads `priority`/`timeout`,
 orders and expires its queue; a cancelled call leaves it at once, and a batch whose calls are
-all cancelled is stopped through the RunStop its runner registers (plane.on_stop).
+all cancelled is stopped through the RunStop its runner registers (plane.on_stop); cancellations
+are counted in C++ and read into attnserve_cancelled_requests at scrape time.
 docs/native-data-plane.md.
 """
 
@@ -28,9 +32,12 @@ import threading
 import time
 
 import grpc
+from attnserve.proto import inference_pb2 as pb
 from attnserve.server.batcher import QUEUED, RUNNING, TERMINATED, BatchStats
 from attnserve.server.codec import heads_differ_refusal
+from attnserve.server.errors import status_for
 from attnserve.server.listen import listen_addresses
+from attnserve.server.models import ModelUnavailable
 from attnserve.server.request_path import CLIENT, DEADLINE
 from attnserve.server.tensors import RunStop
 
@@ -53,6 +60,20 @@ IN_FLIGHT_METRIC = "attnserve_native_in_flight"  # registered only while the pla
 UNKNOWN_MODEL = "_unknown"  # the label of calls naming no known model (server.request_path's)
 # plane.cancellations(index)'s order (native/plane.h's kCancelReasons x kCancelStages).
 CANCEL_LABELS = tuple((reason, stage) for reason in (CLIENT, DEADLINE) for stage in (QUEUED, RUNNING, TERMINATED))
+
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+
+# The rare RPCs the native port relays: method -> (request type, its answer from the RequestPath),
+# as server.service answers them on the Python port.
+RELAYED = {
+    "ServerReady": (pb.ServerReadyRequest, lambda rp, r: pb.ServerReadyResponse(ready=rp.server_ready())),
+    "ModelReady": (pb.ModelReadyRequest, lambda rp, r: pb.ModelReadyResponse(ready=rp.model_ready(r.name, r.version))),
+    "ServerMetadata": (pb.ServerMetadataRequest, lambda rp, r: rp.server_metadata()),
+    "ModelMetadata": (pb.ModelMetadataRequest, lambda rp, r: rp.model_metadata(r.name, r.version)),
+    "ModelConfig": (pb.ModelConfigRequest, lambda rp, r: rp.model_config(r.name, r.version)),
+    "ModelStatistics": (pb.ModelStatisticsRequest, lambda rp, r: rp.model_statistics(r.name, r.version)),
+    "RepositoryIndex": (pb.RepositoryIndexRequest, lambda rp, r: rp.repository_index(r.repository_name, r.ready)),
+}
 
 
 def why_unavailable() -> str | None:
@@ -92,38 +113,37 @@ def address(host: str, port: int) -> str:
 class NativePlane:
     def __init__(self, config, registry, request_path, metrics=None, loop: asyncio.AbstractEventLoop | None = None,
                  zeros: bool = False) -> None:
-        """metrics (server.metrics.Metrics) and loop, the event loop that owns them: where the
-        native calls are counted (None: not counted). zeros: the native floor (bench.native_floor):
-        C++ answers zeros itself, no runner threads."""
+        """metrics (server.metrics.Metrics) and loop, the event loop that owns them and the
+        registry: where the native calls are counted and the rare RPCs answered (None: not
+        counted, and the rare RPCs answered from tables made now). zeros: the native floor
+        (bench.native_floor): C++ answers zeros itself, no runner threads."""
         self._config = config
         self._zeros = zeros
         self._metrics = metrics
         self._loop = loop
+        self._registry = registry
+        self._request_path = request_path
         self._codes_counted: dict[tuple[str, str], int] = {}  # (model, code) -> final statuses counted so far
         self._cancels_counted: dict[tuple[str, str, str], int] = {}  # (model, reason, stage) -> counted so far
         self._plane = new_plane(zeros)
         self._runners: list[threading.Thread] = []
+        self._started = False
         self._stopping = threading.Event()
-        names = sorted(registry.loaded)
-        self._models = []  # (name, spec, run, run_solo, stoppable), by the plane's model index
+        # (name, spec, run, run_solo, stoppable) by the plane's model index; run and run_solo are
+        # let go of once a retired version's runner ends (its sessions go with the last reference).
+        self._models: list[tuple] = []
         self._plane.set_priority_aging(config.priority_aging_batches)
         self._observers = []  # server.metrics.ModelObserver, by the plane's model index
-        for name in names:
-            lv = registry.get(name)
-            spec = lv.spec
-            index = self._plane.add_model(
-                name, str(spec.version), spec.query_dim, spec.kv_dim, spec.out_dim, spec.num_heads,
-                config.max_batch_size or spec.max_batch_size, lv.limits.max_q_len, lv.limits.max_kv_len,
-                config.max_attention_bytes, config.max_queue_size, config.max_padding_ratio,
-                "" if lv.limits.graphs.takes_head_masks else heads_differ_refusal(spec))
-            assert index == len(self._models)
-            policy = spec.queue_policy  # the one source of the schedule's numbers (config.json)
-            self._plane.set_schedule(index, policy.priority_levels, policy.default_priority_level,
-                                     policy.default_timeout_us, policy.allow_timeout_override)
-            self._models.append((name, spec, lv.batcher.run_batch, lv.batcher.run_solo, lv.batcher.stoppable_runs))
-            if metrics is not None:
-                self._observers.append(metrics.observer(name))
-        add_tables(self._plane, request_path, names)
+        self._lanes: dict = {}  # LoadedVersion -> its model index, while the registry serves it
+        self._routed: set[str] = set()
+        if zeros or loop is None:  # the floor: the default versions, and tables made now
+            names = sorted(registry.loaded)
+            for name in names:
+                self._lane(name, registry.get(name))
+            add_tables(self._plane, request_path, names)
+        else:
+            self.sync()
+            self._plane.set_relay(self._relay)
         self._in_flight_gauge = None
         if metrics is not None:
             from prometheus_client import Gauge
@@ -132,6 +152,74 @@ class NativePlane:
                                           "data plane (--data-plane native).", registry=metrics.registry)
             metrics.add_refresh(self.refresh_metrics)
 
+    # -- model changes (docs/native-data-plane.md, "Model changes and the rare RPCs") ---------
+
+    def sync(self) -> None:
+        """Serve what the registry serves now: called on the event loop in the same turn as each
+        change (Server._model_changed), so no call on either port sees the two differ. A version
+        no longer served is retired: the calls queued on it run on it, later ones go elsewhere."""
+        registry, plane = self._registry, self._plane
+        plane.set_serving(registry.unknown_tail())
+        names = set(registry.known_names())
+        for name in self._routed - names:
+            plane.unroute(name)
+        served = set()
+        for name in sorted(names):
+            try:
+                registry.get(name)
+            except ModelUnavailable as err:  # unloaded, failed, warming: the Python port's words
+                status = status_for(err)
+                plane.route(name, {}, status.code.value[0], status.details, "")
+                continue
+            versions = {}
+            for version in registry.versions(name):
+                lv = registry.get(name, str(version))
+                versions[version] = self._lane(name, lv)
+                served.add(lv)
+            plane.route(name, versions, 0, "", registry.not_loaded_tail(name))
+        self._routed = names
+        for lv in [lv for lv in self._lanes if lv not in served]:
+            plane.retire(self._lanes.pop(lv))
+
+    def _lane(self, name: str, lv) -> int:
+        """The plane's model index for version lv: a queue (and, once started, a runner) of its own."""
+        if lv in self._lanes:
+            return self._lanes[lv]
+        spec, config = lv.spec, self._config
+        index = self._plane.add_model(
+            name, str(spec.version), spec.query_dim, spec.kv_dim, spec.out_dim, spec.num_heads,
+            config.max_batch_size or spec.max_batch_size, lv.limits.max_q_len, lv.limits.max_kv_len,
+            config.max_attention_bytes, config.max_queue_size, config.max_padding_ratio,
+            "" if lv.limits.graphs.takes_head_masks else heads_differ_refusal(spec))
+        assert index == len(self._models)
+        policy = spec.queue_policy  # the one source of the schedule's numbers (config.json)
+        self._plane.set_schedule(index, policy.priority_levels, policy.default_priority_level,
+                                 policy.default_timeout_us, policy.allow_timeout_override)
+        self._models.append((name, spec, lv.batcher.run_batch, lv.batcher.run_solo, lv.batcher.stoppable_runs))
+        if self._metrics is not None:
+            self._observers.append(self._metrics.observer(name))
+        self._lanes[lv] = index
+        if self._started:
+            self._start_runner(index)
+        return index
+
+    def _relay(self, method: str, data: bytes, reply) -> None:
+        """A rare RPC from a gRPC thread: answered on the event loop, which owns the registry."""
+        try:
+            self._loop.call_soon_threadsafe(self._answer, method, data, reply)
+        except RuntimeError:  # the loop is closed: the server is gone
+            reply(_UNAVAILABLE, "the server is stopping", b"")
+
+    def _answer(self, method: str, data: bytes, reply) -> None:
+        request_type, answer = RELAYED[method]
+        try:
+            response = answer(self._request_path, request_type.FromString(data))
+        except Exception as err:  # the Python port's status and words (server.errors)
+            status = status_for(err)
+            reply(status.code.value[0], status.details, b"")
+            return
+        reply(0, "", response.SerializeToString())
+
     def start(self) -> int:
         """Bind --native-port and start a runner thread per model; the bound port."""
         cfg = self._config
@@ -139,14 +227,21 @@ class NativePlane:
         port = self._plane.start(target, cfg.max_message_bytes, cfg.max_concurrent_streams)
         if port == 0:
             raise OSError(f"native data plane: cannot listen on {target} (--native-port)")
-        for index, (name, *_rest) in enumerate(() if self._zeros else self._models):
-            thread = threading.Thread(target=self._run_forever, args=(index,), name=f"native-{name}", daemon=True)
-            thread.start()
-            self._runners.append(thread)
+        if not self._zeros:
+            self._started = True
+            for index in sorted(self._lanes.values()):
+                self._start_runner(index)
         logger.info("native data plane (prototype%s) serving ModelInfer for %s on %s",
                     " answering zeros" if self._zeros else "", [m[0] for m in self._models],
                     f"{target.rsplit(':', 1)[0]}:{port}")
         return port
+
+    def _start_runner(self, index: int) -> None:
+        name, spec = self._models[index][:2]
+        thread = threading.Thread(target=self._run_forever, args=(index,), name=f"native-{name}-v{spec.version}",
+                                  daemon=True)
+        thread.start()
+        self._runners.append(thread)
 
     def _run_forever(self, index: int) -> None:
         # Not lowered (unlike the batchers' run threads): this thread also sends the answers
@@ -157,6 +252,8 @@ class NativePlane:
         while not self._stopping.is_set():
             batch = plane.next_batch(index, _WAIT_MS)
             if batch is None:
+                if plane.drained(index):  # retired, and what was queued on it has run
+                    break
                 continue
             started = time.perf_counter()
             solo = failed = terminated = False
@@ -184,6 +281,8 @@ class NativePlane:
                     plane.fail(batch, f"{type(err).__name__}: {err}")
                     failed = True
             self._observe(index, batch, started, ran, solo, failed, terminated=terminated)
+        run = run_solo = batch = None
+        self._models[index] = (name, spec, None, None, False)  # its sessions go with the registry's last reference
 
     def _observe(self, index: int, batch, started: float, ran: float, solo: bool, failed: bool,
                  terminated: bool = False) -> None:
@@ -207,10 +306,9 @@ class NativePlane:
         """At each scrape: attnserve_requests gets the native calls' final statuses (counted in
         C++) since the last one; attnserve_native_in_flight the calls queued or computing now."""
         self._in_flight_gauge.set(self._plane.in_flight())
-        names = [m[0] for m in self._models] + [UNKNOWN_MODEL]
-        for index, name in enumerate(names):
-            for value, count in enumerate(self._plane.final_codes(index)):
-                key = (name, _CODE_NAMES.get(value, "UNKNOWN"))
+        for name, codes in self._plane.final_codes_by_name().items():
+            for value, count in enumerate(codes):
+                key = (name or UNKNOWN_MODEL, _CODE_NAMES.get(value, "UNKNOWN"))
                 delta = count - self._codes_counted.get(key, 0)
                 if delta > 0:
                     self._metrics.requests.labels(*key).inc(delta)
