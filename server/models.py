@@ -407,13 +407,6 @@ class ModelRegistry:
                     for version in sorted(built):
                         if self._warms(new.versions[version]):
                             await self._warm_request_path(new.versions[version])
-                except Exception as err:
-                    for version in built:
-                        self._retire(new.versions[version])
-                    why = f"version {min(built)}: warm-up failed: {_reason(err)}"
-                    self._models[name] = _Model(old.versions, failed_versions={min(built): why}, seen=seen)
-                    logger.error("model %s: load failed, %s: %s", name, self._serving_note(old), why)
-                    raise ModelLoadFailed(f"load of model {name} failed ({self._serving_note(old)}): {why}") from None
                 finally:
                     del self._warming_loads[name]
             retired = [lv for v, lv in old.versions.items() if keep.get(v) is not lv]
@@ -519,8 +512,15 @@ class ModelRegistry:
                     ", ".join(f"{graph} {session} x{n}" for (graph, session), n in sorted(done.items())))
 
     async def _warm_request_path(self, lv: LoadedVersion) -> None:
-        """A version's request path warmed (server.warmup.warm_request_path), its batcher started."""
-        done = await warm_request_path(lv.spec, lv.limits, lv.batcher, self._metrics.warm_up_sent(lv.spec.name))
+        """A version's request path warmed (server.warmup.warm_request_path), its batcher started.
+        A refusal (a memory budget too small for the request, say) only costs the first caller
+        that first use: its graphs have run already, so the version serves all the same."""
+        try:
+            done = await warm_request_path(lv.spec, lv.limits, lv.batcher, self._metrics.warm_up_sent(lv.spec.name))
+        except Exception as err:
+            logger.warning("model %s version %d: the request path's warm-up was refused, serving without it: %s",
+                           lv.spec.name, lv.spec.version, _reason(err))
+            return
         logger.info("model %s version %d: request path warmed up: %s", lv.spec.name, lv.spec.version,
                     ", ".join(f"{session} x{n}" for session, n in sorted(done.items())))
 

@@ -141,7 +141,11 @@ async def warm_request_path(spec: ModelSpec, limits: codec.Limits, batcher: Batc
         request = codec.parse_infer_request(wire)
         decoded = codec.decode(request, spec, limits)
         result = await batcher.submit(decoded.work, warm_up=session)
-        response = codec.encode(request, decoded, result, spec.version)
+        try:
+            response = codec.encode(request, decoded, result, spec.version)
+        except BaseException:
+            result.release()  # its memory budget share: no answer carries it
+            raise
         try:
             codec.serialize_infer_response(response)
         finally:
