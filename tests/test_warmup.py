@@ -255,3 +255,21 @@ def test_warmup_is_set_by_flag_or_environment_and_checked():
     assert load_config(["--warmup", "graphs"], {"ATTNSERVE_WARMUP": "none"}).warmup == "graphs"
     with pytest.raises(SystemExit):
         load_config(["--warmup", "some"])
+
+
+def test_a_refused_request_path_warm_up_is_logged_and_the_model_serves_all_the_same(model_repository):
+    """--memory-limit-bytes 1: the warm-up's request is over the budget (refused, as a caller's
+    would be); its graphs have run, so each model turns ready with the refusal in the log."""
+    proc = ServerProcess(model_repository, "--memory-limit-bytes", "1")
+    try:
+        with proc.channel() as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            for model in MODELS:
+                assert stub.ModelReady(pb.ModelReadyRequest(name=model), timeout=10).ready, model
+        assert _warm_up_requests(proc) == {}
+        assert _warm_up_runs(proc)  # the sessions' warm-up ran
+        for model in MODELS:
+            assert re.search(rf"model {model} version 1: the request path's warm-up was refused, serving without it",
+                             proc.log()), proc.log()
+    finally:
+        proc.stop()
