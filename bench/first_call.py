@@ -32,8 +32,8 @@ MODES = ("graphs", "none")
 
 def probes(spec) -> dict[str, tuple[int, str, tuple[str, ...]]]:
     """name -> (length, mask kind, outputs), in the order sent: the model's very first call (its
-    request path's first use: the batcher's run thread starts, a shape's first solo run takes
-    that thread before short ones run on the loop), then one call per graph: a short call, one at
+    request path's first use, at a length the warm-up did not run: with --warmup graphs the
+    warm-up's request has been down that path), then one call per graph: a short call, one at
     the crossover (where the fused graph takes over; the warm-up's long length), one with a key
     padding mask, one asking for attn_probs."""
     crossover = max((n for _k, n in spec.crossover), default=0)

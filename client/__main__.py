@@ -388,15 +388,13 @@ def _batch_on_ray(args: argparse.Namespace, options: ClientOptions) -> int:
 
     if args.shard is not None:
         raise UsageError("--shard is for --engine client: Ray splits the input itself")
-    if args.priority or args.timeout_us:  # refused, not silently dropped
-        raise UsageError("--priority and --timeout-us are for --engine client: the Ray engine does not send them yet")
     try:
         job = RayJob(input_path=args.input, output_dir=args.output, model=args.model,
                      model_dir=None if args.model_repository is None else args.model_repository / args.model,
                      urls=() if args.model_repository is not None else tuple(options.url.split(",")),
                      outputs=_names(args.outputs), batch_size=args.batch_size, actors=args.actors,
                      concurrency=args.concurrency, model_version=args.model_version, timeout_s=options.timeout_s,
-                     retries=options.retry.max_attempts - 1)
+                     retries=options.retry.max_attempts - 1, priority=args.priority, timeout_us=args.timeout_us)
     except ValueError as err:
         raise UsageError(str(err)) from None
     try:

@@ -8,7 +8,10 @@ want_probs)` and runs it on its own worker threads, so the event loop keeps acce
   company is coming (another batch runs, or the `arrivals` signal says requests are on the way).
 - Solo runs: a batch of one request while the server holds no other call runs on `run_solo`,
   whose threads spin so the next lone request finds the cores awake; a solo run whose shape last
-  ran within INLINE_SOLO_MAX_S computes on the event loop itself (nothing else waits there).
+  ran within INLINE_SOLO_MAX_S (or a shape holding it: no fewer rows, no shorter lengths, the same
+  masking and outputs) computes on the event loop itself (nothing else waits there).
+- Warm-up: `submit(..., warm_up=SOLO or REGULAR)` sends a request down this path on the session
+  kind asked for, before the model serves (server.warmup); its batch is told to no observer.
 - Padding: requests are padded to the batch's longest query and key, padded keys masked; a
   request joins only within `max_padding_ratio` and `max_batch_scores`, and a flash-attention
   batch takes only requests that keep it on that graph.
@@ -47,6 +50,10 @@ ScoresOf = Callable[[int, int, int, str, bool], int]
 
 def _all_scores(rows: int, q_len: int, k_len: int, masking: str, want_probs: bool) -> int:
     return rows * q_len * k_len
+
+
+# The session kinds a warm-up request asks for (submit's warm_up; server.warmup's names).
+REGULAR, SOLO = "regular", "solo"
 
 
 class QueueFull(Exception):
@@ -182,6 +189,7 @@ class _Pending:
     expiry: asyncio.TimerHandle | None = None  # refuses it when its deadline passes in the queue
     stage: Stage | None = None  # its caller's view of where it is
     run: _Run | None = None  # the batch computing it, once taken from the queue
+    warm_up: str | None = None  # a warm-up request's session kind (REGULAR, SOLO); None: a caller's
 
     def drop(self) -> None:
         """It will not be answered with a Result: its memory goes back."""
@@ -276,14 +284,16 @@ class Batcher:
         self._loop_task = asyncio.get_running_loop().create_task(self._collect_forever(), name=f"batcher-{self.name}")
 
     async def submit(self, work: Work, deadline: float | None = None, trace: object = None,
-                     priority: int = 1, stage: Stage | None = None) -> Result:
+                     priority: int = 1, stage: Stage | None = None, warm_up: str | None = None) -> Result:
         """Queue one request and wait for its own result. Raises QueueFull, DeadlineExpired,
         BatcherClosed or BatchFailed; cancelling the caller takes the request out of the queue,
         or out of its running batch (the last one out stops the run: `stoppable_runs`).
         deadline (time.monotonic()): refused unrun once it passes while queued.
         trace: its call's span, handed to the tracer with its batch's (server.tracing).
         priority: its level, 1 the highest (server.scheduling's queue order).
-        stage: kept up to date with where the request is (Stage), for its caller."""
+        stage: kept up to date with where the request is (Stage), for its caller.
+        warm_up: a warm-up request (server.warmup), run alone on this session kind (REGULAR, or
+        SOLO where there are solo sessions) and told to no observer or tracer."""
         if self._closing:
             raise BatcherClosed(f"model {self.name} is shutting down")
         if len(self._pending) >= self.policy.max_queue_size:
@@ -316,7 +326,8 @@ class Batcher:
                                   "not computed")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        pending = _Pending(work, deadline, future, now, reservation, run_share, trace, priority=priority, stage=stage)
+        pending = _Pending(work, deadline, future, now, reservation, run_share, trace, priority=priority, stage=stage,
+                           warm_up=warm_up)
         self._enqueue(pending, loop)
         try:
             return await future  # cancelling the caller cancels the future
@@ -536,12 +547,16 @@ class Batcher:
         terminated = False
         padding_ratio = 0.0
         timings = (0.0, 0.0, 0.0)
-        solo = self._runs_solo(batch)
+        warm_up = batch[0].warm_up if all(p.warm_up for p in batch) else None  # a warm-up's batch: unobserved
+        if warm_up is not None and len(batch) == 1:
+            solo = warm_up == SOLO and self._run_solo is not None
+        else:
+            solo = self._runs_solo(batch)
         try:
             works = [p.work for p in batch]
             loop = asyncio.get_running_loop()
             shape = _solo_shape(works[0]) if solo else None
-            if solo and self._solo_seconds.get(shape, math.inf) <= INLINE_SOLO_MAX_S:
+            if solo and self._solo_estimate(shape) <= INLINE_SOLO_MAX_S:
                 results, padding_ratio, timings = compute_batch(self._run_solo, works,  # on the loop ("Solo runs")
                                                                 self._writes_into)
             else:
@@ -585,7 +600,7 @@ class Batcher:
             self._report_runs()
             self._slots.release()
             self._wakeup.set()  # a partial batch waiting for company stops waiting once the model idles
-            if self._observer is not None or self._tracer is not None:
+            if warm_up is None and (self._observer is not None or self._tracer is not None):
                 stats = BatchStats(
                     requests=len(batch), rows=sum(p.work.rows for p in batch), padding_ratio=padding_ratio,
                     compute_s=time.monotonic() - started, queue_s=queue_s, failed=failed,
@@ -594,6 +609,18 @@ class Batcher:
                     self._observer.on_batch(stats)
                 if self._tracer is not None:
                     self._tracer.batch_done(stats, [(p.work, p.trace) for p in batch])
+
+    def _solo_estimate(self, shape: tuple) -> float:
+        """Seconds a solo run of `shape` should take: its own last run's, else the least of the
+        timed shapes that hold it (no fewer rows, no shorter lengths, the same masking and
+        outputs: a run of it costs no less), else infinity. So a first call shorter than one the
+        warm-up ran computes where its later calls will."""
+        seconds = self._solo_seconds.get(shape)
+        if seconds is not None:
+            return seconds
+        rows, q_len, k_len, masking, want_probs = shape
+        return min((t for (r, q, k, m, p), t in self._solo_seconds.items()
+                    if m == masking and p == want_probs and r >= rows and q >= q_len and k >= k_len), default=math.inf)
 
     def _time_solo_run(self, shape: tuple, seconds: float) -> None:
         self._solo_seconds[shape] = seconds

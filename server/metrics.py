@@ -5,7 +5,8 @@ attnserve_request_duration_seconds, attnserve_queue_duration_seconds,
 attnserve_compute_duration_seconds, attnserve_batch_requests, attnserve_padding_ratio,
 attnserve_queue_depth, attnserve_runs_in_flight, attnserve_cancelled_requests_total (also by reason
 and stage); every one is labelled by model; so are the warm-up's (server.warmup)
-attnserve_warmup_runs_total (and graph, session) and attnserve_model_ready_seconds. The memory budget's (one per server,
+attnserve_warmup_runs_total (and graph, session), attnserve_warmup_requests_total (and session)
+and attnserve_model_ready_seconds. The memory budget's (one per server,
 unlabelled; watch_budget): attnserve_memory_limit_bytes, attnserve_memory_reserved_bytes,
 attnserve_memory_waiting_bytes, attnserve_memory_waiters, and the counters
 attnserve_memory_waits_total, attnserve_memory_shed_total, attnserve_memory_wait_timeouts_total,
@@ -114,6 +115,10 @@ class Metrics:
         self.warmup_runs = Counter("attnserve_warmup_runs", "Warm-up runs before a model reported ready "
                                    "(server.warmup), by graph and session kind (regular, solo).",
                                    ["model", "graph", "session"], registry=self.registry)
+        self.warmup_requests = Counter("attnserve_warmup_requests", "Warm-up requests sent down the request "
+                                       "path (decode, batcher, encode) before a model reported ready "
+                                       "(server.warmup), by the session kind that ran them (regular, solo).",
+                                       ["model", "session"], registry=self.registry)
         # With several workers: the slowest live worker's (each warms its own sessions).
         self.model_ready_seconds = Gauge("attnserve_model_ready_seconds", "Time-to-ready of the model's last "
                                          "load: seconds from the server's start (or the load's) until it "
@@ -188,6 +193,13 @@ class Metrics:
             self.warmup_runs.labels(model, graph, session).inc()
 
         return ran
+
+    def warm_up_sent(self, model: str):
+        """What server.warmup.warm_request_path calls after each request, (session), on the loop."""
+        def sent(session: str) -> None:
+            self.warmup_requests.labels(model, session).inc()
+
+        return sent
 
     def model_ready(self, model: str, seconds: float) -> None:
         self.model_ready_seconds.labels(model).set(seconds)

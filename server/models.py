@@ -50,7 +50,7 @@ from attnserve.server.repository import (
 )
 from attnserve.server.tensors import RunBatch, Work
 from attnserve.server.tracing import Tracing
-from attnserve.server.warmup import warm_up, warm_up_plan
+from attnserve.server.warmup import warm_request_path, warm_up, warm_up_plan
 
 from attnserve.contract import (
     ALL_OUTPUTS,
@@ -393,7 +393,8 @@ class ModelRegistry:
                     built[spec.version] = await asyncio.to_thread(self._open, spec)
                 except Exception as err:
                     failures[spec.version] = _reason(err)
-            if not failures and self.config.warmup != "none":
+            warms = not failures and self.config.warmup != "none"
+            if warms:
                 # Warmed before it is installed: what served before serves meanwhile (a hot swap).
                 self._warming_loads[name] = tuple(sorted(built))
                 try:
@@ -402,7 +403,6 @@ class ModelRegistry:
                             await asyncio.to_thread(self._warm, name, version, opened.warm_up)
                 except Exception as err:  # a run of a graph that check_servable's tiny run passed
                     failures[min(built)] = f"warm-up failed: {_reason(err)}"
-                finally:
                     del self._warming_loads[name]
             self._check_open()
             if failures:
@@ -412,6 +412,13 @@ class ModelRegistry:
                 raise ModelLoadFailed(f"load of model {name} failed ({self._serving_note(old)}): {why}")
             new = self._install(name, specs, keep, built, {})
             new.seen = seen
+            if warms:
+                try:  # the new batchers' request path, before they serve (no caller reaches them yet)
+                    for version in sorted(built):
+                        if self._warms(new.versions[version]):
+                            await self._warm_request_path(new.versions[version])
+                finally:
+                    del self._warming_loads[name]
             retired = [lv for v, lv in old.versions.items() if keep.get(v) is not lv]
             self._models[name] = new
             for lv in retired:
@@ -514,6 +521,19 @@ class ModelRegistry:
                     time.monotonic() - started, sum(done.values()),
                     ", ".join(f"{graph} {session} x{n}" for (graph, session), n in sorted(done.items())))
 
+    async def _warm_request_path(self, lv: LoadedVersion) -> None:
+        """A version's request path warmed (server.warmup.warm_request_path), its batcher started.
+        A refusal (a memory budget too small for the request, say) only costs the first caller
+        that first use: its graphs have run already, so the version serves all the same."""
+        try:
+            done = await warm_request_path(lv.spec, lv.limits, lv.batcher, self._metrics.warm_up_sent(lv.spec.name))
+        except Exception as err:
+            logger.warning("model %s version %d: the request path's warm-up was refused, serving without it: %s",
+                           lv.spec.name, lv.spec.version, _reason(err))
+            return
+        logger.info("model %s version %d: request path warmed up: %s", lv.spec.name, lv.spec.version,
+                    ", ".join(f"{session} x{n}" for session, n in sorted(done.items())))
+
     async def warm_up_at_start(self) -> None:
         """Warm every model installed at start (Server.start, once its ports are bound), one
         after another; each turns ready as its warm-up ends. A model whose warm-up fails is not
@@ -526,6 +546,7 @@ class ModelRegistry:
             try:
                 for version, lv in sorted(model.versions.items()):
                     await asyncio.to_thread(self._warm, name, version, lv.warm_up)
+                    await self._warm_request_path(lv)
             except Exception as err:  # a run of a graph that check_servable's tiny run passed
                 reason = f"warm-up failed: {_reason(err)}"
                 logger.error("model %s is not ready: %s", name, reason)

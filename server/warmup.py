@@ -2,13 +2,17 @@
 
     runs = warm_up_plan(engine.graphs, spec)   # [WarmRun(graph, masking, want_probs, length)]
     done = warm_up(engine, spec, runs)         # {(graph, session): runs}; blocking, off the loop
+    sent = await warm_request_path(spec, limits, batcher)  # {session: requests}; on the loop
 
 Why: ONNX Runtime's first run of a graph at a shape (and on CUDA, its kernels' set-up) is slower
 than the next; without this, those first runs land on the first callers after readiness. Each
 graph runs at a short length and at the crossover length (where server.graphs switches between
 the unfused and the fused graphs), on the regular sessions and, where it has them, on the solo
 ones (server.engine, "Solo sessions"). Inputs are zeros with every mask open: the cost of a run
-does not depend on the values. Knows nothing of gRPC or batching.
+does not depend on the values. Then a short request goes down the request path itself (codec,
+batcher, its run thread, its solo and batched runs, the answer's serialization), whose first use
+the sessions' runs do not touch and which would otherwise land on the first caller; no caller's,
+it is counted in no statistics. Knows nothing of gRPC.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+from attnserve.proto import inference_pb2 as pb
+from attnserve.server import codec
+from attnserve.server.batcher import REGULAR, SOLO, Batcher  # the session kinds the warm-up metrics label
 from attnserve.server.graphs import GENERAL, HEADS, KEY_PADDING, NO_MASK, GraphSet
 from attnserve.server.repository import ModelSpec
 
@@ -33,6 +40,7 @@ from attnserve.contract import (
     HEAD_MASK_ALL_OUTPUTS,
     HEAD_MASK_OUTPUT_ONLY,
     KEY_PADDING_MASK,
+    OUTPUT_NAMES,
     OUTPUT_ONLY,
 )
 
@@ -40,7 +48,6 @@ SHORT_LEN = 16  # a short request's length: the first length export's crossover 
 # The long length of a version whose crossover is no longer than SHORT_LEN, or which has no fused
 # graphs: the longest length export's crossover measures.
 LONG_LEN_FALLBACK = 512
-REGULAR, SOLO = "regular", "solo"  # the session kinds, as the warm-up metric labels them
 _DTYPES = {"FP32": np.float32, "FP16": np.float16}
 
 
@@ -106,4 +113,44 @@ def warm_up(engine: Engine, spec: ModelSpec, runs: list[WarmRun],
             done[run.graph, session] += 1
             if ran is not None:
                 ran(run.graph, session)
+    return done
+
+
+def warm_request(spec: ModelSpec) -> pb.ModelInferRequest:
+    """A short request as a client sends it: zeros at SHORT_LEN, raw contents, the output alone."""
+    feeds = warm_feeds(spec, WarmRun("", NO_MASK, False, min(SHORT_LEN, spec.max_q_len, spec.max_kv_len)))
+    request = pb.ModelInferRequest(model_name=spec.name, id="warm-up")
+    for name, array in feeds.items():
+        datatype = next((t.datatype for t in spec.inputs if t.name == name), "FP32")
+        request.inputs.add(name=name, datatype=datatype, shape=array.shape)
+        request.raw_input_contents.append(array.tobytes())
+    request.outputs.add(name=OUTPUT_NAMES[0])
+    return request
+
+
+async def warm_request_path(spec: ModelSpec, limits: codec.Limits, batcher: Batcher,
+                            sent: Callable[[str], None] | None = None) -> collections.Counter[str]:
+    """On the event loop: warm_request(spec) parsed, decoded, submitted to `batcher` as a warm-up
+    on its solo sessions twice (the first on its run thread, which it starts; the next where a
+    caller's would run: on the loop if short) and on its regular sessions once, each answer
+    encoded and serialized. sent(session) after each. Returns {session: requests}."""
+    done: collections.Counter[str] = collections.Counter()
+    wire = warm_request(spec).SerializeToString()
+    sessions = (SOLO, SOLO, REGULAR) if batcher.run_solo is not None else (REGULAR,)
+    for session in sessions:
+        request = codec.parse_infer_request(wire)
+        decoded = codec.decode(request, spec, limits)
+        result = await batcher.submit(decoded.work, warm_up=session)
+        try:
+            response = codec.encode(request, decoded, result, spec.version)
+        except BaseException:
+            result.release()  # its memory budget share: no answer carries it
+            raise
+        try:
+            codec.serialize_infer_response(response)
+        finally:
+            response.release()  # its memory budget share: no transport sends it
+        done[session] += 1
+        if sent is not None:
+            sent(session)
     return done

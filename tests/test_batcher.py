@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from attnserve.server.batcher import REGULAR as REGULAR_SESSION
+from attnserve.server.batcher import SOLO as SOLO_SESSION
 from attnserve.server.batcher import (
     Batcher,
     BatcherClosed,
@@ -1124,7 +1126,9 @@ def test_a_solo_run_computes_on_the_event_loop_once_its_shape_has_run_short(monk
             time.sleep(0.6)  # past INLINE_SOLO_MAX_S, however fast the machine
         return solo(feeds, want_probs)
 
-    short, slow, other, another = (make_work(1, q, 6) for q in (4, slow_q_len, 5, 3))
+    # other and another hold no key as long as short's (6): no estimate of short from theirs.
+    short, slow = make_work(1, 4, 6), make_work(1, slow_q_len, 6)
+    other, another = make_work(1, 5, 5), make_work(1, 8, 5)
     order = (short, short, short, slow, slow, other, another, short)
 
     async def main():
@@ -1143,6 +1147,70 @@ def test_a_solo_run_computes_on_the_event_loop_once_its_shape_has_run_short(monk
     assert on_loop == [False, True, True, False, False, False, False, False]
     assert len(solo.calls) == len(order) and not regular.calls
     for work, result in zip(order, results, strict=True):
+        assert_matches_alone(work, result)
+
+
+def test_a_first_solo_run_held_by_a_short_timed_shape_computes_on_the_event_loop(monkeypatch):
+    """A shape never run alone is judged by the timed shapes that hold it (no fewer rows, no
+    shorter lengths, the same masking and outputs): the least of their times. So a first call
+    shorter than the warm-up's runs where its later calls will. A shape held only by a slow one,
+    or by none with its outputs, goes to the run thread. The limit is far from both runs here."""
+    from attnserve.server import batcher as batching
+
+    monkeypatch.setattr(batching, "INLINE_SOLO_MAX_S", 0.5)
+    regular, solo = _two_runs()
+    threads: list[int] = []
+
+    def run_solo(feeds, want_probs):
+        threads.append(threading.get_ident())
+        if feeds["query"].shape[1] == 12:
+            time.sleep(0.6)  # past INLINE_SOLO_MAX_S, however fast the machine
+        return solo(feeds, want_probs)
+
+    big, small, slow, held_by_slow, other_outputs = (
+        make_work(1, 8, 8), make_work(1, 4, 6), make_work(1, 12, 12), make_work(1, 10, 10),
+        make_work(1, 4, 6, want_probs=False))
+    order = (big, small, slow, held_by_slow, other_outputs)
+
+    async def main():
+        batcher = Batcher("test", regular, BatchPolicy(), run_solo=run_solo, lone_call_signal=LoneCallSignal(True))
+        batcher.start()
+        try:
+            return [await batcher.submit(work) for work in order]
+        finally:
+            await batcher.close()
+
+    results = asyncio.run(main())
+    assert [t == threading.get_ident() for t in threads] == [False, True, False, False, False]
+    for work, result in zip(order, results, strict=True):
+        assert_matches_alone(work, result)
+
+
+def test_a_warm_up_request_runs_on_the_session_it_asks_for_and_is_told_to_no_observer():
+    """submit(warm_up=SOLO or REGULAR) (server.warmup's request path): that session kind, whether
+    or not the call is alone, and no batch statistics; a caller's request after it is observed."""
+    regular, solo = _two_runs()
+    observer = Observer()
+    works = [make_work(1, 4, 6) for _ in range(3)]
+
+    async def main():
+        batcher = Batcher("test", regular, BatchPolicy(), observer, run_solo=solo,
+                          lone_call_signal=LoneCallSignal(False))
+        batcher.start()
+        try:
+            warm_solo = await batcher.submit(works[0], warm_up=SOLO_SESSION)
+            assert (len(solo.calls), len(regular.calls)) == (1, 0)
+            warm_regular = await batcher.submit(works[1], warm_up=REGULAR_SESSION)
+            assert (len(solo.calls), len(regular.calls)) == (1, 1)
+            assert observer.batches == []
+            caller = await batcher.submit(works[2])
+            return warm_solo, warm_regular, caller
+        finally:
+            await batcher.close()
+
+    results = asyncio.run(main())
+    assert len(observer.batches) == 1 and not observer.batches[0].solo  # not alone: the regular run
+    for work, result in zip(works, results, strict=True):
         assert_matches_alone(work, result)
 
 

@@ -76,3 +76,91 @@ def test_bad_connection_settings_are_flag_errors(flag, value, capsys):
         load_config([flag, value])
     assert exc.value.code == 2
     assert flag.lstrip("-").replace("-", "_") in capsys.readouterr().err
+
+
+# -- keepalive: the server's ping policy, on a raw HTTP/2 connection ------------------------------
+
+
+class _Pinger:
+    """An HTTP/2 connection (the `h2` library) that opens no call and sends PING frames."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+
+        import h2.config
+        import h2.connection
+
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=BOUND_S)
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.conn.initiate_connection()
+        self.sock.sendall(self.conn.data_to_send())
+        self.goaway = None  # the server's ConnectionTerminated event, once it came
+
+    def ping_and_wait(self, n: int) -> bool:
+        """Sends PING n; True once its ACK came, False if the server ended the connection first."""
+        import h2.events
+
+        if self.goaway is not None:
+            return False
+        self.conn.ping(n.to_bytes(8, "big"))
+        self.sock.sendall(self.conn.data_to_send())
+        deadline = time.monotonic() + BOUND_S
+        acked = False
+        while self.goaway is None and not acked:
+            assert time.monotonic() < deadline, f"no answer to PING {n} in {BOUND_S}s"
+            data = self.sock.recv(65536)
+            if not data:
+                return False
+            for event in self.conn.receive_data(data):  # all of them: a GOAWAY may follow the ACK
+                if isinstance(event, h2.events.ConnectionTerminated):
+                    self.goaway = event
+                elif isinstance(event, h2.events.PingAckReceived) and event.ping_data == n.to_bytes(8, "big"):
+                    acked = True
+            if self.goaway is None:
+                self.sock.sendall(self.conn.data_to_send())
+        return acked and self.goaway is None
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.e2e
+def test_pings_closer_than_the_min_ping_interval_get_goaway_too_many_pings_and_slower_ones_do_not(model_repository):
+    """--grpc-keepalive-min-ping-interval-s reaches gRPC core: a client pinging without calls
+    more often than it allows is sent GOAWAY ENHANCE_YOUR_CALM "too_many_pings" (after gRPC's
+    ping strikes); pings spaced wider than it are all answered, where the default (10 s) would
+    have sent GOAWAY: the setting, not gRPC's default, decides. The spacing is a lower bound
+    (each ping waits for the last one's ACK, then at least the interval twice): a slow machine
+    only spaces them more."""
+    import h2.errors
+
+    from tests.server_process import ServerProcess
+
+    interval_s = 0.2
+    proc = ServerProcess(model_repository, "--grpc-keepalive-min-ping-interval-s", str(interval_s))
+    try:
+        slow = _Pinger(proc.port)
+        try:
+            for n in range(5):
+                assert slow.ping_and_wait(n), f"ping {n} at >= {2 * interval_s}s apart refused: {slow.goaway}"
+                resume = time.monotonic() + 2 * interval_s
+                while time.monotonic() < resume:
+                    time.sleep(resume - time.monotonic())
+        finally:
+            slow.close()
+    finally:
+        proc.stop()
+    proc = ServerProcess(model_repository)  # the default interval, 10 s: back-to-back pings are too many
+    try:
+        fast = _Pinger(proc.port)
+        try:
+            for n in range(20):
+                if not fast.ping_and_wait(n):
+                    break
+            assert fast.goaway is not None, "20 pings back to back were all answered"
+            assert fast.goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+            assert fast.goaway.additional_data == b"too_many_pings"
+        finally:
+            fast.close()
+    finally:
+        proc.stop()

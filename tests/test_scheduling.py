@@ -419,5 +419,27 @@ def test_the_batch_cli_refuses_schedule_flags_it_cannot_send(tmp_path, capsys):
             "--output", str(tmp_path / "out.npz")]
     assert cli([*args, "--priority", "-1"]) == 2
     assert "priority must be >= 0" in capsys.readouterr().err
-    assert cli([*args, "--engine", "ray", "--timeout-us", "5"]) == 2
-    assert "the Ray engine does not send them yet" in capsys.readouterr().err
+    # Ray in process: each actor runs ONNX Runtime itself, there is no server queue to order.
+    assert cli([*args, "--engine", "ray", "--model-repository", str(tmp_path), "--timeout-us", "5"]) == 2
+    assert "timeout_us is a server's schedule policy: give urls (a client fleet)" in capsys.readouterr().err
+
+
+def test_the_ray_fleets_priority_and_timeout_reach_the_server(server, tmp_path):
+    """A Ray client fleet actor (made here as Ray makes it, from its kwargs; no Ray needed) sends
+    --priority and --timeout-us on every request: a level the model lacks is refused by the
+    server, a valid one is answered and its part written."""
+    from attnserve.client.batch import tables
+    from attnserve.client.batch.ray_job import FleetActor, read_output
+    from attnserve.client.errors import InferenceError
+
+    pa = tables.pyarrow()
+    batch = pa.table({"id": tables.tensor_array(np.arange(2)),
+                      **{name: tables.tensor_array(a) for name, a in _inputs(2).items()}})
+    kwargs = dict(urls=(server.address,), model=MODEL, output_dir=str(tmp_path), outputs=("output",),
+                  skip=frozenset(), request_items=2, concurrency=1, model_version="", timeout_s=60.0, retries=0)
+    with pytest.raises(InferenceError) as exc:
+        FleetActor(**kwargs, priority=3)(batch)
+    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "parameter 'priority': this model has priority levels 1..2" in exc.value.details
+    assert FleetActor(**kwargs, priority=2, timeout_us=60_000_000)(batch)["computed"].tolist() == [2]
+    assert read_output(tmp_path)["id"].tolist() == [0, 1]

@@ -65,6 +65,18 @@ def _warm_up_runs(proc) -> dict[tuple[str, str, str], float]:
     return runs
 
 
+def _warm_up_requests(proc) -> dict[tuple[str, str], float]:
+    """attnserve_warmup_requests_total by (model, session): the request path's warm-up."""
+    return {(model, session): float(value) for model, session, value in re.findall(
+        r'^attnserve_warmup_requests_total\{model="(\w+)",session="(\w+)"\} (\S+)$', _metrics(proc), re.M)}
+
+
+def _batches(proc, model: str) -> float:
+    """Batches the model's batcher told its observer of (attnserve_batch_requests' count)."""
+    found = re.search(rf'^attnserve_batch_requests_count\{{model="{model}"\}} (\S+)$', _metrics(proc), re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def _graphs_on_disk(model_repository: Path, model: str) -> set[str]:
     version_dir = max((model_repository / model).glob("[0-9]*"), key=lambda p: int(p.name))
     return {kind for kind, file in GRAPH_FILES.items() if (version_dir / file).exists()}
@@ -99,8 +111,10 @@ def _assert_states(proc, stub, ready: dict[str, bool]) -> None:
 def test_readiness_is_false_and_the_index_says_warming_until_each_models_warm_up_ran(model_repository):
     """Both models held before their warm-up: nothing ready, the index WARMING, calls refused
     UNAVAILABLE (REST 503); released one at a time, each turns ready on its own, and then every
-    graph on disk has run on the regular sessions, the unfused ones on the solo ones too, and no
-    inference is counted in ModelStatistics (warm-up is no caller's)."""
+    graph on disk has run on the regular sessions, the unfused ones on the solo ones too, a short
+    request went down the request path (decode, batcher, encode) twice on the solo sessions and
+    once on the regular ones, and no inference is counted in ModelStatistics or the batch
+    metrics (warm-up is no caller's)."""
     with HeldWarmUpServer(model_repository) as proc:
         assert proc.wait_held() == (MODELS[0], 1)
         with proc.channel() as channel:
@@ -112,6 +126,7 @@ def test_readiness_is_false_and_the_index_says_warming_until_each_models_warm_up
                 assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert "warming up" in exc.value.details()
             assert not any(model == MODELS[0] for model, _, _ in _warm_up_runs(proc))
+            assert _warm_up_requests(proc) == {}
             assert not proc.ready_file.exists()  # it still means ready
 
             proc.release()
@@ -131,6 +146,9 @@ def test_readiness_is_false_and_the_index_says_warming_until_each_models_warm_up
                 assert {graph for m, graph, session in runs if m == model and session == "solo"} == set(SOLO_GRAPHS)
                 stats = stub.ModelStatistics(pb.ModelStatisticsRequest(name=model), timeout=10).model_stats[0]
                 assert stats.inference_count == (1 if model == MODELS[0] else 0)  # the one call above
+                assert _batches(proc, model) == (1 if model == MODELS[0] else 0)
+                assert _warm_up_requests(proc)[model, "solo"] == 2
+                assert _warm_up_requests(proc)[model, "regular"] == 1
                 assert re.search(rf'attnserve_model_ready_seconds\{{model="{model}"\}} [0-9.]+', _metrics(proc))
         assert re.search(rf"model {MODELS[1]} ready: time-to-ready [0-9.]+s since the server's start", proc.log())
 
@@ -147,6 +165,7 @@ def test_warmup_none_is_ready_without_a_run(model_repository):
                 stats = stub.ModelStatistics(pb.ModelStatisticsRequest(name=model), timeout=10).model_stats[0]
                 assert (stats.inference_count, stats.execution_count) == (0, 0)
         assert _warm_up_runs(proc) == {}
+        assert _warm_up_requests(proc) == {}
         assert "warmed up" not in proc.log()
         assert "time-to-ready" in proc.log() and "(--warmup none)" in proc.log()
 
@@ -175,6 +194,8 @@ def test_a_new_version_warms_before_it_serves_while_the_old_one_keeps_serving(mo
             assert not load.done()
             proc.release()
             load.result(timeout=120)
+            # Version 2's own batcher: its request path warmed before it served, as version 1's did.
+            assert _warm_up_requests(proc) == {(MODELS[0], "solo"): 4, (MODELS[0], "regular"): 2}
             index = stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True), timeout=10).models
             assert [(m.version, m.state) for m in index] == [("2", "READY")]
             assert _infer(stub, MODELS[0]).model_version == "2"
@@ -190,8 +211,13 @@ def test_every_worker_warms_its_own_sessions(model_repository):
             warmed = re.findall(rf"\[worker (\d+) pid \d+\] attnserve\.server\.models: model {model} version 1 "
                                 r"warmed up", log)
             assert sorted(warmed) == ["0", "1"], log
+            request_path = re.findall(rf"\[worker (\d+) pid \d+\] attnserve\.server\.models: model {model} version 1: "
+                                      r"request path warmed up", log)
+            assert sorted(request_path) == ["0", "1"], log
         runs = _warm_up_runs(proc)
         assert runs and all(count % 2 == 0 for count in runs.values()), runs
+        requests = _warm_up_requests(proc)  # solo too where a worker has solo sessions
+        assert all(requests[m, "regular"] == 2 for m in MODELS) and all(n % 2 == 0 for n in requests.values()), requests
     finally:
         proc.stop()
 
@@ -229,3 +255,21 @@ def test_warmup_is_set_by_flag_or_environment_and_checked():
     assert load_config(["--warmup", "graphs"], {"ATTNSERVE_WARMUP": "none"}).warmup == "graphs"
     with pytest.raises(SystemExit):
         load_config(["--warmup", "some"])
+
+
+def test_a_refused_request_path_warm_up_is_logged_and_the_model_serves_all_the_same(model_repository):
+    """--memory-limit-bytes 1: the warm-up's request is over the budget (refused, as a caller's
+    would be); its graphs have run, so each model turns ready with the refusal in the log."""
+    proc = ServerProcess(model_repository, "--memory-limit-bytes", "1")
+    try:
+        with proc.channel() as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            for model in MODELS:
+                assert stub.ModelReady(pb.ModelReadyRequest(name=model), timeout=10).ready, model
+        assert _warm_up_requests(proc) == {}
+        assert _warm_up_runs(proc)  # the sessions' warm-up ran
+        for model in MODELS:
+            assert re.search(rf"model {model} version 1: the request path's warm-up was refused, serving without it",
+                             proc.log()), proc.log()
+    finally:
+        proc.stop()

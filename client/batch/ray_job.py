@@ -62,6 +62,10 @@ class RayJob:
     retries: int = 4
     actor_cpus: float = ACTOR_CPUS
     intra_op_threads: int = 1  # in process: ONNX Runtime threads per actor (the actors share the cores)
+    # Fleet: Triton's schedule policy on every request (1 the highest priority; the longest wait in
+    # the server's queue, microseconds); 0: the model's defaults. In process there is no queue to order.
+    priority: int = 0
+    timeout_us: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_path", Path(self.input_path))
@@ -71,6 +75,12 @@ class RayJob:
         for name in ("batch_size", "actors", "concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("priority", "timeout_us"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: the model's default), got {getattr(self, name)}")
+            if getattr(self, name) and self.model_dir is not None:
+                raise ValueError(f"{name} is a server's schedule policy: give urls (a client fleet); in process "
+                                 "each actor runs its own batches on ONNX Runtime, with no queue to order or time out")
         if not self.actor_cpus > 0:
             raise ValueError(f"actor_cpus must be > 0, got {self.actor_cpus}")
         if not self.outputs or any(name not in OUTPUT_NAMES for name in self.outputs):
@@ -170,7 +180,8 @@ class FleetActor:
     client: round robin over the urls, UNAVAILABLE retried), then its part."""
 
     def __init__(self, urls: tuple[str, ...], model: str, output_dir: str, outputs: tuple[str, ...], skip: frozenset,
-                 request_items: int, concurrency: int, model_version: str, timeout_s: float, retries: int) -> None:
+                 request_items: int, concurrency: int, model_version: str, timeout_s: float, retries: int,
+                 priority: int = 0, timeout_us: int = 0) -> None:
         from attnserve.client.options import ClientOptions, RetryPolicy
 
         self._options = ClientOptions.build(",".join(urls), timeout_s=timeout_s,
@@ -179,6 +190,7 @@ class FleetActor:
         self._output_dir = Path(output_dir)
         self._skip = skip
         self._request_items, self._concurrency = request_items, concurrency
+        self._priority, self._timeout_us = priority, timeout_us
         # One event loop per actor, kept across batches: the client's channel belongs to it.
         self._loop = asyncio.new_event_loop()
         self._client = self._loop.run_until_complete(self._open())
@@ -207,7 +219,7 @@ class FleetActor:
                 result = await self._client.infer_result(
                     self._model, columns["query"][start:stop], columns["key"][start:stop],
                     columns["value"][start:stop], None if mask is None else mask[start:stop],
-                    self._outputs, model_version=self._version)
+                    self._outputs, model_version=self._version, priority=self._priority, timeout_us=self._timeout_us)
             return result.outputs
 
         pieces = await asyncio.gather(*(one(start) for start in range(0, n, self._request_items)))
@@ -247,7 +259,8 @@ def run_ray_job(job: RayJob, address: str | None = None) -> RaySummary:
         actor, kwargs = FleetActor, {"urls": job.urls, "model": job.model, "output_dir": str(job.output_dir),
                                      "outputs": job.outputs, "skip": skip, "request_items": job.batch_size,
                                      "concurrency": job.concurrency, "model_version": job.model_version,
-                                     "timeout_s": job.timeout_s, "retries": job.retries}
+                                     "timeout_s": job.timeout_s, "retries": job.retries,
+                                     "priority": job.priority, "timeout_us": job.timeout_us}
     counts = ds.map_batches(actor, fn_constructor_kwargs=kwargs, batch_size=job.batch_size, batch_format="pyarrow",
                             compute=ray.data.ActorPoolStrategy(size=job.actors), num_cpus=job.actor_cpus)
     try:
