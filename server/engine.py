@@ -108,7 +108,13 @@ class Engine:
     client's next request finds its cores awake: a short run after an idle gap is otherwise
     slower than back to back. Up to one core's CPU while such requests keep coming; the same
     graphs, kernels and answers; those graphs' weights held twice. A run whose graph has no solo
-    session takes the regular one. None on CUDA or with one intra-op thread."""
+    session takes the regular one. None on CUDA or with one intra-op thread.
+
+    Row chunks (`chunk_rows`, CPU only): a fused run of more query rows than that is computed on the
+    row-chunk graphs (export.chunked) a chunk of rows at a time over key/value projected once, each
+    chunk's output written in place, so that a stopped run ends between two chunks: ONNX Runtime
+    checks its terminate flag only between nodes, and the fused attention is one node
+    (docs/server.md, "Row chunks"). A version without those graphs runs unchunked."""
 
     def __init__(self, spec: ModelSpec, device: DeviceChoice, intra_op_threads: int = 0,
                  io_binding: bool | None = None, solo: bool = False, chunk_rows: int = 0) -> None:
