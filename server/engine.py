@@ -208,11 +208,30 @@ class Engine:
             except Exception as err:  # onnxruntime's own exception types; runs go unchunked
                 why = f"{path.name} did not load: {type(err).__name__}: {err}"
                 break
+            why = self._row_graph_mismatch(kind, path.name)
+            if why is not None:
+                break
         if why is not None:
             self._row_sessions.clear()
             logger.warning("%s: long fused runs are not split into row chunks (a cancel stops them only after "
                            "their attention node): %s", self.spec.name, why)
         return why
+
+    def _row_graph_mismatch(self, kind: str, file: str) -> str | None:
+        """Why a row-chunk graph cannot serve this version (widths other than config.json's), or None:
+        its sessions are checked here since check_servable sees only the regular graphs."""
+        session = self._row_sessions[kind]
+        spec = self.spec
+        widths = {"query": spec.query_dim, "key": spec.kv_dim, "value": spec.kv_dim, "output": spec.out_dim}
+        if spec.d_model is not None:
+            widths |= dict.fromkeys(ROW_GRAPH_OUTPUTS[ROWS_KV], spec.d_model)
+        got = {t.name: t.shape[-1] for t in (*session.get_inputs(), *session.get_outputs())}
+        wanted = {name: widths[name] for name in got if name in widths}
+        names = [t.name for t in session.get_inputs()] + [t.name for t in session.get_outputs()]
+        expected = list(ROW_GRAPH_INPUTS[kind]) + list(ROW_GRAPH_OUTPUTS[kind])
+        if names != expected or any(got[name] != width for name, width in wanted.items()):
+            return f"{file} does not match config.json: tensors {names}, widths {got}; expected {expected}, {wanted}"
+        return None
 
     def chunks_for(self, kind: str, q_len: int) -> str | None:
         """The row-chunk graph a run of graph `kind` and `q_len` query rows takes, or None: unchunked."""

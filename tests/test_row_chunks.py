@@ -222,3 +222,19 @@ def test_a_cancelled_long_solo_run_stops_within_a_chunk(model_repository):
             assert _sample(_metrics(server), "attnserve_requests_total", model=MODEL, code="OK") == 1
     finally:
         server.stop()
+
+
+def test_row_graphs_of_other_widths_are_not_used(model_repository, tmp_path, eager_modules):
+    """Another model's row-chunk graphs in this version (hand-made repositories): refused at load
+    with the reason, and the version's long runs go unchunked, answered right."""
+    import shutil
+
+    shutil.copytree(model_repository / MODEL, tmp_path / MODEL)
+    for file in contract.ROW_GRAPH_FILES.values():
+        shutil.copy(model_repository / "cross_attention" / "1" / file, tmp_path / MODEL / "1" / file)
+    engine = _engine(tmp_path, MODEL, CHUNK_ROWS)
+    assert "model_rows_kv.onnx does not match config.json" in engine.why_no_row_chunks
+    query, key, value = _inputs(engine.spec, 1, 100, 100, seed=6)
+    out, _ = engine.run({"query": query, "key": key, "value": value}, False)
+    assert engine.row_chunks_run == 0
+    np.testing.assert_allclose(out, _eager(eager_modules, MODEL, query, key, value, None)[0], rtol=0, atol=1e-5)
