@@ -35,8 +35,9 @@ from attnserve.export.fused import MS_DOMAIN, _key_mask
 from attnserve import contract
 
 # (b, lq, lk, rows per chunk) of the parity cases beyond the unfused graphs' shapes: a long
-# sequence in uneven chunks, and a padded and a fully masked item for the key padding graph.
-LONG_PARITY_SHAPES = ((1, 2048, 2048, 700), (2, 1024, 1024, 300))
+# sequence in uneven chunks; for the key padding graph a padded and a fully masked item.
+LONG_PARITY_SHAPES = {contract.FUSED_ROWS: ((1, 2048, 2048, 700),),
+                      contract.FUSED_ROWS_KEY_PADDING: ((2, 1024, 1024, 300),)}
 PARITY_CHUNK_ROWS = 128  # the short shapes' chunk: several chunks where lq allows
 
 
@@ -125,7 +126,7 @@ def parity(module: MultiHeadAttention, graphs: dict[str, Path], shapes: tuple[tu
     cases: list[dict[str, Any]] = []
     for kind in (k for k in (contract.FUSED_ROWS, contract.FUSED_ROWS_KEY_PADDING) if k in sessions):
         worst[kind] = {"output": 0.0}
-        for b, lq, lk, chunk_rows in (*((*s, PARITY_CHUNK_ROWS) for s in shapes), *LONG_PARITY_SHAPES):
+        for b, lq, lk, chunk_rows in (*((*s, PARITY_CHUNK_ROWS) for s in shapes), *LONG_PARITY_SHAPES[kind]):
             query, key, value = random_inputs(module.config, b, lq, lk, generator)
             keep = _key_mask(b, lk, generator) if kind == contract.FUSED_ROWS_KEY_PADDING else None
             full = None if keep is None else keep[:, None, :].expand(b, lq, lk)  # (b, lq, lk)

@@ -251,7 +251,7 @@ def check_parity(module: MultiHeadAttention, graphs: dict[str, Path], tolerance:
         row_worst, row_cases = chunked.parity(module, row_graphs, PARITY_SHAPES, _random_inputs, generator)
         worst |= row_worst
         cases += row_cases
-        long_shapes[contract.FUSED_ROWS] = [list(s) for s in chunked.LONG_PARITY_SHAPES]
+        long_shapes |= {kind: [list(s) for s in chunked.LONG_PARITY_SHAPES[kind]] for kind in row_worst}
     if head_graphs:
         form_worst, form_cases = head_mask.parity(module, form_graphs, PARITY_SHAPES, _random_inputs, generator)
         worst |= form_worst

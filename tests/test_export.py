@@ -126,12 +126,13 @@ def test_config_json(model_repository, name):
     # Unfused: each shape with and without a mask. Fused: each shape plus a long one; the key
     # padding graph with every key kept and with a key mask (the long shape: the key mask only).
     # Mask forms: each shape in three forms, plus a long per-head mask. Row chunks: each shape
-    # plus two long ones (b, lq, lk, rows per chunk), for each of the two graphs.
+    # plus a long one (b, lq, lk, rows per chunk), for each of the two graphs.
     n = len(parity["shapes"])
     assert parity["long_shapes"] == {"fused": [[1, 2048, 2048]], "fused_key_padding": [[2, 2048, 2048]],
-                                     "fused_rows": [[1, 2048, 2048, 700], [2, 1024, 1024, 300]],
+                                     "fused_rows": [[1, 2048, 2048, 700]],
+                                     "fused_rows_key_padding": [[2, 1024, 1024, 300]],
                                      "head_mask_output_only": [[1, 2048, 2048]]}
-    assert parity["cases"] == 2 * n + (n + 1) + (2 * n + 1) + (3 * n + 1) + 2 * (n + 2) and n >= 8
+    assert parity["cases"] == 2 * n + (n + 1) + (2 * n + 1) + (3 * n + 1) + 2 * (n + 1) and n >= 8
     assert record["crossover"] == config["crossover"]
 
 
