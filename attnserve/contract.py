@@ -169,6 +169,30 @@ GRAPH_OUTPUTS = {ALL_OUTPUTS: OUTPUT_NAMES, OUTPUT_ONLY: ("output",), FUSED: ("o
                  HEAD_MASK_OUTPUT_ONLY: ("output",)}
 FUSED_KINDS = (FUSED, FUSED_KEY_PADDING)
 HEAD_MASK_KINDS = (HEAD_MASK_ALL_OUTPUTS, HEAD_MASK_OUTPUT_ONLY)
+# The row-chunk graphs (export.chunked): a long fused run computed a chunk of query rows at a
+# time over key/value projected once, so that a cancelled run stops between chunks. Optional, beside
+# the fused graphs (a version without them runs unchunked); graph-side only, like the masks above.
+ROWS_KV, FUSED_ROWS, FUSED_ROWS_KEY_PADDING = "rows_kv", "fused_rows", "fused_rows_key_padding"
+KEY_PROJ, VALUE_PROJ = "key_proj", "value_proj"  # (batch, k_len, d_model): key/value projected, biases added
+ROW_GRAPH_FILES = {ROWS_KV: "model_rows_kv.onnx", FUSED_ROWS: "model_fused_rows.onnx",
+                   FUSED_ROWS_KEY_PADDING: "model_fused_rows_key_padding.onnx"}
+ROW_GRAPH_INPUTS = {ROWS_KV: ("key", "value"), FUSED_ROWS: ("query", KEY_PROJ, VALUE_PROJ),
+                    FUSED_ROWS_KEY_PADDING: ("query", KEY_PROJ, VALUE_PROJ, KEY_PADDING_MASK)}
+ROW_GRAPH_OUTPUTS = {ROWS_KV: (KEY_PROJ, VALUE_PROJ), FUSED_ROWS: ("output",), FUSED_ROWS_KEY_PADDING: ("output",)}
+# The fused graph whose runs each row-chunk graph computes in chunks.
+ROWS_OF = {FUSED: FUSED_ROWS, FUSED_KEY_PADDING: FUSED_ROWS_KEY_PADDING}
+
+
+def row_chunks(q_len: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of at most `chunk_rows` query rows, as even as they split
+    (the server's chunked runs and the export's parity of them split alike)."""
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    chunks = max(1, -(-q_len // chunk_rows))
+    size = max(1, -(-q_len // chunks))
+    return [(start, min(start + size, q_len)) for start in range(0, q_len, size)]
+
+
 # config.json's "crossover": {"fused": L, "fused_key_padding": L, ...}. A fused graph runs when
 # sqrt(Lq * Lk) >= its L (below it the unfused graph was measured faster); a kind without an L
 # runs at every length.

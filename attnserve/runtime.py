@@ -40,10 +40,11 @@ class AttentionPredictor:
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, device: DeviceChoice, intra_op_threads: int = 0, solo: bool = False,
-                  max_batch_size: int | None = None) -> AttentionPredictor:
+                  max_batch_size: int | None = None, chunk_rows: int = 0) -> AttentionPredictor:
         """The server's way in: a spec it read and the device it chose (server.models)."""
         predictor = cls.__new__(cls)
-        predictor._init(Engine(spec, device, intra_op_threads, solo=solo), max_batch_size, ("output",))
+        predictor._init(Engine(spec, device, intra_op_threads, solo=solo, chunk_rows=chunk_rows), max_batch_size,
+                        ("output",))
         return predictor
 
     def _init(self, engine: Engine, max_batch_size: int | None, outputs: tuple[str, ...]) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from attnserve.export import fused, head_mask
+from attnserve.export import chunked, fused, head_mask
 from attnserve.export.attention import MultiHeadAttention
 from attnserve.export.config import AttentionConfig
 from torch import Tensor, nn
@@ -210,7 +210,9 @@ def check_parity(module: MultiHeadAttention, graphs: dict[str, Path], tolerance:
     head_graphs = {kind: p for kind, p in graphs.items() if kind in contract.HEAD_MASK_KINDS}
     form_graphs = {kind: p for kind, p in graphs.items()
                    if kind in (contract.ALL_OUTPUTS, contract.OUTPUT_ONLY)} | head_graphs
-    graphs = {kind: p for kind, p in graphs.items() if kind not in (*contract.FUSED_KINDS, *contract.HEAD_MASK_KINDS)}
+    row_graphs = {kind: p for kind, p in graphs.items() if kind in contract.ROW_GRAPH_FILES}
+    graphs = {kind: p for kind, p in graphs.items()
+              if kind not in (*contract.FUSED_KINDS, *contract.HEAD_MASK_KINDS, *contract.ROW_GRAPH_FILES)}
     sessions = {kind: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for kind, p in graphs.items()}
     worst = {kind: {"output": 0.0, "attn_probs": 0.0} for kind in graphs}
     cases = []
@@ -245,6 +247,11 @@ def check_parity(module: MultiHeadAttention, graphs: dict[str, Path], tolerance:
         worst |= fused_worst
         cases += fused_cases
         long_shapes = {kind: [list(s) for s in fused.LONG_PARITY_SHAPES[kind]] for kind in fused_graphs}
+    if row_graphs:
+        row_worst, row_cases = chunked.parity(module, row_graphs, PARITY_SHAPES, _random_inputs, generator)
+        worst |= row_worst
+        cases += row_cases
+        long_shapes |= {kind: [list(s) for s in chunked.LONG_PARITY_SHAPES[kind]] for kind in row_worst}
     if head_graphs:
         form_worst, form_cases = head_mask.parity(module, form_graphs, PARITY_SHAPES, _random_inputs, generator)
         worst |= form_worst
@@ -357,6 +364,10 @@ def export_model(
             if kind in contract.FUSED_KINDS:
                 fused.build(module, graphs[kind], kind, opset)
                 _check_graph_signature(graphs[kind], config, kind=kind)
+        rows_graphs = {kind: staging / file for kind, file in contract.ROW_GRAPH_FILES.items()}
+        if precision == "fp32":  # as the fused graphs: ONNX Runtime's CPU MultiHeadAttention is fp32 only
+            chunked.build(module, rows_graphs, opset)
+            graphs |= rows_graphs
         parity = check_parity(module, graphs,
                               tolerance=PARITY_TOLERANCE_FP16 if precision == "fp16" else PARITY_TOLERANCE)
         crossover = None
@@ -373,6 +384,7 @@ def export_model(
             "attention": config.to_dict(),
             "weights": weights,
             "graphs": {kind: contract.GRAPH_FILES[kind] for kind in kinds},
+            **({"row_graphs": dict(contract.ROW_GRAPH_FILES)} if precision == "fp32" else {}),
             "parity": parity,
             **({contract.CROSSOVER: crossover} if crossover else {}),
         }

@@ -46,6 +46,9 @@ class ServerConfig:
     # A lone request (no other call in flight, after a quiet spell) runs on sessions whose threads
     # spin between runs (server.engine, "Solo sessions"): lower latency at low load for CPU.
     spin_when_alone: bool = True
+    # A fused run of more query rows than this is computed in chunks of at most this many, so a
+    # cancel stops it between two chunks (server.engine, "Row chunks"); 0: never chunked.
+    chunk_query_rows: int = 1024
     # Added to the nice value of the threads that compute (each batcher's run threads, ONNX
     # Runtime's pool threads): where they and the event loop want a core, the loop goes first
     # (server.priority). 0: the same priority as the loop.
@@ -179,6 +182,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.compute_nice <= 19:
             raise ValueError(f"compute_nice must be in 0..19, got {self.compute_nice}")
+        if self.chunk_query_rows < 0:
+            raise ValueError(f"chunk_query_rows must be >= 0 (0: off), got {self.chunk_query_rows}")
         if self.intra_op_threads < 0:
             raise ValueError(f"intra_op_threads must be >= 0, got {self.intra_op_threads}")
         if not 0 <= self.drain_delay_s < float("inf"):
@@ -232,6 +237,8 @@ _HELP: dict[str, str] = {
     "intra_op_threads": "ONNX Runtime intra-op threads (0 = one per core)",
     "spin_when_alone": "a lone request runs on ONNX Runtime sessions whose threads spin ~20-40 ms after it, "
                        "so the next finds the cores awake (CPU only; false: threads always sleep when idle)",
+    "chunk_query_rows": "a long run without attn_probs (the fused graphs) computes this many query rows at a "
+                        "time, so a cancel stops it between chunks (0 = never chunked)",
     "compute_nice": "added to the nice value of the threads that run models (batch runs, ONNX Runtime's pool), "
                     "so that the event loop goes first where they want the same core (0 = the loop's priority)",
     "max_message_bytes": "largest gRPC message received or sent; largest REST body received (inflated)",

@@ -17,7 +17,7 @@ from attnserve.server.cuda_probe import why_cuda_cannot_run
 from attnserve.server.graphs import BYTES_PER_SCORE, GraphSet, masking_of
 from attnserve.server.memory import heap
 from attnserve.server.repository import ModelSpec
-from attnserve.server.tensors import RunStop, RunStopped, dense_mask
+from attnserve.server.tensors import INTO_ALIGNMENT, RunStop, RunStopped, dense_mask
 
 from attnserve.contract import (
     ALL_OUTPUTS,
@@ -29,6 +29,12 @@ from attnserve.contract import (
     KEY_PADDING_MASK,
     OUTPUT_ONLY,
     REQUIRED_INPUTS,
+    ROW_GRAPH_FILES,
+    ROW_GRAPH_INPUTS,
+    ROW_GRAPH_OUTPUTS,
+    ROWS_KV,
+    ROWS_OF,
+    row_chunks,
 )
 
 logger = logging.getLogger(__name__)
@@ -102,10 +108,20 @@ class Engine:
     client's next request finds its cores awake: a short run after an idle gap is otherwise
     slower than back to back. Up to one core's CPU while such requests keep coming; the same
     graphs, kernels and answers; those graphs' weights held twice. A run whose graph has no solo
-    session takes the regular one. None on CUDA or with one intra-op thread."""
+    session takes the regular one. None on CUDA or with one intra-op thread.
+
+    Row chunks (`chunk_rows`, CPU only): a fused run of more query rows than that is computed on the
+    row-chunk graphs (export.chunked) a chunk of rows at a time over key/value projected once, each
+    chunk's output written in place, so that a stopped run ends between two chunks: ONNX Runtime
+    checks its terminate flag only between nodes, and the fused attention is one node
+    (docs/server.md, "Row chunks"). A version without those graphs runs unchunked."""
 
     def __init__(self, spec: ModelSpec, device: DeviceChoice, intra_op_threads: int = 0,
-                 io_binding: bool | None = None, solo: bool = False) -> None:
+                 io_binding: bool | None = None, solo: bool = False, chunk_rows: int = 0) -> None:
+        """chunk_rows: a fused run of more query rows than this is computed in chunks of at most
+        this many (the row-chunk graphs, where the version has them; CPU only; 0: never)."""
+        if chunk_rows < 0:
+            raise ValueError(f"chunk_rows must be >= 0, got {chunk_rows}")
         self.spec = spec
         options = session_options(intra_op_threads)
         self._sessions = {ALL_OUTPUTS: self._open(str(spec.graph_all_outputs), options, device)}
@@ -160,6 +176,9 @@ class Engine:
             self._solo_sessions = {kind: self._open(str(spec.graph_path(kind)), spinning, device)
                                    for kind in (ALL_OUTPUTS, OUTPUT_ONLY) if kind in self._sessions}
         self.solo_runs = 0
+        self.chunk_rows, self.row_chunks_run = chunk_rows, 0
+        self._row_sessions: dict[str, ort.InferenceSession] = {}
+        self.why_no_row_chunks = self._open_row_graphs(options, device, on_cuda) if chunk_rows else "chunk_rows is 0"
         self._io_binding = on_cuda if io_binding is None else io_binding
         # Runs write into given host arrays on the CPU provider only: on CUDA that would be a
         # device-to-host copy ONNX Runtime makes, untested here (docs/shared-memory.md, CUDA).
@@ -173,6 +192,51 @@ class Engine:
             # ORT falls back to CPU silently when the CUDA libraries fail to load.
             raise DeviceUnavailable(f"{CUDA} is installed but the session for {path} runs on {session.get_providers()}")
         return session
+
+    def _open_row_graphs(self, options: ort.SessionOptions, device: DeviceChoice, on_cuda: bool) -> str | None:
+        """Open the row-chunk graphs ("Row chunks"); why a long fused run cannot be chunked, or None."""
+        if on_cuda:  # their outputs are written into host memory a chunk at a time: CPU only
+            return "on CUDA runs are not chunked"
+        why = None
+        for kind in ROW_GRAPH_FILES:
+            path = self.spec.graph_path(kind)
+            if not path.exists():
+                why = f"{path.name} not in version {self.spec.version} (exported before the row-chunk graphs, or fp16)"
+                break
+            try:
+                self._row_sessions[kind] = self._open(str(path), options, device)
+            except Exception as err:  # onnxruntime's own exception types; runs go unchunked
+                why = f"{path.name} did not load: {type(err).__name__}: {err}"
+                break
+            why = self._row_graph_mismatch(kind, path.name)
+            if why is not None:
+                break
+        if why is not None:
+            self._row_sessions.clear()
+            logger.warning("%s: long fused runs are not split into row chunks (a cancel stops them only after "
+                           "their attention node): %s", self.spec.name, why)
+        return why
+
+    def _row_graph_mismatch(self, kind: str, file: str) -> str | None:
+        """Why a row-chunk graph cannot serve this version (widths other than config.json's), or None:
+        its sessions are checked here since check_servable sees only the regular graphs."""
+        session = self._row_sessions[kind]
+        spec = self.spec
+        widths = {"query": spec.query_dim, "key": spec.kv_dim, "value": spec.kv_dim, "output": spec.out_dim}
+        if spec.d_model is not None:
+            widths |= dict.fromkeys(ROW_GRAPH_OUTPUTS[ROWS_KV], spec.d_model)
+        got = {t.name: t.shape[-1] for t in (*session.get_inputs(), *session.get_outputs())}
+        wanted = {name: widths[name] for name in got if name in widths}
+        names = [t.name for t in session.get_inputs()] + [t.name for t in session.get_outputs()]
+        expected = list(ROW_GRAPH_INPUTS[kind]) + list(ROW_GRAPH_OUTPUTS[kind])
+        if names != expected or any(got[name] != width for name, width in wanted.items()):
+            return f"{file} does not match config.json: tensors {names}, widths {got}; expected {expected}, {wanted}"
+        return None
+
+    def chunks_for(self, kind: str, q_len: int) -> str | None:
+        """The row-chunk graph a run of graph `kind` and `q_len` query rows takes, or None: unchunked."""
+        rows_kind = ROWS_OF.get(kind)
+        return rows_kind if rows_kind in self._row_sessions and q_len > self.chunk_rows else None
 
     def graph_for(self, feeds: dict[str, np.ndarray], want_probs: bool) -> str:
         """The graph kind (contract.GRAPH_FILES) a run of these feeds takes."""
@@ -215,9 +279,12 @@ class Engine:
         if stop is not None:
             options = ort.RunOptions()
             stop.on_stop(lambda: setattr(options, "terminate", True))
+        rows_kind = None if session is not None else self.chunks_for(kind, feeds["query"].shape[1])
         try:
             graph_feeds = _graph_feeds(kind, feeds)
-            if into and self._writes_into:
+            if rows_kind is not None:
+                outputs = self._run_rows(rows_kind, graph_feeds, into, options, stop)
+            elif into and self._writes_into:
                 outputs = self._run_into(session or self._sessions[kind], graph_feeds, into, options)
             else:
                 outputs = self._run(session or self._sessions[kind], graph_feeds, options)
@@ -258,6 +325,42 @@ class Engine:
         session.run_with_iobinding(binding, options)
         return binding.copy_outputs_to_cpu()
 
+    def _run_rows(self, kind: str, feeds: dict[str, np.ndarray], into: dict[str, np.ndarray] | None,
+                  options: ort.RunOptions | None, stop: RunStop | None) -> list[np.ndarray]:
+        """A fused run in row chunks ("Row chunks"): key and value projected once (ROWS_KV), then
+        each item's query rows a chunk at a time, each chunk's output written into the run's
+        output (`into`'s, or a new array) at its rows. Stopped, it ends between two chunks (and
+        inside one at its next node, as every run)."""
+        kv_session, session = self._row_sessions[ROWS_KV], self._row_sessions[kind]
+        query = np.ascontiguousarray(feeds["query"])  # (b, lq, query_dim)
+        b, lq, _ = query.shape
+        lk = feeds["key"].shape[1]
+        d_model = kv_session.get_outputs()[0].shape[2]
+        projected = {name: _aligned_empty((b, lk, d_model)) for name in ROW_GRAPH_OUTPUTS[ROWS_KV]}
+        self._run_into(kv_session, {"key": feeds["key"], "value": feeds["value"]}, projected, options)
+        output = (into or {}).get("output")
+        if output is None:
+            output = _aligned_empty((b, lq, session.get_outputs()[0].shape[2]))  # (b, lq, out_dim)
+        item_feeds = {name: np.ascontiguousarray(feeds[name]) for name in ROW_GRAPH_INPUTS[kind] if name in feeds}
+        item_feeds |= projected
+        for i in range(b):
+            for start, end in row_chunks(lq, self.chunk_rows):
+                if stop is not None and stop.stopped:
+                    raise RunStopped("stopped between row chunks")
+                binding = session.io_binding()
+                for name in ROW_GRAPH_INPUTS[kind]:
+                    array = query[i:i + 1, start:end] if name == "query" else item_feeds[name][i:i + 1]
+                    binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+                rows = output[i:i + 1, start:end]  # (1, rows, out_dim): contiguous in the output
+                # ONNX Runtime's own buffers are aligned: a chunk whose rows are not is written beside, then copied.
+                target = rows if rows.ctypes.data % INTO_ALIGNMENT == 0 else _aligned_empty(rows.shape)
+                binding.bind_output("output", "cpu", 0, np.float32, list(target.shape), target.ctypes.data)
+                session.run_with_iobinding(binding, options)
+                if target is not rows:
+                    np.copyto(rows, target)
+                self.row_chunks_run += 1
+        return [output]
+
     @staticmethod
     def _run_into(session: ort.InferenceSession, feeds: dict[str, np.ndarray],
                   into: dict[str, np.ndarray], options: ort.RunOptions | None = None) -> list[np.ndarray]:
@@ -275,6 +378,14 @@ class Engine:
         session.run_with_iobinding(binding, options)
         return [into[o.name] if o.name in into else value.numpy()
                 for o, value in zip(session.get_outputs(), binding.get_outputs(), strict=True)]
+
+
+def _aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
+    """An uninitialised float32 array at an INTO_ALIGNMENT boundary, as ONNX Runtime aligns its own."""
+    size = int(np.prod(shape))
+    buffer = np.empty(size + INTO_ALIGNMENT // 4, np.float32)
+    offset = (-buffer.ctypes.data % INTO_ALIGNMENT) // 4
+    return buffer[offset:offset + size].reshape(shape)
 
 
 def _filled(target: np.ndarray | None, array: np.ndarray) -> np.ndarray:

@@ -496,7 +496,8 @@ class ModelRegistry:
         # Opened on a thread of the compute priority: ONNX Runtime's pool threads inherit it.
         # The same loader and run as the batch adapters' (attnserve.runtime).
         predictor = priority.run_lowered(self.config.compute_nice, lambda: AttentionPredictor.from_spec(
-            spec, device, self.config.intra_op_threads, solo=self.config.spin_when_alone))
+            spec, device, self.config.intra_op_threads, solo=self.config.spin_when_alone,
+            chunk_rows=self.config.chunk_query_rows))
         engine = predictor.engine
         check_servable(spec, engine.sessions)  # READY means servable: never READY, then INTERNAL on every call
         runs = warm_up_plan(engine.graphs, spec)

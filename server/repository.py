@@ -24,6 +24,7 @@ from attnserve.contract import (
     INPUT_NAMES,
     OUTPUT_NAMES,
     PLATFORM,
+    ROW_GRAPH_FILES,
     ServingDefaults,
     TensorSpec,
     tensor_specs,
@@ -67,8 +68,8 @@ class ModelSpec:
         return self.version_dir / GRAPH_OUTPUT_ONLY
 
     def graph_path(self, kind: str) -> Path:
-        """Where the version's graph of `kind` (contract.GRAPH_FILES) is; it may not exist."""
-        return self.version_dir / GRAPH_FILES[kind]
+        """Where the version's graph of `kind` (contract.GRAPH_FILES or ROW_GRAPH_FILES) is; it may not exist."""
+        return self.version_dir / (GRAPH_FILES | ROW_GRAPH_FILES)[kind]
 
 
 class ModelLoadError(Exception):
@@ -214,14 +215,14 @@ def repository_signature(model_dir: Path) -> tuple:
         return st.st_size, st.st_mtime_ns
 
     return (stat(model_dir / CONFIG_FILE),
-            tuple((v, *(stat(model_dir / str(v) / file) for file in GRAPH_FILES.values()))
+            tuple((v, *(stat(model_dir / str(v) / file) for file in (GRAPH_FILES | ROW_GRAPH_FILES).values()))
                   for v in versions(model_dir)))
 
 
 def version_fingerprint(spec: ModelSpec) -> tuple[tuple[str, int, int], ...]:
     """What tells that a version's graphs changed on disk: each graph's size and mtime."""
     found = []
-    for path in (spec.graph_path(kind) for kind in GRAPH_FILES):  # the fused ones may not exist
+    for path in (spec.graph_path(kind) for kind in GRAPH_FILES | ROW_GRAPH_FILES):  # the fused ones may not exist
         try:
             st = path.stat()
         except OSError:

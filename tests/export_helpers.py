@@ -127,10 +127,12 @@ def copy_model(repository: Path, name: str, destination: Path) -> Path:
 
 def old_layout(model_repository, name, destination):
     """A copy of one model as an export before the fused graphs wrote it: no fused or head-mask
-    files, no crossover, config.json's graphs the two unfused ones. Returns the copy's repository."""
+    (nor row-chunk) files, no crossover, config.json's graphs the two unfused ones. Returns the copy's repository."""
     shutil.copytree(model_repository / name, destination / name)
     for kind in (*contract.FUSED_KINDS, *contract.HEAD_MASK_KINDS):
         (destination / name / "1" / contract.GRAPH_FILES[kind]).unlink()
+    for file in contract.ROW_GRAPH_FILES.values():
+        (destination / name / "1" / file).unlink(missing_ok=True)
     path = destination / name / "config.json"
     config = json.loads(path.read_text())
     del config["crossover"]

@@ -56,11 +56,13 @@ def test_repository_layout(model_repository, name):
     assert set(snapshot(model_dir)) == {
         "config.json", "1", "1/model.onnx", "1/model_output_only.onnx", "1/model_fused.onnx",
         "1/model_fused_key_padding.onnx", "1/model_head_mask.onnx", "1/model_head_mask_output_only.onnx",
+        "1/model_rows_kv.onnx", "1/model_fused_rows.onnx", "1/model_fused_rows_key_padding.onnx",
         "1/export.json",
     }  # so no *.onnx.data, no leftover temporary directory or file
     assert repository.versions(model_dir) == [1]
     for graph in ("model.onnx", "model_output_only.onnx", "model_fused.onnx", "model_fused_key_padding.onnx",
-                  "model_head_mask.onnx", "model_head_mask_output_only.onnx"):
+                  "model_head_mask.onnx", "model_head_mask_output_only.onnx", "model_rows_kv.onnx",
+                  "model_fused_rows.onnx", "model_fused_rows_key_padding.onnx"):
         model = onnx.load(str(model_dir / "1" / graph), load_external_data=False)
         assert model.graph.initializer, "the weights should be in the graph"
         assert all(t.data_location != onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
@@ -117,15 +119,20 @@ def test_config_json(model_repository, name):
         # The other mask forms (export.head_mask), on the graphs the server feeds them to.
         "all_outputs.forms": {"output", "attn_probs"}, "output_only.forms": {"output"},
         "head_mask_all_outputs.forms": {"output", "attn_probs"}, "head_mask_output_only.forms": {"output"},
+        # The row-chunk graphs (export.chunked), run in chunks as the server runs them.
+        "fused_rows": {"output"}, "fused_rows_key_padding": {"output"},
     }
     assert all(0.0 <= e <= TOLERANCE for errs in errors.values() for e in errs.values()), errors
     # Unfused: each shape with and without a mask. Fused: each shape plus a long one; the key
     # padding graph with every key kept and with a key mask (the long shape: the key mask only).
-    # Mask forms: each shape in three forms, plus a long per-head mask.
+    # Mask forms: each shape in three forms, plus a long per-head mask. Row chunks: each shape
+    # plus a long one (b, lq, lk, rows per chunk), for each of the two graphs.
     n = len(parity["shapes"])
     assert parity["long_shapes"] == {"fused": [[1, 2048, 2048]], "fused_key_padding": [[2, 2048, 2048]],
+                                     "fused_rows": [[1, 2048, 2048, 700]],
+                                     "fused_rows_key_padding": [[2, 1024, 1024, 300]],
                                      "head_mask_output_only": [[1, 2048, 2048]]}
-    assert parity["cases"] == 2 * n + (n + 1) + (2 * n + 1) + (3 * n + 1) and n >= 8
+    assert parity["cases"] == 2 * n + (n + 1) + (2 * n + 1) + (3 * n + 1) + 2 * (n + 1) and n >= 8
     assert record["crossover"] == config["crossover"]
 
 
@@ -187,6 +194,7 @@ def test_second_export_is_version_2_and_versions_are_never_overwritten(model_rep
     assert set(after) - set(version_1) == {
         "config.json", "2", "2/model.onnx", "2/model_output_only.onnx", "2/model_fused.onnx",
         "2/model_fused_key_padding.onnx", "2/model_head_mask.onnx", "2/model_head_mask_output_only.onnx",
+        "2/model_rows_kv.onnx", "2/model_fused_rows.onnx", "2/model_fused_rows_key_padding.onnx",
         "2/export.json",
     }
     config = json.loads((model_dir / "config.json").read_text())
