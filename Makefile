@@ -12,11 +12,13 @@ PRESETS := self_attention cross_attention
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Editable, without the native data plane (ATTNSERVE_NATIVE_BUILD=off: setup.py): `make native`
+# builds it into server/ and rebuilds only what changed; `pip install .` builds it into the wheel.
+$(STAMP): pyproject.toml setup.py
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=/path/to/python3.11)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev]'
+	ATTNSERVE_NATIVE_BUILD=off $(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev]'
 	touch $(STAMP)
 
 # In CI ($$CI set) a skipped test fails the run, unless it is a CUDA test (tests/conftest.py).
@@ -64,7 +66,7 @@ test-containers: $(STAMP)
 # it, proto-plus beside us, and what `pip uninstall attnserve` leaves (one PASS/FAIL line each).
 ECOSYSTEM_VENV := .venv-ecosystem
 test-ecosystem: export
-	rm -rf $(ECOSYSTEM_VENV) build/lib build/bdist.*  # setuptools' in-tree build dirs would keep removed files
+	rm -rf $(ECOSYSTEM_VENV) build/lib build/lib.* build/bdist.*  # setuptools' in-tree build dirs would keep removed files
 	$(PYTHON) -m venv $(ECOSYSTEM_VENV)
 	$(ECOSYSTEM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(ECOSYSTEM_VENV)/bin/python -m pip install --quiet . 'tritonclient[grpc]' kserve proto-plus
@@ -99,12 +101,15 @@ test-deps-oldest test-deps-newest: test-deps-%: $(STAMP)
 	ATTNSERVE_TEST_MODEL_REPOSITORY=$(abspath $(DEPS_MODELS)) .venv-deps-$*/bin/python -m pytest -q $(DEPS_TESTS)
 
 # The native data plane (native/, docs/native-data-plane.md): attnserve.server._native into server/
-# (git-ignored), with CMake, Debian's gRPC C++ and pybind11 (the `native` extra).
+# (git-ignored), with CMake, Debian's gRPC C++ and pybind11 (the `native` extra). build/native is
+# also where `pip install .` builds (setup.py), so each reuses the other's objects: the module's
+# folder and whether a missing dependency fails are given on each configure, never left cached.
 NATIVE_BUILD := build/native
 NATIVE_DEBS := cmake g++ pkg-config libgrpc++-dev protobuf-compiler-grpc
 native: $(STAMP) native-deps
 	@$(PY) -c 'import pybind11' 2>/dev/null || $(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev,native]'
 	cmake -S native -B $(NATIVE_BUILD) -DPython_EXECUTABLE=$(abspath $(PY)) \
+	  -DATTNSERVE_MODULE_DIR=$(abspath server) -DATTNSERVE_NATIVE_OPTIONAL=OFF \
 	  -Dpybind11_DIR="$$($(PY) -c 'import pybind11; print(pybind11.get_cmake_dir())')"
 	cmake --build $(NATIVE_BUILD) -j
 

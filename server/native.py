@@ -21,6 +21,7 @@ import asyncio
 import logging
 import threading
 import time
+from pathlib import Path
 
 import grpc
 from attnserve.server.batcher import BatchStats
@@ -46,11 +47,17 @@ IN_FLIGHT_METRIC = "attnserve_native_in_flight"  # registered only while the pla
 UNKNOWN_MODEL = "_unknown"  # the label of calls naming no known model (server.request_path's)
 
 
+# Left by `pip install .` (setup.py) where the extension could not be built: what was missing.
+NATIVE_MISSING_NOTE = Path(__file__).with_name("_native_missing.txt")
+
+
 def why_unavailable() -> str | None:
     """None when the extension is built and loads; else why not, and how to build it."""
     try:
         from attnserve.server import _native  # noqa: F401
     except ImportError as err:
+        if NATIVE_MISSING_NOTE.exists():
+            return f"this installation was built without it: {NATIVE_MISSING_NOTE.read_text().strip()}"
         return f"attnserve.server._native is not built or does not load ({err}); build it with `make native`"
     return None
 
