@@ -74,8 +74,9 @@ class BuildNative(build_ext):
     def _cmake(self, target: Path, mode: str) -> str | None:
         """Builds the extension into target's folder; None when built, else why not."""
         cmake = shutil.which("cmake")
-        if cmake is None:
-            why = "the native data plane cannot be built here: missing cmake (Debian: cmake)"
+        if cmake is None or not (ROOT / "native" / "CMakeLists.txt").exists():
+            what = "cmake (Debian: cmake)" if cmake is None else "its sources (native/ is not in this source tree)"
+            why = f"the native data plane cannot be built here: missing {what}"
             if mode == "on":
                 raise NativeBuildError(why)
             return why
