@@ -107,7 +107,7 @@ test-deps-oldest test-deps-newest: test-deps-%: $(STAMP)
 # also where `pip install .` builds (setup.py), so each reuses the other's objects: the module's
 # folder and whether a missing dependency fails are given on each configure, never left cached.
 NATIVE_BUILD := build/native
-NATIVE_DEBS := cmake g++ pkg-config libgrpc++-dev protobuf-compiler-grpc
+NATIVE_DEBS := cmake g++ pkg-config libgrpc++-dev libprotobuf-dev protobuf-compiler-grpc
 native: $(STAMP) native-deps
 	@$(PY) -c 'import pybind11' 2>/dev/null || $(NO_NATIVE) $(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev,native]'
 	cmake -S native -B $(NATIVE_BUILD) -DPython_EXECUTABLE=$(abspath $(PY)) \

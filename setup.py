@@ -105,7 +105,7 @@ class BuildNative(build_ext):
             if mode == "on":
                 raise NativeBuildError(f"{why} ({MODE_VARIABLE}=on)")
             return why
-        jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or str(os.cpu_count() or 1)
+        jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or str(len(os.sched_getaffinity(0)))
         subprocess.run([cmake, "--build", str(build_dir), "--target", "_native", "--parallel", jobs], check=True)
         if not target.exists():
             raise NativeBuildError(f"CMake built, but {target} is not there: see native/CMakeLists.txt")

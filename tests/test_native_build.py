@@ -37,7 +37,7 @@ NOTE = f"attnserve/server/{setup_script.NATIVE_MISSING_NAME}"
 def _missing_build_dependencies() -> list[str]:
     missing = [tool for tool in ("cmake", "g++", "pkg-config", "protoc", "grpc_cpp_plugin") if not shutil.which(tool)]
     if shutil.which("pkg-config") and subprocess.run(["pkg-config", "--exists", "grpc++", "protobuf"]).returncode:
-        missing.append("grpc++.pc/protobuf.pc (libgrpc++-dev)")
+        missing.append("grpc++.pc/protobuf.pc (libgrpc++-dev, libprotobuf-dev)")
     if not Path(sysconfig.get_paths()["include"], "Python.h").exists():
         missing.append("Python.h (python3-dev)")
     return missing
@@ -128,7 +128,8 @@ def test_without_grpc_the_wheel_is_the_python_package_and_says_what_is_missing(t
     version = _version_installed(wheel, tmp_path / "site")
     assert "native data plane: unavailable: this installation was built without it: the native data plane cannot " \
         "be built here: missing gRPC C++" in version, version
-    assert "(Debian: libgrpc++-dev)" in version and "reinstall attnserve" in version, version
+    assert "Debian: libgrpc++-dev" in version and "Debian: libprotobuf-dev" in version, version
+    assert "reinstall attnserve" in version, version
 
 
 @needs_cmake
