@@ -429,6 +429,11 @@ def check_cuda_image_without_cuda() -> None:
         podman("rm", "-f", "-t", "0", name, check_rc=False)
 
 
+def container_log(name: str) -> str:
+    logs = podman("logs", name, check_rc=False)
+    return logs.stdout + logs.stderr
+
+
 def check_native_plane(modules, rng) -> None:
     """The serving image with --data-plane native (the extension built in its build stage, only
     its run-time libraries shipped): --version says the plane is available, the server says it
@@ -446,9 +451,11 @@ def check_native_plane(modules, rng) -> None:
         podman("run", "-d", "--name", name, "--network", "host", "-e", "ATTNSERVE_HOST=127.0.0.1",
                "-e", "ATTNSERVE_DATA_PLANE=native", *env, "-v", f"{VOLUME}:/models:ro", "attnserve:cpu")
         took = wait_healthy(name)
-        logs = podman("logs", name, check_rc=False)
-        text = logs.stdout + logs.stderr
-        check(f"data plane native on port {ports['NATIVE_PORT']}" in text,
+        line = f"data plane native on port {ports['NATIVE_PORT']}"
+        deadline = time.monotonic() + HEALTHY_TIMEOUT_S  # the start line follows the last model's warm-up
+        while line not in (text := container_log(name)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        check(line in text,
               f"attnserve:cpu with ATTNSERVE_DATA_PLANE=native serves on the native plane (healthy after {took:.0f} s)",
               text[-1500:])
         from attnserve.client import InferenceClient
