@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # torch==2.13.0 (CPU) is read from /opt/wheels where that folder exists.
+# Editable installs leave the native data plane to `make native` (setup.py: no CMake run).
+NO_NATIVE := ATTNSERVE_NATIVE_BUILD=off
 PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
 PRESETS := self_attention cross_attention
@@ -12,11 +14,13 @@ PRESETS := self_attention cross_attention
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Editable, without the native data plane (NO_NATIVE): `make native` builds it into server/ and
+# rebuilds only what changed; `pip install .` builds it into the wheel.
+$(STAMP): pyproject.toml setup.py
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=/path/to/python3.11)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev]'
+	$(NO_NATIVE) $(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev]'
 	touch $(STAMP)
 
 # In CI ($$CI set) a skipped test fails the run, unless it is a CUDA test (tests/conftest.py).
@@ -30,7 +34,7 @@ test-fast: $(STAMP)
 # The documentation site (mkdocs.yml, docs/) into build/site; strict: a broken link or reference fails.
 DOCS_STAMP := $(VENV)/.docs-installed
 $(DOCS_STAMP): pyproject.toml $(STAMP)
-	$(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[docs]'
+	$(NO_NATIVE) $(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[docs]'
 	touch $@
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
@@ -47,7 +51,7 @@ test-ray: $(RAY_STAMP)
 	$(PY) -m pytest -p no:hypothesispytest tests/ray
 
 $(RAY_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev,ray]'
+	$(NO_NATIVE) $(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev,ray]'
 	touch $@
 
 # Every image built and docker-compose.yml run for real, with Debian's podman (needs root; a few
@@ -64,7 +68,7 @@ test-containers: $(STAMP)
 # it, proto-plus beside us, and what `pip uninstall attnserve` leaves (one PASS/FAIL line each).
 ECOSYSTEM_VENV := .venv-ecosystem
 test-ecosystem: export
-	rm -rf $(ECOSYSTEM_VENV) build/lib build/bdist.*  # setuptools' in-tree build dirs would keep removed files
+	rm -rf $(ECOSYSTEM_VENV) build/lib build/lib.* build/bdist.*  # setuptools' in-tree build dirs would keep removed files
 	$(PYTHON) -m venv $(ECOSYSTEM_VENV)
 	$(ECOSYSTEM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(ECOSYSTEM_VENV)/bin/python -m pip install --quiet . 'tritonclient[grpc]' kserve proto-plus
@@ -92,19 +96,22 @@ test-deps-oldest test-deps-newest: test-deps-%: $(STAMP)
 	$(PYTHON) -m venv .venv-deps-$*
 	$(DEPS_CONSTRAINTS_$*) > .venv-deps-$*/constraints.txt
 	.venv-deps-$*/bin/python -m pip install --quiet --upgrade pip
-	.venv-deps-$*/bin/python -m pip install --quiet $(PIP_FIND_LINKS_OPT) -c .venv-deps-$*/constraints.txt -e . \
+	$(NO_NATIVE) .venv-deps-$*/bin/python -m pip install --quiet $(PIP_FIND_LINKS_OPT) -c .venv-deps-$*/constraints.txt -e . \
 	  'torch==2.13.0' 'pytest>=8' 'pytest-timeout>=2.3'
 	@.venv-deps-$*/bin/python -c 'import importlib.metadata as m, sys; \
 	  print("test-deps-$*: " + ", ".join(n + " " + m.version(n) for n in sys.argv[1:]))' $(DEPS_SHOWN)
 	ATTNSERVE_TEST_MODEL_REPOSITORY=$(abspath $(DEPS_MODELS)) .venv-deps-$*/bin/python -m pytest -q $(DEPS_TESTS)
 
 # The native data plane (native/, docs/native-data-plane.md): attnserve.server._native into server/
-# (git-ignored), with CMake, Debian's gRPC C++ and pybind11 (the `native` extra).
+# (git-ignored), with CMake, Debian's gRPC C++ and pybind11 (the `native` extra). build/native is
+# also where `pip install .` builds (setup.py), so each reuses the other's objects: the module's
+# folder and whether a missing dependency fails are given on each configure, never left cached.
 NATIVE_BUILD := build/native
-NATIVE_DEBS := cmake g++ pkg-config libgrpc++-dev protobuf-compiler-grpc
+NATIVE_DEBS := cmake g++ pkg-config libgrpc++-dev libprotobuf-dev protobuf-compiler-grpc
 native: $(STAMP) native-deps
-	@$(PY) -c 'import pybind11' 2>/dev/null || $(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev,native]'
+	@$(PY) -c 'import pybind11' 2>/dev/null || $(NO_NATIVE) $(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev,native]'
 	cmake -S native -B $(NATIVE_BUILD) -DPython_EXECUTABLE=$(abspath $(PY)) \
+	  -DATTNSERVE_MODULE_DIR=$(abspath server) -DATTNSERVE_NATIVE_OPTIONAL=OFF \
 	  -Dpybind11_DIR="$$($(PY) -c 'import pybind11; print(pybind11.get_cmake_dir())')"
 	cmake --build $(NATIVE_BUILD) -j
 
@@ -123,7 +130,7 @@ NATIVE_ASAN_ENV = LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$(abspath $(NATIVE_ASAN_BUILD))/reports/ubsan \
   PYTHONPATH=$(abspath $(NATIVE_ASAN_BUILD))/site
 test-native-asan: $(STAMP) native-deps export
-	@$(PY) -c 'import pybind11' 2>/dev/null || $(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev,native]'
+	@$(PY) -c 'import pybind11' 2>/dev/null || $(NO_NATIVE) $(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev,native]'
 	cmake -S native -B $(NATIVE_ASAN_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DATTNSERVE_SANITIZE=address,undefined \
 	  -DATTNSERVE_MODULE_DIR=$(abspath $(NATIVE_ASAN_BUILD))/site -DPython_EXECUTABLE=$(abspath $(PY)) \
 	  -Dpybind11_DIR="$$($(PY) -c 'import pybind11; print(pybind11.get_cmake_dir())')"

@@ -30,6 +30,7 @@ import asyncio
 import logging
 import threading
 import time
+from pathlib import Path
 
 import grpc
 from attnserve.proto import inference_pb2 as pb
@@ -76,11 +77,17 @@ RELAYED = {
 }
 
 
+# Left by `pip install .` (setup.py) where the extension could not be built: what was missing.
+NATIVE_MISSING_NOTE = Path(__file__).with_name("_native_missing.txt")
+
+
 def why_unavailable() -> str | None:
     """None when the extension is built and loads; else why not, and how to build it."""
     try:
         from attnserve.server import _native  # noqa: F401
     except ImportError as err:
+        if NATIVE_MISSING_NOTE.exists():
+            return f"this installation was built without it: {NATIVE_MISSING_NOTE.read_text().strip()}"
         return f"attnserve.server._native is not built or does not load ({err}); build it with `make native`"
     return None
 

@@ -23,6 +23,7 @@ yaml = pytest.importorskip("yaml")
 from attnserve.server.config import DEVICES, ServerConfig, env_name  # noqa: E402
 
 from tests.server_process import REPO_ROOT  # noqa: E402
+from tests.setup_script import BUILD_VARIABLES  # noqa: E402
 from tests.test_deploy_nginx import NGINX_CONF, UPSTREAM_CONF, UPSTREAM_HTTP_CONF  # noqa: E402
 
 pytestmark = pytest.mark.e2e  # runs the export job and the command's help in subprocesses
@@ -116,7 +117,16 @@ def stage_chain(stages: dict[str, Stage], name: str) -> list[Stage]:
 
 
 def shell_commands(run: str) -> list[list[str]]:
-    return [shlex.split(part) for part in re.split(r"&&|;|\|\|", run) if part.strip()]
+    """The words of each command of a RUN line, split at &&, || and ; outside quotes."""
+    lexer = shlex.shlex(run, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    commands = [[]]
+    for token in lexer:
+        if token in ("&&", "||", ";"):
+            commands.append([])
+        else:
+            commands[-1].append(token)
+    return [words for words in commands if words]
 
 
 def pip_installs(stage: Stage) -> list[list[str]]:
@@ -196,6 +206,7 @@ def test_every_attnserve_variable_named_anywhere_is_a_server_setting():
     named = all_variables_named()
     assert any(named.values())
     for path, names in named.items():
+        names -= BUILD_VARIABLES  # setup.py's, read by `pip install .` in a build stage
         assert names <= REAL_VARIABLES, (
             f"{path} names settings the server does not read: {sorted(names - REAL_VARIABLES)}")
 
@@ -393,6 +404,23 @@ def test_serving_image_has_no_torch_no_compilers_and_a_non_root_user(path):
     env = serve.env()
     repository = env["ATTNSERVE_MODEL_REPOSITORY"]
     assert any(f"mkdir -p {repository}" in run and f"chown {uid}" in run for run in serve.all("RUN"))
+
+
+def test_serving_image_builds_the_native_plane_and_ships_only_its_run_time_libraries():
+    """deploy/Dockerfile: `make native`'s Debian build dependencies in the build stage, the
+    extension required there (ATTNSERVE_NATIVE_BUILD=on), and in the serving stage only run-time
+    libraries, with a build step that loads the extension (tests/containers/ runs it)."""
+    stages = DOCKERFILES["deploy/Dockerfile"]
+    build, serve = stages["build"], stages["serve"]
+    native_debs = re.search(r"^NATIVE_DEBS := (.*)$", (REPO_ROOT / "Makefile").read_text(), re.M).group(1).split()
+    assert set(native_debs) <= apt_installs(build), native_debs
+    assert _copied_to(build, "setup.py") and _copied_to(build, "native")
+    assert any(words[:3] == ["ATTNSERVE_NATIVE_BUILD=on", "/opt/venv/bin/pip", "install"]
+               for run in build.all("RUN") for words in shell_commands(run))
+    runtime = apt_installs(serve)
+    assert "libgrpc++1.51" in runtime and not {p for p in runtime if p.endswith("-dev")} and not runtime & COMPILERS
+    assert any("why_unavailable()" in run for run in serve.all("RUN"))
+    assert any("ATTNSERVE_NATIVE_BUILD=off" in run for run in stages["export-build"].all("RUN"))
 
 
 def test_export_image_pins_the_projects_torch_from_the_cpu_index():

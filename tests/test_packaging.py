@@ -7,6 +7,7 @@ then read back through its RECORD, as `pip uninstall` would read it.
 from __future__ import annotations
 
 import csv
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +25,11 @@ SUBPACKAGES = ("attnserve.server", "attnserve.client", "attnserve.export", "attn
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     target = tmp_path_factory.mktemp("site-packages")
+    # The layout alone: tests/test_native_build.py builds the wheel with the native data plane.
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
                            "--target", str(target), str(REPO_ROOT)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "ATTNSERVE_NATIVE_BUILD": "off"})
     assert done.returncode == 0, done.stderr
     return target
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from attnserve.server.config import ServerConfig, env_name
 
 from tests.server_process import REPO_ROOT
+from tests.setup_script import BUILD_VARIABLES
 
 README_ONLY = (REPO_ROOT / "README.md").read_text()
 # Settings and metrics may be documented in the README or in any page under docs/.
@@ -19,7 +20,13 @@ def test_every_setting_is_documented_and_every_documented_one_exists():
     documented = set(re.findall(r"`(ATTNSERVE_[A-Z_]+)`", README))
     real = {env_name(f.name) for f in dataclasses.fields(ServerConfig)}
     assert real <= documented, f"undocumented: {sorted(real - documented)}"
+    documented -= BUILD_VARIABLES  # setup.py's, read when the package is built
     assert documented <= real, f"documented but not read by the server: {sorted(documented - real)}"
+
+
+def test_every_build_variable_is_documented():
+    documented = set(re.findall(r"`(ATTNSERVE_[A-Z_]+)`", README))
+    assert BUILD_VARIABLES <= documented, f"undocumented: {sorted(BUILD_VARIABLES - documented)}"
 
 
 def test_metric_names_match_the_code():

@@ -429,6 +429,45 @@ def check_cuda_image_without_cuda() -> None:
         podman("rm", "-f", "-t", "0", name, check_rc=False)
 
 
+def container_log(name: str) -> str:
+    logs = podman("logs", name, check_rc=False)
+    return logs.stdout + logs.stderr
+
+
+def check_native_plane(modules, rng) -> None:
+    """The serving image with --data-plane native (the extension built in its build stage, only
+    its run-time libraries shipped): --version says the plane is available, the server says it
+    serves on it, and calls on the native port equal eager PyTorch. On the host network, on free
+    loopback ports (the compose file keeps the Python plane: the native one is opt-in)."""
+    name = "attnserve-ci-native"
+    version = podman("run", "--rm", "--network", "none", "--no-healthcheck", "--entrypoint", "attnserve",
+                     "attnserve:cpu", "--version").stdout
+    check("native data plane: available (--data-plane native)" in version,
+          "attnserve:cpu --version: the native data plane is available", version)
+    ports = {"PORT": free_port(), "HTTP_PORT": free_port(), "METRICS_PORT": free_port(), "NATIVE_PORT": free_port()}
+    env = [f"--env=ATTNSERVE_{k}={v}" for k, v in ports.items()]
+    podman("rm", "-f", "-t", "0", name, check_rc=False)
+    try:
+        podman("run", "-d", "--name", name, "--network", "host", "-e", "ATTNSERVE_HOST=127.0.0.1",
+               "-e", "ATTNSERVE_DATA_PLANE=native", *env, "-v", f"{VOLUME}:/models:ro", "attnserve:cpu")
+        took = wait_healthy(name)
+        line = f"data plane native on port {ports['NATIVE_PORT']}"
+        deadline = time.monotonic() + HEALTHY_TIMEOUT_S  # the start line follows the last model's warm-up
+        while line not in (text := container_log(name)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        check(line in text,
+              f"attnserve:cpu with ATTNSERVE_DATA_PLANE=native serves on the native plane (healthy after {took:.0f} s)",
+              text[-1500:])
+        from attnserve.client import InferenceClient
+
+        with InferenceClient(f"127.0.0.1:{ports['NATIVE_PORT']}", timeout_s=30.0) as client:
+            infer_and_check(client, modules, "self_attention", rng, 2, 7, 13, True)
+            infer_and_check(client, modules, "cross_attention", rng, 1, 16, 5, False)
+        check(True, f"calls on the container's native port equal eager PyTorch (atol {TOLERANCE}) on both presets")
+    finally:
+        podman("rm", "-f", "-t", "0", name, check_rc=False)
+
+
 def ready_through(client, quiet: bool = True):
     """ServerReady through nginx; False (or, quiet=False, the error) while nginx answers 502:
     no replica resolved yet (podman's DNS may not answer for the first seconds)."""
@@ -498,6 +537,7 @@ def main() -> int:
             check_rest(compose.http_port, modules, rng)
             check_drain(compose.port, compose.http_port, modules, replicas[0])
         check_cuda_image_without_cuda()
+        check_native_plane(modules, rng)
     except Exception as err:  # noqa: BLE001 - Failed, AssertionError, or a client's own: logs kept either way
         log(f"FAIL: {type(err).__name__ + ': ' if not isinstance(err, Failed) else ''}{err}")
         save_logs(args.work)

@@ -19,8 +19,17 @@ for image in attnserve:cpu attnserve:cuda-standin; do
         || fail "$image has torch"
     podman run --rm --network none --no-healthcheck --entrypoint sh "$image" -c '! command -v gcc && ! command -v cc' >/dev/null \
         || fail "$image has a compiler"
+    podman run --rm --network none --no-healthcheck --entrypoint sh "$image" -c '[ ! -e /usr/include/grpc++ ] && ! command -v protoc' \
+        || fail "$image has the native data plane's build dependencies (gRPC headers or protoc)"
 done
-pass "serving images: HEALTHCHECK runs /opt/attnserve/healthcheck.py (grpc.health.v1), SIGTERM stops, no torch, no compiler"
+pass "serving images: HEALTHCHECK runs /opt/attnserve/healthcheck.py (grpc.health.v1), SIGTERM stops, no torch, no compiler, no gRPC headers"
+
+# The native data plane: built in the build stage, it loads in the serving image with only the
+# run-time libraries (compose_check.py serves calls on it).
+so=$(podman run --rm --network none --no-healthcheck --entrypoint sh attnserve:cpu -c 'ls /opt/venv/lib/python3*/site-packages/attnserve/server/_native*.so')
+missing=$(podman run --rm --network none --no-healthcheck --entrypoint ldd attnserve:cpu "$so" | grep 'not found' || true)
+[ -z "$missing" ] || fail "attnserve:cpu: $so links libraries the image lacks: $missing"
+pass "attnserve:cpu: the native data plane's extension is in the image and ldd finds every library it links"
 
 in_image attnserve-export:cpu 'import torch, sys; print(torch.__version__); sys.exit(not (torch.__version__.startswith("2.13.0") and torch.version.cuda is None))' \
     || fail "attnserve-export:cpu does not have the CPU build of torch 2.13.0"
