@@ -14,6 +14,7 @@ round each round, so every side sees the machine's drift), at concurrency 1 and 
     native        `attnserve serve --data-plane native`, its native port
     rest_binary   the python server's REST port, binary tensor data (perf_analyzer -i http)
     rest_binary_aiohttp, rest_json   the same port driven by bench.rest_loadgen, binary and JSON
+    aiohttp_floor bench.aiohttp_floor: bare aiohttp answering zeros (binary), by bench.rest_loadgen
     in-process    ONNX Runtime on the served graph: the batch-1 call and 32 requests per run
     pytriton      (--peers) PyTriton on the same graph, Triton's dynamic batcher, c=32 only
 
@@ -60,6 +61,7 @@ SIDES = {
     "rest_binary": ("python", "http"),
     "rest_binary_aiohttp": ("python", "rest_binary"),
     "rest_json": ("python", "rest_json"),
+    "aiohttp_floor": ("aiohttp_floor", "rest_binary"),
 }
 DEFAULT_SIDES = ",".join(SIDES)
 
@@ -123,6 +125,9 @@ def start(name: str, repository: Path, workdir: Path, models: list[str]) -> Proc
     if name == "native":
         return Process(name, _server_command("attnserve.server", repository, "--data-plane", "native",
                                              "--native-port", "0"), workdir, "native_port")
+    if name == "aiohttp_floor":
+        return Process(name, [sys.executable, "-m", "bench.aiohttp_floor", "--model-repository", str(repository)],
+                       workdir, "http_port")
     if name == "pytriton":
         return Process(name, pytriton_command(repository, models), workdir, "grpc_port", timeout_s=300)
     raise ValueError(f"unknown process {name!r}")
@@ -201,11 +206,12 @@ def summarize(rounds: list[dict]) -> dict:
 
 
 def rest_decision(medians: dict) -> list[dict]:
-    """REST next to the gRPC paths: CPU ms per request at c=32 and p50 at c=1, and each one's
-    CPU over the Python gRPC path's."""
+    """REST next to the gRPC paths, and each transport's bare floor: CPU ms per request at c=32
+    and p50 at c=1, and each one's CPU over the Python gRPC path's."""
     base = medians.get("python", {}).get(32, {}).get("cpu_ms_per_req")
     rows = []
-    for side in ("native", "python", "rest_binary", "rest_binary_aiohttp", "rest_json"):
+    for side in ("native", "python", "rest_binary", "rest_binary_aiohttp", "rest_json", "native_floor", "aio_floor",
+                 "aiohttp_floor"):
         levels = medians.get(side)
         if not levels:
             continue
@@ -219,7 +225,9 @@ def rest_decision(medians: dict) -> list[dict]:
 
 
 def _fmt(value, spec: str) -> str:
-    return "-" if value is None or value != value else format(value, spec)
+    """value formatted, or "-" in the same width where it was not measured."""
+    width = "".join(c for c in spec.split(".")[0].split(",")[0] if c.isdigit())
+    return ("-".rjust(int(width)) if width else "-") if value is None or value != value else format(value, spec)
 
 
 def report(model: str, shape, summary: dict) -> list[str]:
@@ -258,7 +266,7 @@ def report(model: str, shape, summary: dict) -> list[str]:
             lines.append(f"  {name}: c32 / PyTriton's c32 = {d['of_pytriton']:.2f} (goal {PEER_GOAL:.0f}x) "
                          f"{'PASS' if d['met'] else 'FAIL'}")
     rest = rest_decision(summary["sides"])
-    if any(r["side"].startswith("rest") for r in rest):
+    if any(r["side"].startswith(("rest", "aiohttp")) for r in rest):
         lines.append("  REST next to gRPC (server CPU ms per request at c=32, p50 at c=1; CPU over Python gRPC's):")
         for r in rest:
             lines.append(f"    {r['side']:20s} CPU {_fmt(r['cpu_ms_per_req_c32'], '.3f')} ms/req "

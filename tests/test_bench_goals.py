@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from bench import goals, perf_analyzer, pytriton_peer, rest_loadgen
@@ -98,11 +97,14 @@ def test_the_rest_bodies_parse_as_the_server_reads_them(model_repository, binary
     length = int(headers[rest_loadgen.HEADER_LENGTH]) if binary else None
     assert (rest_loadgen.HEADER_LENGTH in headers) is binary
     request, outputs = parse_infer(data, length, "cross_attention", "")
-    assert [(i.name, list(i.shape)) for i in request.inputs] == [
-        ("query", [4, 256, 32]), ("key", [4, 77, 32]), ("value", [4, 77, 32])]
+    assert [(i.name, i.datatype, list(i.shape)) for i in request.inputs] == [
+        ("query", "FP32", [4, 256, 32]), ("key", "FP32", [4, 77, 32]), ("value", "FP32", [4, 77, 32]),
+        ("mask", "BOOL", [4, 256, 77])]
     assert (outputs["output"], outputs["attn_probs"]) == (binary, binary)
-    query = np.frombuffer(request.raw_input_contents[0], np.float32)  # JSON's `data` converted to bytes too
-    assert query.size == 4 * 256 * 32 and query.std() > 0.5  # the random values, not zeros
+    # Zeros, as perf_analyzer sends them; JSON's `data` is converted to raw bytes too.
+    assert [len(raw) for raw in request.raw_input_contents] == [4 * 4 * 256 * 32, 4 * 4 * 77 * 32, 4 * 4 * 77 * 32,
+                                                                4 * 256 * 77]
+    assert not any(any(raw) for raw in request.raw_input_contents)
 
 
 def test_the_aio_floor_answers_zeros_of_the_graphs_shapes(model_repository):
@@ -122,6 +124,16 @@ def test_the_aio_floor_answers_zeros_of_the_graphs_shapes(model_repository):
     assert not any(any(b) for b in answer.raw_output_contents)
     request.outputs.add(name="output")
     assert [o.name for o in zero_answer(request, spec).outputs] == ["output"]
+
+
+def test_the_aiohttp_floor_answers_the_outputs_asked_for():
+    from bench.aiohttp_floor import zero_outputs
+
+    data, headers = rest_loadgen.body("cross_attention", (32, 32), Shape(3, 5, 7), binary=True)
+    document = json.loads(data[:int(headers[rest_loadgen.HEADER_LENGTH])])
+    assert zero_outputs(document, 32, 2) == [("output", [3, 5, 32]), ("attn_probs", [3, 2, 5, 7])]
+    document["outputs"] = [{"name": "output"}]
+    assert zero_outputs(document, 32, 2) == [("output", [3, 5, 32])]
 
 
 def test_the_pytriton_peer_gets_each_models_graph_dims_and_batching(model_repository):
@@ -147,18 +159,20 @@ def test_the_pytriton_peer_opens_its_session_as_the_server_does():
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(900)  # a dozen short loads and six processes; one core may be all it gets
 def test_a_tiny_goals_run_writes_its_report(model_repository, tmp_path):
     """Every side this machine can serve, one round of short windows, the python load generators
     (perf_analyzer may not be installed); the report's structure, not its speed."""
     from attnserve.server.native import why_unavailable
 
     native = why_unavailable() is None
-    sides = ["aio_floor", "python", "rest_binary_aiohttp", "rest_json", *(["native_floor", "native"] if native else [])]
+    sides = ["aio_floor", "python", "rest_binary_aiohttp", "rest_json", "aiohttp_floor",
+             *(["native_floor", "native"] if native else [])]
     done = subprocess.run(
         [sys.executable, "-m", "bench.goals", "--repository", str(model_repository), "--models", "cross_attention",
          "--sides", ",".join(sides), "--rounds", "1", "--seconds", "0.3", "--in-process-s", "0.05",
          "--load-generator", "python", "--output", str(tmp_path)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=800)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "goals.json").read_text())
     data = report["models"]["cross_attention"]
@@ -169,8 +183,8 @@ def test_a_tiny_goals_run_writes_its_report(model_repository, tmp_path):
             assert figures["requests_per_s"] > 0 and figures["errors"] == 0, (side, level, figures)
             assert figures["cpu_ms_per_req"] > 0 and 0 < figures["p50_ms"] <= figures["p99_ms"]
     assert set(data["in_process"]) == {"1", "32"}
-    assert {r["side"] for r in data["rest"]} == {"python", "rest_binary_aiohttp", "rest_json"} | (
-        {"native"} if native else set())
+    assert {r["side"] for r in data["rest"]} == {"python", "rest_binary_aiohttp", "rest_json", "aio_floor",
+                                                 "aiohttp_floor"} | ({"native", "native_floor"} if native else set())
     assert "REST next to gRPC" in done.stdout and report["machine"]["cpu_model"] in done.stdout
     if native:
         assert set(data["goals"]["native"]) >= {"c32", "c1", "cpu_c1", "cpu_c32"}
