@@ -70,6 +70,19 @@ def test_the_summary_judges_the_median_of_the_per_round_ratios():
     assert "c32 / PyTriton's c32 = 6.00 (goal 3x) PASS" in lines
 
 
+def test_a_level_not_measured_in_one_round_leaves_that_round_out_of_its_goal():
+    """perf_analyzer may find no stable window on a loaded machine: bench.goals then leaves the
+    level out of that round, and the summary takes the rounds that have it."""
+    first, second = _round(native_p50=0.3), _round(native_p50=0.9)
+    del second["sides"]["native"][1]
+    second["derived"] = goals.derive(second["in_process"], second["sides"])
+    summary = goals.summarize([first, second])
+    assert summary["goals"]["native"]["c1"]["over_goal_ms_per_round"] == [pytest.approx(-0.15)]
+    assert summary["goals"]["native"]["c1"]["met"] is True
+    assert len(summary["goals"]["native"]["c32"]["of_ideal_per_round"]) == 2
+    assert summary["sides"]["native"][1]["p50_ms"] == 0.3
+
+
 def test_the_rest_decision_sets_each_path_against_python_grpc():
     medians = {"python": {1: _level(600, 1.5, 2.0), 32: _level(800, 40.0, 1.0)},
                "native": {1: _level(1500, 0.5, 0.6), 32: _level(2400, 12.0, 0.4)},
