@@ -19,7 +19,8 @@ round each round, so every side sees the machine's drift), at concurrency 1 and 
     pytriton      (--peers) PyTriton on the same graph, Triton's dynamic batcher, c=32 only
 
 gRPC sides are driven by perf_analyzer (bench.perf_analyzer; bench.loadgen where it cannot run).
-Each level records requests/s, p50/p99 and the serving process's CPU milliseconds per request.
+Each level records requests/s, p50/p99 and the serving processes' CPU milliseconds per request
+(the process and its descendants).
 Then, per round and then as the median over rounds, for each server side:
     c32 >= 0.7 x 1/(1/native floor c32 + 1/in-process b32)
     c1 p50 <= native floor p50 + b1 call + 0.1 ms
@@ -95,6 +96,30 @@ class Process:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and every live descendant: PyTriton serves from
+    tritonserver and a backend stub below its Python process."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier and p not in tree]
+        tree.update(children)
+        frontier = children
+    total = 0.0
+    for p in tree:
+        try:
+            total += _cpu_s(p)
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
 
 
 def _server_command(module: str, repository: Path, *extra: str) -> list[str]:
@@ -334,13 +359,13 @@ def main(argv: list[str] | None = None) -> int:
                 window = {}
                 got = rest_loadgen.run(f"127.0.0.1:{proc.ports['http_port']}", model, dims, shape, c,
                                        args.seconds, binary=how == "rest_binary",
-                                       on_start=lambda: window.update(cpu0=_cpu_s(pid)),
-                                       on_stop=lambda: window.update(cpu1=_cpu_s(pid)))
+                                       on_start=lambda: window.update(cpu0=tree_cpu_s(pid)),
+                                       on_stop=lambda: window.update(cpu1=tree_cpu_s(pid)))
                 cpu_ms = (window["cpu1"] - window["cpu0"]) * 1000
                 got["cpu_ms_per_req"] = cpu_ms / got["requests"] if got["requests"] else float("nan")
             else:
                 address = f"127.0.0.1:{proc.ports['http_port']}" if how == "http" else proc.address
-                cpu0, t0 = _cpu_s(pid), time.monotonic()
+                cpu0, t0 = tree_cpu_s(pid), time.monotonic()
                 if found is not None:
                     got = perf_analyzer.run(*found, address, model, dims, shape, c, args.seconds, workdir,
                                             1 if side == "pytriton" else spec.version, protocol=how,
@@ -348,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     got = loadgen.run(address, model, dims, shape, c, args.seconds)
                 # The process's CPU share over the whole run of the generator, over its rate.
-                share = (_cpu_s(pid) - cpu0) / (time.monotonic() - t0)
+                share = (tree_cpu_s(pid) - cpu0) / (time.monotonic() - t0)
                 got["cpu_ms_per_req"] = 1000 * share / got["requests_per_s"]
             got["load"] = os.getloadavg()[0]
             return got

@@ -93,6 +93,23 @@ def test_the_rest_decision_sets_each_path_against_python_grpc():
     assert rows["native"]["cpu_of_python_grpc"] == pytest.approx(0.4) and rows["native"]["p50_ms_c1"] == 0.5
 
 
+def test_a_sides_cpu_counts_the_processes_below_it():
+    """PyTriton computes in tritonserver and its backend stub, below the process bench.goals
+    started: their CPU time is the side's too."""
+    from bench.__main__ import _cpu_s
+
+    burn = ("import sys, time\nwhile time.process_time() < 1.0: pass\n"
+            "print('burnt', flush=True)\nsys.stdin.read()")  # then held alive until the test closes stdin
+    spawn = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}])"
+    middle = subprocess.Popen([sys.executable, "-c", spawn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert middle.stdout.readline().strip() == "burnt"
+        assert goals.tree_cpu_s(middle.pid) >= 1.0 > _cpu_s(middle.pid)
+    finally:
+        middle.stdin.close()
+        middle.wait(timeout=60)
+
+
 def test_perf_analyzer_shapes_leave_the_batch_dim_to_tritons_batcher():
     shape = Shape(4, 256, 77)
     assert perf_analyzer.shape_args((32, 16), shape) == [
@@ -182,13 +199,13 @@ def test_a_tiny_goals_run_writes_its_report(model_repository, tmp_path):
     sides = ["aio_floor", "python", "rest_binary_aiohttp", "rest_json", "aiohttp_floor",
              *(["native_floor", "native"] if native else [])]
     done = subprocess.run(
-        [sys.executable, "-m", "bench.goals", "--repository", str(model_repository), "--models", "cross_attention",
+        [sys.executable, "-m", "bench.goals", "--repository", str(model_repository), "--models", "self_attention",
          "--sides", ",".join(sides), "--rounds", "1", "--seconds", "0.3", "--in-process-s", "0.05",
          "--load-generator", "python", "--output", str(tmp_path)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=800)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "goals.json").read_text())
-    data = report["models"]["cross_attention"]
+    data = report["models"]["self_attention"]
     assert set(data["sides"]) == set(sides) and len(data["rounds"]) == 1
     for side in sides:
         for level in ("1", "32"):
