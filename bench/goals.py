@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -407,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for proc in procs.values():
             proc.stop()
+    shutil.rmtree(workdir, ignore_errors=True)  # kept when the run fails: the processes' logs are there
     results["load_after"] = os.getloadavg()
     for model in models:
         data = results["models"][model]
