@@ -10,7 +10,7 @@ PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
 PRESETS := self_attention cross_attention
 
-.PHONY: native native-deps native-if-possible test-native-asan fuzz-native fuzz-deps install test test-fast docs lint test-ray test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-sweep bench-shm bench-tools clean nginx
+.PHONY: native native-deps native-if-possible test-native-asan fuzz-native fuzz-deps install test test-fast docs lint test-ray test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-goals bench-peers bench-sweep bench-shm bench-tools clean nginx
 
 install: $(STAMP)
 
@@ -211,17 +211,37 @@ export: $(STAMP)
 serve: export
 	exec $(VENV)/bin/attnserve serve --model-repository $(MODELS)
 
-# The benchmark (bench/): server vs in-process ONNX Runtime under load, then the sequence-length
-# sweep (bench/sweep.py: one request per length, eager PyTorch, in-process ONNX Runtime unfused and
-# fused, the server; a fresh process per configuration); figures in bench/results/.
+# The benchmark (bench/): issue 26's goals first (bench/goals.py: native and grpc.aio floors, both
+# planes, REST, in-process ONNX Runtime, alternating rounds; GOALS_ARGS="--rounds 3 --seconds 3"),
+# then the server vs in-process ONNX Runtime under load, the sequence-length sweep (bench/sweep.py:
+# one request per length, eager PyTorch, in-process ONNX Runtime unfused and fused, the server; a
+# fresh process per configuration) and the workers' scaling; figures in bench/results/.
 BENCH_VENV := .venv-bench
 bench: export bench-tools
+	@$(PY) -c 'from attnserve.server.native import why_unavailable as w; raise SystemExit(w() is not None)' || \
+	  echo "bench: the native data plane is not built (make native): no native floor, native plane or goals"
+	$(PY) -m bench.goals --repository $(MODELS) $(GOALS_ARGS)
 	$(PY) -m bench --repository $(MODELS) $(BENCH_ARGS)
 	$(PY) -m bench.sweep --repository $(MODELS) $(SWEEP_ARGS)
 	$(PY) -m bench.scaling --repository $(MODELS) $(SCALING_ARGS)
-	@if $(PY) -c 'from attnserve.server.native import why_unavailable as w; raise SystemExit(w() is not None)'; then \
-	  $(PY) -m bench.native_compare --repository $(MODELS) $(NATIVE_COMPARE_ARGS); \
-	else echo "bench: the native data plane is not built (make native): no native floor or prototype figures"; fi
+
+# Issue 26's goals alone (a few minutes): bench/goals.py, GOALS_ARGS as above.
+bench-goals: export bench-tools
+	$(PY) -m bench.goals --repository $(MODELS) $(GOALS_ARGS)
+
+# The goals with PyTriton beside them at c=32 (bench/pytriton_peer.py: the same ONNX graphs in a
+# PyTriton Python model, Triton's dynamic batcher), in the same run. PyTriton (Triton's server
+# binary inside its wheel) goes into a virtualenv of its own, with our onnxruntime's version.
+PYTRITON_VENV := build/pytriton-venv
+PYTRITON_VERSION ?= 0.7.0
+bench-peers: export bench-tools $(PYTRITON_VENV)/.installed
+	$(PY) -m bench.goals --repository $(MODELS) --peers pytriton $(GOALS_ARGS)
+
+$(PYTRITON_VENV)/.installed: $(STAMP)
+	$(PYTHON) -m venv $(PYTRITON_VENV)
+	$(PYTRITON_VENV)/bin/python -m pip install --quiet 'nvidia-pytriton==$(PYTRITON_VERSION)' \
+	  "onnxruntime==$$($(PY) -c 'import onnxruntime; print(onnxruntime.__version__)')"
+	touch $@
 
 bench-sweep: export
 	$(PY) -m bench.sweep --repository $(MODELS) $(SWEEP_ARGS)

@@ -38,24 +38,33 @@ def find() -> tuple[Path, dict[str, str]] | None:
     return binary, env
 
 
+def shape_args(spec_dims: tuple[int, int], shape: Shape, triton_batching: bool = False) -> list[str]:
+    """perf_analyzer's --shape flags for one request (and -b where Triton's batcher owns the
+    batch dim: then the shapes leave it out)."""
+    q_dim, kv_dim = spec_dims
+    lead = () if triton_batching else (shape.batch,)
+    args = ["-b", str(shape.batch)] if triton_batching else []
+    for name, dims in (("query", (shape.q_len, q_dim)), ("key", (shape.k_len, kv_dim)),
+                       ("value", (shape.k_len, kv_dim)), ("mask", (shape.q_len, shape.k_len))):
+        args += ["--shape", f"{name}:{','.join(str(d) for d in (*lead, *dims))}"]
+    return args
+
+
 def run(binary: Path, env: dict[str, str], address: str, model: str, spec_dims: tuple[int, int], shape: Shape,
         concurrency: int, seconds: float, workdir: Path, version: int, streaming: bool = False,
-        protocol: str = "grpc") -> dict[str, float]:
+        protocol: str = "grpc", triton_batching: bool = False) -> dict[str, float]:
     """One concurrency level; returns requests/s and p50/p90/p99 latency in ms. `streaming`:
     requests as messages of ModelStreamInfer streams (perf_analyzer's --streaming) instead of
     one ModelInfer call each. protocol "http": the REST port at `address` (perf_analyzer -i http,
-    binary tensor data), one POST .../infer per request."""
-    q_dim, kv_dim = spec_dims
+    binary tensor data), one POST .../infer per request. triton_batching: the model's config has
+    max_batch_size > 0 (PyTriton's): shapes without the batch dim, the batch as `-b`."""
     report = workdir / f"pa-{model}-c{concurrency}-{protocol}{'-stream' if streaming else ''}.csv"
     args = [
         # The version named: with it perf_analyzer reads the model's statistics by name and
         # version rather than waiting for a version to show up in them.
         str(binary), "-m", model, "-x", str(version), "-i", protocol, "-u", address,
         *(["--streaming"] if streaming else []),
-        "--shape", f"query:{shape.batch},{shape.q_len},{q_dim}",
-        "--shape", f"key:{shape.batch},{shape.k_len},{kv_dim}",
-        "--shape", f"value:{shape.batch},{shape.k_len},{kv_dim}",
-        "--shape", f"mask:{shape.batch},{shape.q_len},{shape.k_len}",
+        *shape_args(spec_dims, shape, triton_batching),
         # Zeros: perf_analyzer's random data fills a BOOL with random bytes, which the server
         # refuses (a BOOL byte is 0 or 1); zeros cost ONNX Runtime the same (every key masked).
         "--input-data", "zero",
@@ -70,7 +79,8 @@ def run(binary: Path, env: dict[str, str], address: str, model: str, spec_dims: 
     with open(report, newline="") as f:
         row = next(csv.DictReader(f))
     return {
-        "requests_per_s": float(row["Inferences/Second"]),
+        # Inferences are rows times requests where perf_analyzer sends a batch (-b).
+        "requests_per_s": float(row["Inferences/Second"]) / (shape.batch if triton_batching else 1),
         "p50_ms": float(row["p50 latency"]) / 1000,
         "p90_ms": float(row["p90 latency"]) / 1000,
         "p99_ms": float(row["p99 latency"]) / 1000,
