@@ -25,8 +25,8 @@ import time
 import grpc
 from attnserve.server.batcher import BatchStats
 from attnserve.server.codec import _RESPONSE_OVERHEAD_BYTES, heads_differ_refusal
-from attnserve.server.memory.costs import native_cost_terms
 from attnserve.server.listen import listen_addresses
+from attnserve.server.memory.costs import native_cost_terms
 
 from attnserve import contract
 

@@ -170,4 +170,5 @@ def resident_bytes(pid: int | str = "self") -> int:
 
 
 __all__ = ["AttentionDims", "Cost", "MEASURED_FACTOR_RANGE", "answer_bytes", "default_memory_limit",
-           "fused_working_set", "native_cost_terms", "process_memory_bytes", "request_cost", "resident_bytes", "run_working_set"]
+           "fused_working_set", "native_cost_terms", "process_memory_bytes", "request_cost", "resident_bytes",
+           "run_working_set"]
