@@ -5,6 +5,8 @@
     reservation.release()                                  # the transport, once the answer is sent
 
 Knows nothing of gRPC or ONNX Runtime; what a request costs is server.memory.costs' estimate.
+With the native data plane the reserved bytes live in its counter (shared_counter: native calls
+take from the same budget, server.native.share_budget).
 """
 
 from __future__ import annotations
