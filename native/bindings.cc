@@ -9,8 +9,11 @@ namespace py = pybind11;
 using attnserve::Batch;
 using attnserve::Contract;
 using attnserve::ModelLimits;
+using attnserve::CostTerms;
+using attnserve::ModelBounds;
 using attnserve::Plane;
 using attnserve::RelayDone;
+using attnserve::SharedBudget;
 
 namespace {
 
@@ -48,6 +51,20 @@ PYBIND11_MODULE(_native, m) {
         return feeds;
       }, "query, key, value and (when a request has one or keys are padded) mask, or head_mask when some "
          "request's heads differ: views, no copies");
+
+  py::class_<SharedBudget, std::shared_ptr<SharedBudget>>(
+      m, "Budget", "The process's one memory budget counter, shared by both planes (server.memory.budget)")
+      .def(py::init<int64_t, int64_t>(), py::arg("limit_bytes"), py::arg("room_bytes"))
+      .def("try_take", &SharedBudget::TryTake, py::arg("nbytes"), py::arg("waiting"),
+           "take nbytes if they fit (under limit - room, or alone under limit); whether taken")
+      .def("give", &SharedBudget::Give, py::arg("nbytes"))
+      .def("reserved", &SharedBudget::reserved, "bytes reserved now, both planes")
+      .def("set_waiting", &SharedBudget::SetWaiting, py::arg("nbytes"), py::arg("waiters"),
+           "Python's waiters now: native calls do not jump ahead of them")
+      .def("wake_fd", &SharedBudget::wake_fd, "readable after a native release while Python's waiters wait")
+      .def("drain", &SharedBudget::Drain)
+      .def("native_shed", [](const SharedBudget& b) { return b.native_shed.load(); })
+      .def("native_too_large", [](const SharedBudget& b) { return b.native_too_large.load(); });
 
   py::class_<Plane>(m, "Plane")
       .def(py::init([](py::dict names) {
@@ -117,6 +134,33 @@ PYBIND11_MODULE(_native, m) {
         return out;
       }, "calls finished by model name, by gRPC status code (lists of 17)")
       .def("set_zeros", &Plane::SetZeros)
+      .def("set_budget", [](Plane& p, std::shared_ptr<SharedBudget> budget, py::dict terms, double stream_share) {
+        CostTerms t;
+        t.safety = terms["safety"].cast<double>();
+        t.scores = terms["scores"].cast<double>();
+        t.probs = terms["probs"].cast<double>();
+        t.mask = terms["mask"].cast<double>();
+        t.slack_from_bytes = terms["slack_from_bytes"].cast<int64_t>();
+        t.slack_bytes = terms["slack_bytes"].cast<int64_t>();
+        t.input_copies = terms["input_copies"].cast<int64_t>();
+        t.answer_copies = terms["answer_copies"].cast<int64_t>();
+        p.SetBudget(std::move(budget), t, stream_share);
+      }, py::arg("budget"), py::arg("terms"), py::arg("stream_share"),
+         "the shared budget, server.memory.costs' figures (native_cost_terms) and a stream's share of the budget")
+      .def("set_model_bounds", [](Plane& p, size_t index, int64_t d_model, int64_t max_response_bytes,
+                                  int64_t max_typed_bytes, int64_t response_overhead_bytes) {
+        if (index >= p.Models()) throw py::index_error("no such model");
+        p.SetModelBounds(index, ModelBounds{d_model, max_response_bytes, max_typed_bytes, response_overhead_bytes});
+      }, py::arg("index"), py::arg("d_model"), py::arg("max_response_bytes"), py::arg("max_typed_bytes"),
+         py::arg("response_overhead_bytes"), "answer and typed-contents bounds of model `index` (0: none)")
+      .def("cost", [](const Plane& p, size_t index, int64_t rows, int64_t q_len, int64_t k_len, int64_t input_bytes,
+                      bool want_probs, bool heads_differ) {
+        if (index >= p.Models()) throw py::index_error("no such model");
+        auto c = p.Cost(index, rows, q_len, k_len, input_bytes, want_probs, heads_differ);
+        return py::make_tuple(c[0], c[1], c[2]);
+      }, "(inputs, run, answer) bytes a request reserves: costs.request_cost's figures")
+      .def("set_receive_quota", &Plane::SetReceiveQuota,
+           "gRPC's ResourceQuota for the native port (--max-receiving-bytes), before start")
       .def("set_stream_window", &Plane::SetStreamWindow,
            "requests of one ModelStreamInfer stream in the plane at once; reading pauses beyond it")
       .def("start", &Plane::Start, py::call_guard<py::gil_scoped_release>())

@@ -1,5 +1,8 @@
 #include "plane.h"
 
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -9,6 +12,7 @@
 #include <sstream>
 
 #include <grpc/support/time.h>
+#include <grpcpp/resource_quota.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
 namespace attnserve {
@@ -334,6 +338,12 @@ int Plane::Start(const std::string& address, int max_message_bytes, int max_conc
   builder.SetMaxSendMessageSize(max_message_bytes);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, max_concurrent_streams);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a port in use is an error
+  if (receive_quota_bytes_ > 0) {
+    // The callback API hands a message over only once it is whole, so bytes being received cannot
+    // be counted per call (server.gate's slots): gRPC's own memory quota bounds the transport.
+    builder.SetResourceQuota(grpc::ResourceQuota("attnserve-native-receive").Resize(
+        static_cast<size_t>(receive_quota_bytes_)));
+  }
   builder.RegisterService(this);
   server_ = builder.BuildAndStart();
   if (!server_ || port == 0) {
@@ -499,6 +509,7 @@ Status Plane::Check(const Queue& queue, const inference::ModelInferRequest& requ
                      std::to_string(want_bytes[s]) + " bytes of FP32, got " + std::to_string(data[s].size));
     }
   }
+  p.input_bytes = static_cast<int64_t>(q_bytes + 2 * k_bytes);
   p.query = reinterpret_cast<const float*>(data[0].bytes);
   p.key = reinterpret_cast<const float*>(data[1].bytes);
   p.value = reinterpret_cast<const float*>(data[2].bytes);
@@ -524,6 +535,8 @@ Status Plane::Check(const Queue& queue, const inference::ModelInferRequest& requ
                      std::to_string(m.num_heads) + ", q_len, k_len), got " + ShapeText(ms));
     }
     const size_t mask_bytes = static_cast<size_t>(Elements(ms));
+    // Work.mask_nbytes: as sent, or as a run copies it ((lq, lk) over the batch), whichever is more.
+    p.input_bytes += std::max(static_cast<int64_t>(mask_bytes), p.rows * plane);
     if (data[3].size != mask_bytes) {
       return Invalid("input '" + c.mask + "': shape " + ShapeText(ms) + " needs " + std::to_string(mask_bytes) +
                      " bytes of BOOL, got " + std::to_string(data[3].size));
@@ -625,8 +638,13 @@ class InferCall final : public grpc::ServerUnaryReactor {
  public:
   InferCall(Plane* plane, TimePoint deadline) : plane_(plane), deadline_(deadline) {}
   inference::ModelInferRequest request;
+  SharedBudget* budget = nullptr;
+  int64_t reserved = 0;  // its budget reservation: given back once the answer is sent (or the call is gone)
   void OnCancel() override { plane_->Cancel(this, nullptr, deadline_); }  // after the handler returned
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    if (reserved > 0) budget->Give(reserved);
+    delete this;
+  }
 
  private:
   Plane* plane_;
@@ -654,10 +672,20 @@ Plane::Plane(Contract contract) : contract_(std::move(contract)) {
                       counters_.refused++;
                       Answer(call, nullptr, Invalid(why));
                     } else {
-                      Admit(call, &call->request, response, deadline);
+                      call->budget = budget_.get();
+                      Admit(call, &call->request, response, deadline, budget_ ? &call->reserved : nullptr);
                     }
                     return call;
                   }));
+  // ModelStreamInfer's requests as raw bytes too: one that does not parse ends the stream with a message.
+  const int stream_method = inference::ModelInferRequest::descriptor()
+                                ->file()
+                                ->FindServiceByName("GRPCInferenceService")
+                                ->FindMethodByName("ModelStreamInfer")
+                                ->index();
+  MarkMethodCallback(stream_method,
+                     new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, inference::ModelStreamInferResponse>(
+                         [this](grpc::CallbackServerContext* context) { return new StreamCall(this, CallDeadline(context)); }));
 }
 
 bool Plane::Parse(const grpc::ByteBuffer& bytes, inference::ModelInferRequest* request, std::string* why) {
@@ -671,13 +699,21 @@ bool Plane::Parse(const grpc::ByteBuffer& bytes, inference::ModelInferRequest* r
 }
 
 void Plane::Admit(grpc::ServerUnaryReactor* reactor, const inference::ModelInferRequest* request,
-                  inference::ModelInferResponse* response, TimePoint call_deadline) {
+                  inference::ModelInferResponse* response, TimePoint call_deadline, int64_t* held) {
   Pending p;
   p.deadline = call_deadline;
   p.reactor = reactor;
+  p.held = held;
   p.request = request;
   p.response = response;
   Admit(std::move(p));
+}
+
+void Plane::GiveBack(Pending& p) {
+  if (p.held != nullptr && *p.held > 0) {  // never queued: its reservation goes back now
+    budget_->Give(*p.held);
+    *p.held = 0;
+  }
 }
 
 void Plane::Admit(Pending p) {
@@ -711,8 +747,11 @@ void Plane::Admit(Pending p) {
     fresh.request = p.request;
     fresh.response = p.response;
     fresh.deadline = p.deadline;
+    fresh.held = p.held;
     p = std::move(fresh);
     status = Check(queue, request, p);
+    if (status.ok()) status = Bound(queue, request, p);
+    if (status.ok() && !zeros_) status = Reserve(queue, p);
     if (!status.ok()) {
       counters_.refused++;
       Settle(p, &queue, status);
@@ -728,10 +767,15 @@ void Plane::Admit(Pending p) {
     TimePoint deadline = kNever;
     {
       std::unique_lock<std::mutex> lock(queue.mu);
-      if (queue.retired && attempt < 8) continue;
+      if (queue.retired && attempt < 8) {
+        lock.unlock();
+        GiveBack(p);  // the next queue reserves afresh
+        continue;
+      }
       if (queue.retired || static_cast<int64_t>(queue.pending.size()) >= queue.limits.max_queue_size) {
         const bool full = !queue.retired;
         lock.unlock();
+        GiveBack(p);
         counters_.refused++;
         Settle(p, &queue, full ? Status(StatusCode::RESOURCE_EXHAUSTED,
                                         "model " + queue.limits.name + "'s queue is full (" +
@@ -742,6 +786,7 @@ void Plane::Admit(Pending p) {
       }
       if (p.deadline <= Clock::now()) {  // server.batcher's words
         lock.unlock();
+        GiveBack(p);
         counters_.refused++;
         Settle(p, &queue, Status(StatusCode::DEADLINE_EXCEEDED, "model " + queue.limits.name +
                                      ": the request's deadline passed before it was queued; not computed"));
@@ -756,11 +801,6 @@ void Plane::Admit(Pending p) {
     if (deadline != kNever) Arm(deadline);
     return;
   }
-}
-
-grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>* Plane::ModelStreamInfer(
-    grpc::CallbackServerContext* context) {
-  return new StreamCall(this, CallDeadline(context));  // deletes itself in OnDone
 }
 
 namespace {
@@ -806,19 +846,40 @@ void StreamCall::OnReadDone(bool ok) {
     Run(next);
     return;
   }
+  auto request = std::make_unique<inference::ModelInferRequest>();
+  std::string why;
+  const bool parsed = Plane::Parse(incoming_, request.get(), &why);
+  incoming_.Clear();
+  if (!parsed) {  // the stream ends after the answers before it, as the Python plane's does
+    plane_->counters_.requests++;
+    plane_->counters_.refused++;
+    const Status status = Bounded(Invalid(why));
+    plane_->Count(static_cast<Codes*>(nullptr), status);
+    Next next;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      reading_ = false;
+      reads_done_ = true;
+      end_ = status;
+      next = Step();
+    }
+    Run(next);
+    return;
+  }
   Pending p;
   p.stream = this;
   p.deadline = deadline_;
   {
     std::lock_guard<std::mutex> lock(mu_);
     Slot slot;
-    slot.request = std::make_unique<inference::ModelInferRequest>();
-    slot.request->Swap(&incoming_);
+    slot.request = std::move(request);
     slot.response = std::make_unique<inference::ModelInferResponse>();
     p.request = slot.request.get();
     p.response = slot.response.get();
     p.seq = first_seq_ + slots_.size();
     slots_.push_back(std::move(slot));
+    if (plane_->budget_) p.held = &slots_.back().reserved;  // a deque's elements stay where they are
+    hold_in_flight_++;
     reading_ = false;
   }
   plane_->Admit(std::move(p));  // may answer at once (Answered takes mu_)
@@ -835,6 +896,9 @@ void StreamCall::Answered(uint64_t seq, const Status& status) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     Slot& slot = slots_.at(static_cast<size_t>(seq - first_seq_));
+    hold_in_flight_--;
+    held_bytes_ += slot.reserved;  // held until written (service._StreamHold.answered)
+    hold_cost_ = std::max(hold_cost_, slot.reserved);
     slot.answer = std::make_unique<inference::ModelStreamInferResponse>();
     if (status.ok()) {
       slot.answer->mutable_infer_response()->Swap(slot.response.get());
@@ -855,6 +919,8 @@ void StreamCall::OnWriteDone(bool ok) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     writing_.reset();
+    GiveBack(writing_reserved_);
+    writing_reserved_ = 0;
     broken_ = broken_ || !ok;  // the client is gone: answers still owed are dropped as they come
     next = Step();
   }
@@ -866,13 +932,19 @@ StreamCall::Next StreamCall::Step() {
   if (finished_) return next;
   while (!slots_.empty() && slots_.front().answer && (broken_ || !writing_)) {
     auto answer = std::move(slots_.front().answer);
+    const int64_t reserved = slots_.front().reserved;
     slots_.pop_front();
     first_seq_++;
-    if (broken_) continue;
+    if (broken_) {
+      GiveBack(reserved);
+      continue;
+    }
     writing_ = std::move(answer);
+    writing_reserved_ = reserved;
     next.write = writing_.get();
   }
-  if (!reading_ && !reads_done_ && !broken_ && static_cast<int64_t>(slots_.size()) < plane_->stream_window_) {
+  if (!reading_ && !reads_done_ && !broken_ && static_cast<int64_t>(slots_.size()) < plane_->stream_window_ &&
+      !Full()) {
     reading_ = true;
     next.read = true;
   }
@@ -887,7 +959,22 @@ StreamCall::Next StreamCall::Step() {
 void StreamCall::Run(const Next& next) {
   if (next.write != nullptr) StartWrite(next.write);
   if (next.read) StartRead(&incoming_);
-  if (next.finish) Finish(Status::OK);
+  if (next.finish) Finish(end_);
+}
+
+bool StreamCall::Full() const {
+  const int64_t share = plane_->stream_share_bytes_;
+  if (share <= 0) return false;
+  if (held_bytes_ > share) return true;
+  if (hold_in_flight_ == 0) return false;
+  // Until a reservation is known a request is read only when none is in flight (one always goes).
+  return hold_cost_ == 0 || held_bytes_ + hold_in_flight_ * hold_cost_ > share;
+}
+
+void StreamCall::GiveBack(int64_t reserved) {
+  if (reserved <= 0) return;
+  held_bytes_ -= reserved;
+  plane_->budget_->Give(reserved);
 }
 
 std::unique_ptr<Batch> Plane::Form(size_t index, Queue& queue) {
@@ -1363,6 +1450,156 @@ grpc::ServerUnaryReactor* Plane::RepositoryIndex(grpc::CallbackServerContext* co
   auto* reactor = context->DefaultReactor();
   reactor->Finish(Status(StatusCode::UNIMPLEMENTED, "RepositoryIndex is served on the Python port"));
   return reactor;
+}
+
+// -- Memory bounds (admission): the shared budget, the cost model, answer and typed sizes ---------
+
+namespace {
+
+// 1234567 -> "1,234,567", as Python's f"{n:,}" writes the figures of the Python plane's messages.
+std::string Commas(int64_t n) {
+  std::string digits = std::to_string(n < 0 ? -n : n), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return n < 0 ? "-" + out : out;
+}
+
+}  // namespace
+
+SharedBudget::SharedBudget(int64_t limit_bytes, int64_t room_bytes)
+    : limit_(limit_bytes), room_(room_bytes), wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
+
+SharedBudget::~SharedBudget() {
+  if (wake_fd_ >= 0) close(wake_fd_);
+}
+
+bool SharedBudget::TryTake(int64_t n, int64_t waiting) {
+  int64_t reserved = reserved_.load();
+  while (true) {
+    // MemoryBudget._admits: under the limit less the waiting room, or alone under the limit.
+    const bool fits = reserved + n <= limit_ - room_ || (reserved == 0 && n + waiting <= limit_);
+    if (!fits) return false;
+    if (reserved_.compare_exchange_weak(reserved, reserved + n)) return true;
+  }
+}
+
+bool SharedBudget::TryTakeNative(int64_t n) {
+  if (waiters_ > 0) return false;  // MemoryBudget.try_reserve: nobody jumps ahead of a waiter
+  return TryTake(n, waiting_);
+}
+
+void SharedBudget::Give(int64_t n) {
+  reserved_ -= n;
+  if (waiters_ > 0 && wake_fd_ >= 0) {
+    const uint64_t one = 1;
+    if (write(wake_fd_, &one, sizeof one) < 0) {
+      // EAGAIN: the counter is full, and the event loop is woken anyway.
+    }
+  }
+}
+
+void SharedBudget::Drain() {
+  uint64_t count = 0;
+  while (wake_fd_ >= 0 && read(wake_fd_, &count, sizeof count) > 0) {
+  }
+}
+
+void Plane::SetBudget(std::shared_ptr<SharedBudget> budget, const CostTerms& terms, double stream_share) {
+  budget_ = std::move(budget);
+  cost_terms_ = terms;
+  stream_share_bytes_ = budget_ ? static_cast<int64_t>(static_cast<double>(budget_->limit()) * stream_share) : 0;
+}
+
+std::array<int64_t, 3> Plane::Cost(size_t index, int64_t rows, int64_t q_len, int64_t k_len, int64_t input_bytes,
+                                   bool want_probs, bool heads_differ) const {
+  return CostOf(*models_.at(index), rows, q_len, k_len, input_bytes, want_probs, heads_differ);
+}
+
+std::array<int64_t, 3> Plane::CostOf(const Queue& queue, int64_t rows, int64_t q_len, int64_t k_len,
+                                     int64_t input_bytes, bool want_probs, bool heads_differ) const {
+  // costs.request_cost on the graph the engine takes for the batch: attn_probs asked -> all outputs;
+  // heads differ -> the head-mask graphs; else output only (the fused graphs are given its figure).
+  const ModelLimits& m = queue.limits;
+  const CostTerms& t = cost_terms_;
+  const int64_t d = queue.bounds.d_model > 0 ? queue.bounds.d_model : std::max({m.query_dim, m.kv_dim, m.out_dim});
+  const int64_t mask_heads = heads_differ ? m.num_heads : 1;
+  const int64_t scores = 4 * rows * m.num_heads * q_len * k_len;
+  const int64_t mask = rows * mask_heads * q_len * k_len;
+  const int64_t inputs = 4 * rows * (q_len * m.query_dim + 2 * k_len * m.kv_dim);
+  const int64_t projections = 4 * rows * (q_len + 2 * k_len) * d;
+  const int64_t outputs = 4 * rows * q_len * (d + m.out_dim);
+  double working = t.scores * static_cast<double>(scores) + t.mask * static_cast<double>(mask) +
+                   static_cast<double>(inputs) + static_cast<double>(projections) + static_cast<double>(outputs);
+  if (want_probs) working += t.probs * static_cast<double>(scores);
+  const int64_t run = static_cast<int64_t>(t.safety * working) +
+                      (working >= static_cast<double>(t.slack_from_bytes) ? t.slack_bytes : 0);
+  const int64_t answer = 4 * rows * q_len * m.out_dim + (want_probs ? scores : 0);
+  return {t.input_copies * input_bytes, run, t.answer_copies * answer};
+}
+
+Status Plane::Bound(const Queue& queue, const inference::ModelInferRequest& request, const Pending& p) const {
+  const ModelBounds& b = queue.bounds;
+  const ModelLimits& m = queue.limits;
+  // Check has bounded the shapes by --max-attention-bytes: these products cannot overflow.
+  const int64_t sizes[2] = {4 * p.rows * p.q_len * m.out_dim, 4 * p.rows * m.num_heads * p.q_len * p.k_len};
+  const std::string* names[2] = {&contract_.output, &contract_.attn_probs};
+  int64_t needed = 0;
+  std::string parts;
+  for (bool probs : p.order_probs) {
+    needed += sizes[probs];
+    parts += (parts.empty() ? "" : " + ") + *names[probs] + " " + Commas(sizes[probs]);
+  }
+  if (b.max_response_bytes > 0) {  // codec._check_response_size
+    const int64_t total = needed + static_cast<int64_t>(request.id().size() + request.model_name().size()) +
+                          b.response_overhead_bytes;
+    if (total > b.max_response_bytes) {
+      return Invalid("the response would need " + Commas(total) + " bytes (" + parts + " bytes of tensors), over the " +
+                     Commas(b.max_response_bytes) + "-byte message limit (--max-message-bytes); ask for fewer rows, " +
+                     "shorter sequences, or only the outputs you need");
+    }
+  }
+  if (b.max_typed_bytes > 0 && !p.raw) {  // codec._check_typed_size
+    int64_t inputs = 4 * p.rows * (p.q_len * m.query_dim + 2 * p.k_len * m.kv_dim);
+    for (const auto& t : request.inputs())
+      if (t.name() == contract_.mask) inputs += Elements(t.shape());
+    const std::pair<const char*, int64_t> held[2] = {{"its inputs", inputs}, {"its answer", needed}};
+    for (const auto& [what, nbytes] : held) {
+      if (nbytes > b.max_typed_bytes) {
+        return Invalid(std::string("typed contents: ") + what + " would hold " + Commas(nbytes) +
+                       " bytes of tensors as typed contents, over the " + Commas(b.max_typed_bytes) +
+                       "-byte limit for typed contents (--max-typed-bytes); send the inputs as raw_input_contents "
+                       "and the answer comes as raw_output_contents");
+      }
+    }
+  }
+  return Status::OK;
+}
+
+Status Plane::Reserve(const Queue& queue, Pending& p) {
+  if (!budget_ || p.held == nullptr) return Status::OK;
+  const auto cost = CostOf(queue, p.rows, p.q_len, p.k_len, p.input_bytes, p.want_probs, p.heads_differ);
+  const int64_t total = cost[0] + cost[1] + cost[2];
+  // The batcher's words (server.batcher.Batcher.submit, memory.budget.MemoryBudget.reserve).
+  const std::string what = "model " + queue.limits.name + ": this request (inputs " + Commas(cost[0]) + ", run " +
+                           Commas(cost[1]) + ", answer " + Commas(cost[2]) + " bytes)";
+  SharedBudget& budget = *budget_;
+  if (total > budget.limit()) {
+    budget.native_too_large++;
+    return Invalid(what + " needs an estimated " + Commas(total) + " bytes of memory, over this server's budget of " +
+                   Commas(budget.limit()) + " bytes (--memory-limit-bytes); send fewer rows or shorter sequences, " +
+                   "or ask for `output` alone");
+  }
+  if (!budget.TryTakeNative(total)) {
+    budget.native_shed++;
+    return Status(StatusCode::RESOURCE_EXHAUSTED,
+                  "memory budget: " + Commas(budget.reserved() + budget.waiting()) + " of " + Commas(budget.limit()) +
+                      " bytes in use (--memory-limit-bytes), " + std::to_string(budget.waiters()) +
+                      " request(s) waiting; " + what + " needs " + Commas(total) + "; retry later");
+  }
+  *p.held = total;
+  return Status::OK;
 }
 
 }  // namespace attnserve

@@ -51,6 +51,49 @@ struct ModelLimits {
   } schedule;
 };
 
+// server.memory.costs' figures (costs.native_cost_terms()): never written out again in C++.
+struct CostTerms {
+  double safety = 1.1, scores = 3.5, probs = 0.5, mask = 2.0;
+  int64_t slack_from_bytes = 0, slack_bytes = 0;
+  int64_t input_copies = 2, answer_copies = 2;
+};
+
+// One model version's numbers for the memory bounds (set_model_bounds; 0: not bounded).
+struct ModelBounds {
+  int64_t d_model = 0;
+  int64_t max_response_bytes = 0;  // --max-message-bytes: an answer larger is refused before it is built
+  int64_t max_typed_bytes = 0;     // --max-typed-bytes: typed inputs or answer larger are refused
+  int64_t response_overhead_bytes = 4096;  // codec._RESPONSE_OVERHEAD_BYTES
+};
+
+// The process's one memory budget counter (--memory-limit-bytes), shared by both planes: Python's
+// server.memory.budget.MemoryBudget takes and gives back through it, native calls too. The rule is
+// MemoryBudget's: a reservation fits under limit - room, or alone (nothing reserved) under limit.
+class SharedBudget {
+ public:
+  SharedBudget(int64_t limit_bytes, int64_t room_bytes);
+  ~SharedBudget();
+  // Takes n if it fits, `waiting` bytes of waiters' inputs staying (Python's own admission).
+  bool TryTake(int64_t n, int64_t waiting);
+  // A native call's: also refused while Python's waiters wait (nobody jumps ahead of them).
+  bool TryTakeNative(int64_t n);
+  void Give(int64_t n);  // wakes Python's waiters (wake_fd) when some wait
+  int64_t reserved() const { return reserved_; }
+  int64_t limit() const { return limit_; }
+  // Python's waiters now: their inputs and how many (MemoryBudget keeps them current).
+  void SetWaiting(int64_t bytes, int64_t waiters) { waiting_ = bytes; waiters_ = waiters; }
+  int64_t waiting() const { return waiting_; }
+  int64_t waiters() const { return waiters_; }
+  int wake_fd() const { return wake_fd_; }  // readable after a native release while Python's waiters wait
+  void Drain();  // reads wake_fd empty
+  std::atomic<uint64_t> native_shed{0}, native_too_large{0};
+
+ private:
+  const int64_t limit_, room_;
+  std::atomic<int64_t> reserved_{0}, waiting_{0}, waiters_{0};
+  int wake_fd_ = -1;
+};
+
 // Final statuses by gRPC code (0..16), read by Python at scrape time (attnserve_requests).
 constexpr size_t kCodes = 17;
 using Codes = std::array<std::atomic<uint64_t>, kCodes>;
@@ -93,6 +136,8 @@ struct Pending {
   bool want_output = true, want_probs = true;
   std::vector<bool> order_probs;  // the requested outputs in order: true = attn_probs
   bool exact_k_len = false;       // a query row masks all its keys: never pad its keys
+  int64_t input_bytes = 0;        // its tensors' bytes (Work.nbytes): the cost's inputs
+  int64_t* held = nullptr;        // where its budget reservation is kept until the answer is sent
   std::chrono::steady_clock::time_point started, arrived;  // the handler's start; queued
   // The schedule (docs/server.md, "Priorities and queue timeouts"): refused unrun once `deadline`
   // (the earlier of the call's and its `timeout`) passes while queued; served by aged level.
@@ -153,9 +198,20 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   // Serialized answers of the rare RPCs, by method and model name ("" for server-wide ones).
   void SetAnswer(const std::string& method, const std::string& name, std::string bytes);
   void SetZeros(bool zeros) { zeros_ = zeros; }  // the native floor: answer zeros, no Python
+  // The memory bounds (admission, docs/native-data-plane.md "Memory bounds"): the shared budget,
+  // the cost model's figures and a stream's share of the budget (service.STREAM_BUDGET_SHARE).
+  void SetBudget(std::shared_ptr<SharedBudget> budget, const CostTerms& terms, double stream_share);
+  void SetModelBounds(size_t index, const ModelBounds& bounds) { models_.at(index)->bounds = bounds; }
+  // A request's cost (costs.request_cost): inputs, run, answer bytes.
+  std::array<int64_t, 3> Cost(size_t index, int64_t rows, int64_t q_len, int64_t k_len, int64_t input_bytes,
+                              bool want_probs, bool heads_differ) const;
+  SharedBudget* budget() const { return budget_.get(); }
+  int64_t stream_share_bytes() const { return stream_share_bytes_; }
   // Requests of one ModelStreamInfer stream in the plane at once; reading pauses beyond it.
   void SetStreamWindow(int64_t window) { stream_window_ = window > 0 ? window : 1; }
   int Start(const std::string& address, int max_message_bytes, int max_concurrent_streams);
+  // gRPC's ResourceQuota for the native port's transport (--max-receiving-bytes), set before Start.
+  void SetReceiveQuota(int64_t bytes) { receive_quota_bytes_ = bytes; }
   // Blocks up to timeout_ms for a batch of model `index`; nullptr on timeout, once stopping, or when
   // every queued call had expired (refused DEADLINE_EXCEEDED here).
   std::shared_ptr<Batch> NextBatch(size_t index, int64_t timeout_ms);
@@ -194,14 +250,14 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   void OnStop(Batch& batch, std::function<void()> stop);
   std::array<uint64_t, kCancelReasons * kCancelStages> Cancellations(size_t index) const;
 
-  grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>* ModelStreamInfer(
-      grpc::CallbackServerContext* context) override;
   // Bytes that do not parse are refused with `why` (INVALID_ARGUMENT), as the Python plane does.
   static bool Parse(const grpc::ByteBuffer& bytes, inference::ModelInferRequest* request, std::string* why);
   // Checks one parsed ModelInfer call and queues it (or answers it, when it is refused or in zeros
   // mode); the request and response must outlive the call. The handler and the fuzzer's entry point.
+  // held: where the call keeps its budget reservation until its answer is sent (nullptr: none taken).
   void Admit(grpc::ServerUnaryReactor* reactor, const inference::ModelInferRequest* request,
-             inference::ModelInferResponse* response, TimePoint call_deadline = kNever);
+             inference::ModelInferResponse* response, TimePoint call_deadline = kNever,
+             int64_t* held = nullptr);
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,
                                        inference::ServerLiveResponse* response) override;
@@ -240,6 +296,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
     uint64_t formed = 0;          // batches formed that took requests (aging)
     Cancels cancels{};
     std::vector<Pending> expired;  // found expired by Form, refused by NextBatch once unlocked
+    ModelBounds bounds;
   };
   // One model name as the Python plane serves it now.
   struct Routing {
@@ -249,8 +306,14 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
     Codes* codes = nullptr;
   };
 
+  std::array<int64_t, 3> CostOf(const Queue& queue, int64_t rows, int64_t q_len, int64_t k_len, int64_t input_bytes,
+                                bool want_probs, bool heads_differ) const;
   grpc::Status Check(const Queue& queue, const inference::ModelInferRequest& request, Pending& p) const;
   void AnswerZeros(Pending& p, Queue& queue);
+  // Admission's memory bounds, after Check: the answer against --max-message-bytes, typed contents
+  // against --max-typed-bytes (codec's words), then the budget reservation (the batcher's words).
+  grpc::Status Bound(const Queue& queue, const inference::ModelInferRequest& request, const Pending& p) const;
+  grpc::Status Reserve(const Queue& queue, Pending& p);
   // Every call ends here: counted by code (per model; nullptr: no known model), then finished.
   void Answer(grpc::ServerUnaryReactor* reactor, Queue* queue, const grpc::Status& status);
   void Settle(const Pending& p, Queue* queue, const grpc::Status& status);  // Answer, or its stream's answer
@@ -265,6 +328,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   grpc::ServerUnaryReactor* Relayed(grpc::CallbackServerContext* context, const char* method, const Request& request,
                                     Response* response);
   // A ModelInfer request, from a call or a stream: checked, then queued or answered at once.
+  void GiveBack(Pending& p);  // a call refused before it queued: its budget reservation, back at once
   void Admit(Pending p);
   void Left(int64_t calls);  // calls out of the queue and the run: in_flight_ down, WaitIdle told
   grpc::ServerUnaryReactor* Table(grpc::CallbackServerContext* context, const std::string& method,
@@ -296,6 +360,10 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   Codes unknown_codes_{};
   bool zeros_ = false;
   int64_t stream_window_ = 64;
+  std::shared_ptr<SharedBudget> budget_;
+  CostTerms cost_terms_;
+  int64_t stream_share_bytes_ = 0;  // 0: no budget, streams bounded by the window alone
+  int64_t receive_quota_bytes_ = 0;
   Counters counters_;
   uint64_t aging_batches_ = 4;
   std::thread timer_;
@@ -309,8 +377,11 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
 // the plane at once), admits each as ModelInfer does, and writes the answers in request order,
 // one write at a time. A refused request is answered in the stream (error_message) and the
 // stream goes on, as the Python plane does (server.service).
+// Its messages are read as raw bytes and parsed here: one that does not parse ends the stream with
+// INVALID_ARGUMENT after the answers before it (the Python plane's rule). Its reading also pauses
+// while its answers hold more than its share of the memory budget (service._StreamHold's rule).
 class StreamCall final
-    : public grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse> {
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, inference::ModelStreamInferResponse> {
  public:
   StreamCall(Plane* plane, TimePoint call_deadline);
   void OnReadDone(bool ok) override;
@@ -325,6 +396,7 @@ class StreamCall final
     std::unique_ptr<inference::ModelInferRequest> request;
     std::unique_ptr<inference::ModelInferResponse> response;
     std::unique_ptr<inference::ModelStreamInferResponse> answer;  // set once answered
+    int64_t reserved = 0;  // its budget reservation, given back once its answer is written or dropped
   };
   // With mu_ held: what to start now (a write, a read, the end), started after it is released.
   struct Next {
@@ -333,15 +405,21 @@ class StreamCall final
   };
   Next Step();
   void Run(const Next& next);
+  bool Full() const;  // with mu_ held: this stream's answers hold its share of the budget
+  void GiveBack(int64_t reserved);  // with mu_ held: a reservation whose answer is written or dropped
 
   Plane* plane_;
   TimePoint deadline_;  // the stream's gRPC deadline: each request's
   std::mutex mu_;
-  inference::ModelInferRequest incoming_;
+  grpc::ByteBuffer incoming_;
   std::deque<Slot> slots_;  // in request order: the first is the next to write
   uint64_t first_seq_ = 0;  // slots_.front()'s seq
   std::unique_ptr<inference::ModelStreamInferResponse> writing_;
   bool reading_ = true, reads_done_ = false, broken_ = false, finished_ = false;
+  int64_t writing_reserved_ = 0;
+  // service._StreamHold: requests read and not answered, bytes of answers held, the largest reservation.
+  int64_t hold_in_flight_ = 0, held_bytes_ = 0, hold_cost_ = 0;
+  grpc::Status end_ = grpc::Status::OK;  // a message that did not parse: the stream's final status
 };
 
 }  // namespace attnserve

@@ -163,6 +163,8 @@ class Server:
         self._arrivals = Arrivals()
         self._admission = Admission(self._arrivals)
         self.budget: MemoryBudget | None = None
+        self._budget_counter = None  # the budget's counter shared with the native data plane (server.native)
+        self._receiving_bytes = 0  # --max-receiving-bytes as applied
         self.tracing: Tracing | None = None  # OpenTelemetry, when OTEL_* variables ask (server.tracing)
         self._shared_memory: SystemSharedMemory | None = None  # --allow-shared-memory
         self._gc_frozen = False  # server.memory.heap.freeze_gc() since the start, and no model change since
@@ -190,6 +192,10 @@ class Server:
         # the heap turns lean (server.memory.reclaim).
         reclaimer = Reclaimer(asyncio.get_running_loop(), budget=lambda: self.budget)
         self.budget = MemoryBudget(limit, on_idle=reclaimer.on_idle, on_crowded=reclaimer.on_crowded)
+        if cfg.data_plane == "native":  # one budget for both planes: its counter is the native plane's
+            from attnserve.server.native import share_budget
+
+            self._budget_counter = share_budget(self.budget, asyncio.get_running_loop())
         self.metrics.watch_budget(self.budget)
         self.registry = ModelRegistry.from_repository(cfg, device, self.metrics, arrivals=self._arrivals,
                                                       run_batch=self._run_batch, budget=self.budget,
@@ -229,6 +235,7 @@ class Server:
         receiving = cfg.max_receiving_bytes if cfg.max_receiving_bytes is not None else int(
             limit * DEFAULT_RECEIVING_SHARE)
         slots = max(receiving // cfg.max_message_bytes, 1)
+        self._receiving_bytes = max(receiving, cfg.max_message_bytes)  # the native port's quota: one message at least
         # Every method is served through the gate (token, draining, parsing; see server.gate).
         gate = CallGate(method_handlers(servicer, self._health, cfg.max_typed_bytes), self._admission,
                         self._draining, _INFER_METHODS, token, cfg.access_log, receive_slots=slots,
@@ -313,7 +320,8 @@ class Server:
             why = "it serves one process (--workers 1)"
         if why is not None:
             raise RuntimeError(f"--data-plane native: {why}")
-        self._native = NativePlane(self.config, self.registry, request_path, self.metrics, asyncio.get_running_loop())
+        self._native = NativePlane(self.config, self.registry, request_path, self.metrics, asyncio.get_running_loop(),
+                                   budget_counter=self._budget_counter, receiving_bytes=self._receiving_bytes)
         return self._native.start()
 
     async def _native_idle(self, deadline: float) -> bool:

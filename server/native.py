@@ -35,9 +35,10 @@ from pathlib import Path
 import grpc
 from attnserve.proto import inference_pb2 as pb
 from attnserve.server.batcher import QUEUED, RUNNING, TERMINATED, BatchStats
-from attnserve.server.codec import heads_differ_refusal
+from attnserve.server.codec import _RESPONSE_OVERHEAD_BYTES, heads_differ_refusal
 from attnserve.server.errors import status_for
 from attnserve.server.listen import listen_addresses
+from attnserve.server.memory.costs import native_cost_terms
 from attnserve.server.models import ModelUnavailable
 from attnserve.server.request_path import CLIENT, DEADLINE
 from attnserve.server.tensors import RunStop
@@ -103,6 +104,24 @@ def new_plane(zeros: bool = False):
     return plane
 
 
+def share_budget(budget, loop: asyncio.AbstractEventLoop):
+    """Makes the memory budget's counter the native one (_native.Budget), so that native calls
+    and the Python plane's take from one budget; a native call's release wakes the budget's
+    waiters on `loop`. Returns the counter (for NativePlane), or None where the extension is not built."""
+    if why_unavailable() is not None:
+        return None
+    from attnserve.server import _native
+
+    counter = budget.shared_counter(_native.Budget)
+
+    def woken() -> None:
+        counter.drain()
+        budget.wake()
+
+    loop.add_reader(counter.wake_fd(), woken)
+    return counter
+
+
 def add_tables(plane, request_path, names: list[str]) -> None:
     """The rare RPCs' answers, serialized from Python's own (server.request_path) for these models."""
     plane.set_answer("ServerMetadata", "", request_path.server_metadata().SerializeToString())
@@ -119,12 +138,15 @@ def address(host: str, port: int) -> str:
 
 class NativePlane:
     def __init__(self, config, registry, request_path, metrics=None, loop: asyncio.AbstractEventLoop | None = None,
-                 zeros: bool = False) -> None:
+                 zeros: bool = False, budget_counter=None, receiving_bytes: int = 0) -> None:
         """metrics (server.metrics.Metrics) and loop, the event loop that owns them and the
         registry: where the native calls are counted and the rare RPCs answered (None: not
         counted, and the rare RPCs answered from tables made now). zeros: the native floor
-        (bench.native_floor): C++ answers zeros itself, no runner threads."""
+        (bench.native_floor): C++ answers zeros itself, no runner threads. budget_counter: the
+        memory budget's shared counter (share_budget; None: native calls reserve nothing).
+        receiving_bytes: --max-receiving-bytes, gRPC's memory quota for the native port (0: none)."""
         self._config = config
+        self._receiving_bytes = receiving_bytes
         self._zeros = zeros
         self._metrics = metrics
         self._loop = loop
@@ -133,6 +155,10 @@ class NativePlane:
         self._codes_counted: dict[tuple[str, str], int] = {}  # (model, code) -> final statuses counted so far
         self._cancels_counted: dict[tuple[str, str, str], int] = {}  # (model, reason, stage) -> counted so far
         self._plane = new_plane(zeros)
+        if budget_counter is not None:
+            from attnserve.server.service import STREAM_BUDGET_SHARE
+
+            self._plane.set_budget(budget_counter, native_cost_terms(), STREAM_BUDGET_SHARE)
         self._runners: list[threading.Thread] = []
         self._started = False
         self._stopping = threading.Event()
@@ -199,6 +225,10 @@ class NativePlane:
             config.max_attention_bytes, config.max_queue_size, config.max_padding_ratio,
             "" if lv.limits.graphs.takes_head_masks else heads_differ_refusal(spec))
         assert index == len(self._models)
+        # codec's answer and typed-contents bounds, and the projection width of the cost model.
+        d_model = spec.d_model or max(spec.query_dim, spec.kv_dim, spec.out_dim)  # as models.GraphCosting
+        self._plane.set_model_bounds(index, d_model, config.max_message_bytes, config.max_typed_bytes or 0,
+                                     _RESPONSE_OVERHEAD_BYTES)
         policy = spec.queue_policy  # the one source of the schedule's numbers (config.json)
         self._plane.set_schedule(index, policy.priority_levels, policy.default_priority_level,
                                  policy.default_timeout_us, policy.allow_timeout_override)
@@ -231,6 +261,7 @@ class NativePlane:
         """Bind --native-port and start a runner thread per model; the bound port."""
         cfg = self._config
         target = address(cfg.host, cfg.native_port)
+        self._plane.set_receive_quota(self._receiving_bytes)
         port = self._plane.start(target, cfg.max_message_bytes, cfg.max_concurrent_streams)
         if port == 0:
             raise OSError(f"native data plane: cannot listen on {target} (--native-port)")

@@ -5,6 +5,8 @@
     reservation.release()                                  # the transport, once the answer is sent
 
 Knows nothing of gRPC or ONNX Runtime; what a request costs is server.memory.costs' estimate.
+With the native data plane the reserved bytes live in its counter (shared_counter: native calls
+take from the same budget, server.native.share_budget).
 """
 
 from __future__ import annotations
@@ -37,6 +39,39 @@ class Reservation:
         budget, self._budget = self._budget, None
         if budget is not None:
             budget._give_back(self.nbytes)
+
+
+class _LocalCounter:
+    """The reserved bytes of a budget that no native data plane shares (the native one is
+    attnserve.server._native.Budget, with the same calls: MemoryBudget.share)."""
+
+    __slots__ = ("_limit", "_room", "_reserved")
+
+    def __init__(self, limit_bytes: int, room_bytes: int) -> None:
+        self._limit, self._room, self._reserved = limit_bytes, room_bytes, 0
+
+    def try_take(self, nbytes: int, waiting: int) -> bool:
+        # Under the limit less the waiting room, or alone (nothing reserved) under the limit.
+        if self._reserved + nbytes <= self._limit - self._room or (
+                self._reserved == 0 and nbytes + waiting <= self._limit):
+            self._reserved += nbytes
+            return True
+        return False
+
+    def give(self, nbytes: int) -> None:
+        self._reserved -= nbytes
+
+    def reserved(self) -> int:
+        return self._reserved
+
+    def set_waiting(self, nbytes: int, waiters: int) -> None:
+        pass
+
+    def native_shed(self) -> int:
+        return 0
+
+    def native_too_large(self) -> int:
+        return 0
 
 
 class _Waiter:
@@ -82,17 +117,49 @@ class MemoryBudget:
         self._on_crowded = on_crowded
         self.large_uses = 0  # large reservations and waiters held now
         self._high_water = 0  # most reserved since the budget was last empty
-        self.reserved_bytes = 0  # granted reservations
         self.waiting_bytes = 0  # inputs of the requests that wait
         self._room = int(limit_bytes * self.WAITING_ROOM)
+        # Granted reservations: here, or in the counter both data planes share (share()).
+        self._counter = _LocalCounter(limit_bytes, self._room)
         self._waiters: collections.deque[_Waiter] = collections.deque()
         # Counted since start (server.metrics exposes them): requests that waited for memory,
         # shed at once (MemoryExhausted), whose deadline passed while they waited, and refused
         # as never fitting (MemoryTooLarge).
         self.waits = 0
-        self.shed = 0
+        self._shed = 0
         self.wait_timeouts = 0
-        self.too_large = 0
+        self._too_large = 0
+
+    def shared_counter(self, make: Callable[[int, int], object]) -> object:
+        """Makes the counter (make(limit_bytes, room_bytes): the native data plane's
+        _native.Budget) that holds this budget's reservations from now on, so that both planes
+        take from one budget; before anything is reserved. Its releases call wake() (the caller
+        wires its wake_fd to the event loop)."""
+        if self.reserved_bytes or self._waiters:
+            raise RuntimeError("the budget's counter is shared before anything is reserved")
+        self._counter = make(self.limit_bytes, self._room)
+        return self._counter
+
+    def wake(self) -> None:
+        """Bytes came back through the shared counter (a native call's answer sent): waiters may fit."""
+        self._admit_waiters()
+        self._maybe_idle()
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Granted reservations, of both data planes."""
+        return self._counter.reserved()
+
+    @property
+    def shed(self) -> int:
+        return self._shed + self._counter.native_shed()
+
+    @property
+    def too_large(self) -> int:
+        return self._too_large + self._counter.native_too_large()
+
+    def _waiting_changed(self) -> None:
+        self._counter.set_waiting(self.waiting_bytes, len(self._waiters))
 
     @property
     def waiters(self) -> int:
@@ -111,22 +178,15 @@ class MemoryBudget:
     def check_fits(self, nbytes: int, what: str) -> None:
         """MemoryTooLarge if `nbytes` could never fit, whatever else ran."""
         if nbytes > self.limit_bytes:
-            self.too_large += 1
+            self._too_large += 1
             raise MemoryTooLarge(f"{what} needs an estimated {nbytes:,} bytes of memory, over this server's "
                                  f"budget of {self.limit_bytes:,} bytes (--memory-limit-bytes); send fewer rows or "
                                  "shorter sequences, or ask for `output` alone")
 
-    def _admits(self, nbytes: int, waiting_others: int) -> bool:
-        """Whether `nbytes` may be granted now, `waiting_others` bytes of waiters' inputs staying."""
-        if self.reserved_bytes + nbytes <= self.limit_bytes - self._room:
-            return True
-        return self.reserved_bytes == 0 and nbytes + waiting_others <= self.limit_bytes  # alone
-
     def try_reserve(self, nbytes: int) -> Reservation | None:
         """Take `nbytes` now if they fit and nobody waits; else None."""
-        if self._waiters or not self._admits(nbytes, self.waiting_bytes):
+        if self._waiters or not self._counter.try_take(nbytes, self.waiting_bytes):
             return None
-        self.reserved_bytes += nbytes
         self._high_water = max(self._high_water, self.reserved_bytes)
         self._count_large(nbytes, +1)
         return Reservation(self, nbytes)
@@ -150,7 +210,7 @@ class MemoryBudget:
             return reservation
         first = min(first, nbytes)
         if deadline is None or not self._can_wait(nbytes, first):
-            self.shed += 1
+            self._shed += 1
             raise MemoryExhausted(f"memory budget: {self.used_bytes:,} of {self.limit_bytes:,} bytes in use "
                                   f"(--memory-limit-bytes), {len(self._waiters)} request(s) waiting; {what} needs "
                                   f"{nbytes:,}; retry later" + ("" if deadline is not None else
@@ -159,6 +219,7 @@ class MemoryBudget:
         self.waits += 1
         self._waiters.append(waiter)
         self.waiting_bytes += first
+        self._waiting_changed()
         self._count_large(nbytes, +1)  # waiting or admitted, it stays one large use
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), max(deadline - time.monotonic(), 0.0))
@@ -171,6 +232,7 @@ class MemoryBudget:
                 waiter.future.cancel()
                 self._waiters.remove(waiter)
                 self.waiting_bytes -= first
+                self._waiting_changed()
                 self._count_large(nbytes, -1)
                 self._admit_waiters()
             if isinstance(err, asyncio.CancelledError):
@@ -191,9 +253,12 @@ class MemoryBudget:
         return True
 
     def _give_back(self, nbytes: int) -> None:
-        self.reserved_bytes -= nbytes
+        self._counter.give(nbytes)
         self._count_large(nbytes, -1)
         self._admit_waiters()
+        self._maybe_idle()
+
+    def _maybe_idle(self) -> None:
         if self.reserved_bytes == 0 and not self._waiters:
             if self._on_idle is not None and self._high_water >= self.IDLE_AFTER_BYTES:
                 self._on_idle()
@@ -204,11 +269,12 @@ class MemoryBudget:
             head = self._waiters[0]
             if head.future.cancelled():
                 self._waiters.popleft()
+                self._waiting_changed()
                 continue
-            if not self._admits(head.total, self.waiting_bytes - head.first):
+            if not self._counter.try_take(head.total, self.waiting_bytes - head.first):
                 return
             self._waiters.popleft()
             self.waiting_bytes -= head.first
-            self.reserved_bytes += head.total
+            self._waiting_changed()
             self._high_water = max(self._high_water, self.reserved_bytes)
             head.future.set_result(None)

@@ -35,6 +35,15 @@ SAFETY = 1.1  # over the fitted figure, which a fresh process's peak may pass by
 # MiB (tests/test_memory.py's grid). They get HUGE_PAGE_SLACK_BYTES more.
 HUGE_PAGE_SLACK_FROM_BYTES = 16 << 20
 HUGE_PAGE_SLACK_BYTES = 8 << 20
+# The fitted figures (tests/test_memory.py): copies of the (B, H, Lq, Lk) scores an unfused run
+# holds at its peak, more with attn_probs as an output, and copies of its mask.
+SCORES_HELD = 3.5
+PROBS_HELD = 0.5
+MASK_HELD = 2
+# A request's inputs are held twice (the message and the arrays; the batch's copy), its answer
+# twice (the split outputs and the encoded message).
+INPUT_COPIES = 2
+ANSWER_COPIES = 2
 
 
 @dataclass(frozen=True)
@@ -65,9 +74,9 @@ def _unfused_working_set(dims: AttentionDims, rows: int, q_len: int, k_len: int,
     inputs = FLOAT * rows * (q_len * dims.query_dim + 2 * k_len * dims.kv_dim)
     projections = FLOAT * rows * (q_len + 2 * k_len) * dims.d_model  # Q, K, V
     outputs = FLOAT * rows * q_len * (dims.d_model + dims.out_dim)  # context and output
-    working = 3.5 * scores + 2 * mask + inputs + projections + outputs
+    working = SCORES_HELD * scores + MASK_HELD * mask + inputs + projections + outputs
     if with_probs:
-        working += 0.5 * scores  # attn_probs is an output: the softmax's buffer outlives the run
+        working += PROBS_HELD * scores  # attn_probs is an output: the softmax's buffer outlives the run
     return int(SAFETY * working) + (HUGE_PAGE_SLACK_BYTES if working >= HUGE_PAGE_SLACK_FROM_BYTES else 0)
 
 
@@ -104,8 +113,17 @@ def request_cost(kind: str, dims: AttentionDims, rows: int, q_len: int, k_len: i
                  input_bytes: int, want_probs: bool) -> Cost:
     """input_bytes: the request's arrays as decoded (Work.nbytes). The answer is counted twice:
     the split outputs it keeps alive and the encoded message (raw bytes or typed contents)."""
-    return Cost(inputs=2 * input_bytes, run=run_working_set(kind, dims, rows, q_len, k_len),
-                answer=2 * answer_bytes(dims, rows, q_len, k_len, want_probs))
+    return Cost(inputs=INPUT_COPIES * input_bytes, run=run_working_set(kind, dims, rows, q_len, k_len),
+                answer=ANSWER_COPIES * answer_bytes(dims, rows, q_len, k_len, want_probs))
+
+
+def native_cost_terms() -> dict[str, float | int]:
+    """The figures above as the native data plane takes them (server.native): it computes
+    request_cost with them per call, never writing them out again (tests/test_native_limits.py
+    checks its figures against request_cost's)."""
+    return {"safety": SAFETY, "scores": SCORES_HELD, "probs": PROBS_HELD, "mask": MASK_HELD,
+            "slack_from_bytes": HUGE_PAGE_SLACK_FROM_BYTES, "slack_bytes": HUGE_PAGE_SLACK_BYTES,
+            "input_copies": INPUT_COPIES, "answer_copies": ANSWER_COPIES}
 
 
 # -- the limit ---------------------------------------------------------------------------------
@@ -152,4 +170,5 @@ def resident_bytes(pid: int | str = "self") -> int:
 
 
 __all__ = ["AttentionDims", "Cost", "MEASURED_FACTOR_RANGE", "answer_bytes", "default_memory_limit",
-           "fused_working_set", "process_memory_bytes", "request_cost", "resident_bytes", "run_working_set"]
+           "fused_working_set", "native_cost_terms", "process_memory_bytes", "request_cost", "resident_bytes",
+           "run_working_set"]

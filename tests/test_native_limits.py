@@ -1,0 +1,303 @@
+"""The native data plane keeps the server's memory bounds (docs/native-data-plane.md, "Memory bounds").
+
+Against real `attnserve serve --data-plane native` processes, each bound answered on the native
+port with the Python port's status and words (the same request sent to both), the plane serving
+the next call after each and the server's peak memory bounded:
+- the memory budget: a request that could never fit (INVALID_ARGUMENT), and, on a gated server
+  (tests/gated_server.py), one that does not fit now beside a held call (RESOURCE_EXHAUSTED),
+  whichever plane holds the call: the two planes share one budget;
+- an answer over --max-message-bytes, typed inputs or a typed answer over --max-typed-bytes;
+- a stream's answers bounded by its share of the budget (service.STREAM_BUDGET_SHARE): a stream
+  of calls that would not fit the budget together is answered whole;
+- a stream message that does not parse ends the stream with INVALID_ARGUMENT after the answers
+  before it;
+- --max-receiving-bytes as gRPC's memory quota on the native port: concurrent messages over it
+  are refused RESOURCE_EXHAUSTED by gRPC, a lone one is received.
+The native cost figures are checked against server.memory.costs.request_cost in-process.
+Skips, saying why, where the extension is not built (`make native`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import time
+import urllib.request
+import zlib
+
+import grpc
+import numpy as np
+import pytest
+from attnserve.proto import inference_pb2 as pb
+from attnserve.proto import inference_pb2_grpc as pb_grpc
+from attnserve.server import native
+from attnserve.server.memory.costs import AttentionDims, request_cost
+from attnserve.server.repository import read_model_spec
+
+from attnserve.contract import ALL_OUTPUTS, HEAD_MASK_ALL_OUTPUTS, HEAD_MASK_OUTPUT_ONLY, OUTPUT_ONLY
+from tests.gated_server import GatedServer
+from tests.oip import infer_request
+from tests.server_process import ServerProcess
+from tests.test_mask_shapes import DIMS
+
+WHY_NOT = native.why_unavailable()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
+
+MiB = 1 << 20
+MESSAGE_BYTES = 2 * MiB
+TYPED_BYTES = 64 << 10
+BUDGET_BYTES = 48 * MiB
+PEAK_GROWTH_KIB = 256 << 10  # as the hostile tests bound it
+REACHED_WITHIN_S = 60.0  # a bound on waiting for a state the test caused, not a guess of speed
+STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
+
+
+def _dims(model_repository, model: str) -> AttentionDims:
+    spec = read_model_spec(model_repository / model)
+    d_model = spec.d_model or max(spec.query_dim, spec.kv_dim, spec.out_dim)
+    return AttentionDims(spec.query_dim, spec.kv_dim, d_model, spec.out_dim, spec.num_heads)
+
+
+def _x(model: str, b: int, lq: int, lk: int, seed: str) -> dict:
+    rng = np.random.default_rng(zlib.crc32(seed.encode()))
+    width = DIMS[model][0]
+    return {"query": rng.standard_normal((b, lq, width), dtype=np.float32),
+            "key": rng.standard_normal((b, lk, width), dtype=np.float32),
+            "value": rng.standard_normal((b, lk, width), dtype=np.float32)}
+
+
+def _refusal(stub, request, timeout: float | None = 60) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as exc:
+        stub.ModelInfer(request, timeout=timeout)
+    return exc.value.code(), exc.value.details()
+
+
+def _scrape(proc: ServerProcess) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=30) as r:
+        return r.read().decode()
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+
+
+def _until_reserved_is_zero(proc: ServerProcess) -> None:
+    """Answers are released once sent (the call's end, just after the client has it)."""
+    deadline = time.monotonic() + REACHED_WITHIN_S
+    while _metric(_scrape(proc), "attnserve_memory_reserved_bytes") != 0:
+        assert time.monotonic() < deadline, _scrape(proc)
+        time.sleep(0.01)
+
+
+def _native_channel(proc: ServerProcess) -> grpc.Channel:
+    options = [("grpc.max_send_message_length", 64 * MiB), ("grpc.max_receive_message_length", 64 * MiB)]
+    return grpc.insecure_channel(f"127.0.0.1:{proc.native_port}", options=options)
+
+
+def _good(stub) -> None:
+    """The plane serves the next call."""
+    answer = stub.ModelInfer(infer_request("self_attention", outputs=("output",),
+                                           **_x("self_attention", 1, 3, 4, "next")), timeout=60)
+    assert [t.name for t in answer.outputs] == ["output"]
+
+
+# -- the cost model ------------------------------------------------------------------------------
+
+
+def test_native_cost_is_request_cost(model_repository):
+    """The plane's per-call figures are server.memory.costs.request_cost's, on the graph the
+    engine takes for the batch (attn_probs asked: all outputs; heads differ: the head-mask graphs)."""
+    from attnserve.server import _native
+    from attnserve.server.memory.costs import native_cost_terms
+
+    plane = native.new_plane()
+    plane.set_budget(_native.Budget(1 << 40, 1 << 37), native_cost_terms(), 0.25)
+    for index, model in enumerate(sorted(DIMS)):
+        dims = _dims(model_repository, model)
+        assert plane.add_model(model, "1", dims.query_dim, dims.kv_dim, dims.out_dim, dims.num_heads, 32, 8192,
+                               8192, 2 << 30, 512, 0.5) == index
+        plane.set_model_bounds(index, dims.d_model, 0, 0, 4096)
+        for rows, lq, lk in ((1, 1, 1), (3, 10, 7), (2, 300, 900), (8, 1024, 1024)):
+            input_bytes = 4 * rows * (lq * dims.query_dim + 2 * lk * dims.kv_dim) + rows * lq * lk
+            for want_probs, heads_differ in ((False, False), (True, False), (False, True), (True, True)):
+                kind = ((HEAD_MASK_ALL_OUTPUTS if want_probs else HEAD_MASK_OUTPUT_ONLY) if heads_differ
+                        else (ALL_OUTPUTS if want_probs else OUTPUT_ONLY))
+                want = request_cost(kind, dims, rows, lq, lk, input_bytes, want_probs)
+                got = plane.cost(index, rows, lq, lk, input_bytes, want_probs, heads_differ)
+                assert got == (want.inputs, want.run, want.answer), (model, rows, lq, lk, want_probs, heads_differ)
+
+
+# -- one server with small bounds ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bounded_server(model_repository):
+    proc = ServerProcess(model_repository, "--data-plane", "native", "--native-port", "0",
+                         "--max-message-bytes", str(MESSAGE_BYTES), "--max-typed-bytes", str(TYPED_BYTES),
+                         "--memory-limit-bytes", str(BUDGET_BYTES), "--max-receiving-bytes", str(MESSAGE_BYTES))
+    proc.native_port = json.loads(proc.ready_file.read_text())["native_port"]
+    yield proc
+    proc.stop()
+
+
+def _bounded_cases() -> dict[str, tuple[pb.ModelInferRequest, str]]:
+    """Each case's request and the start of the Python plane's words for it."""
+    return {
+        # (1, 2000, 2000) scores: its run could never fit the 48 MiB budget, its message and answer are small.
+        "never_fits": (infer_request("cross_attention", outputs=("output",),
+                                     **_x("cross_attention", 1, 2000, 2000, "never")),
+                       "model cross_attention: this request (inputs "),
+        # attn_probs (1, 8, 300, 300): 2.9 MB, over the 2 MiB message limit; the request is 1.8 MB.
+        "answer_over_message_limit": (infer_request("self_attention", request_id="big",
+                                                    **_x("self_attention", 1, 300, 300, "answer")),
+                                      "the response would need "),
+        "typed_inputs": (infer_request("self_attention", raw=False, outputs=("output",),
+                                       **_x("self_attention", 1, 20, 20, "typed in")),
+                         "typed contents: its inputs would hold 122,880 bytes"),
+        "typed_answer": (infer_request("cross_attention", raw=False, **_x("cross_attention", 1, 100, 100, "typed out")),
+                         "typed contents: its answer would hold 92,800 bytes"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bounded_cases()))
+def test_a_bound_is_refused_with_the_python_planes_words(bounded_server, case):
+    request, words = _bounded_cases()[case]
+    before_kib = bounded_server.memory_kib("VmHWM")
+    with _native_channel(bounded_server) as ch, bounded_server.channel() as python_ch:
+        stub = pb_grpc.GRPCInferenceServiceStub(ch)
+        got = _refusal(stub, request)
+        want = _refusal(pb_grpc.GRPCInferenceServiceStub(python_ch), request)
+        assert got == want, (got, want)
+        assert got[0] == grpc.StatusCode.INVALID_ARGUMENT and got[1].startswith(words), got
+        _good(stub)
+    assert bounded_server.memory_kib("VmHWM") - before_kib < PEAK_GROWTH_KIB
+
+
+def test_a_stream_message_that_does_not_parse_ends_the_stream(bounded_server):
+    """Two answers, then INVALID_ARGUMENT with a message, on both planes; the plane serves on."""
+    good = [infer_request("self_attention", request_id=f"r{i}", outputs=("output",),
+                          **_x("self_attention", 1, 3, 4, f"s{i}")).SerializeToString() for i in range(2)]
+    sent = [*good, b"\xff\xff\xff\xff", good[0]]
+    results = []
+    with _native_channel(bounded_server) as ch, bounded_server.channel() as python_ch:
+        for channel in (ch, python_ch):
+            call = channel.stream_stream(STREAM_METHOD, request_serializer=None,
+                                         response_deserializer=pb.ModelStreamInferResponse.FromString)
+            answers = []
+            with pytest.raises(grpc.RpcError) as exc:
+                for answer in call(iter(sent), timeout=60):
+                    answers.append(answer)
+            results.append(([(a.error_message, a.infer_response.id) for a in answers], exc.value.code()))
+            assert "does not parse" in exc.value.details(), exc.value.details()
+        assert results[0] == results[1] == ([("", "r0"), ("", "r1")], grpc.StatusCode.INVALID_ARGUMENT), results
+        _good(pb_grpc.GRPCInferenceServiceStub(ch))
+
+
+def test_receive_quota_sheds_concurrent_messages_over_it(bounded_server):
+    """--max-receiving-bytes (one 2 MiB message here) is the native port's gRPC memory quota. A lone
+    1.8 MB message is received; eight at once on separate connections pass the quota, and gRPC
+    refuses streams under that pressure (RST_STREAM ENHANCE_YOUR_CALM: RESOURCE_EXHAUSTED) where
+    the Python plane's receive slots would queue them. Each call ends, with OK or
+    RESOURCE_EXHAUSTED (the transport's or the budget's), the peak memory stays bounded and the
+    plane serves on."""
+    request = infer_request("self_attention", outputs=("output",), **_x("self_attention", 1, 300, 300, "quota"))
+    before_kib = bounded_server.memory_kib("VmHWM")
+
+    def call(_: int) -> tuple[grpc.StatusCode, str]:
+        with _native_channel(bounded_server) as ch:
+            try:
+                pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(request, timeout=120)
+            except grpc.RpcError as err:
+                return err.code(), err.details()
+            return grpc.StatusCode.OK, ""
+
+    assert call(0) == (grpc.StatusCode.OK, "")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        ended = list(pool.map(call, range(8)))
+    assert {code for code, _ in ended} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, ended
+    assert any("RST_STREAM" in details for _, details in ended), ended  # the quota refused some
+    assert bounded_server.memory_kib("VmHWM") - before_kib < PEAK_GROWTH_KIB
+    with _native_channel(bounded_server) as ch:
+        _good(pb_grpc.GRPCInferenceServiceStub(ch))
+
+
+# -- one budget, both planes (a gated server) --------------------------------------------------------
+
+HELD = ("self_attention", 1, 128, 128)  # with attn_probs: a few MiB of budget
+
+
+@pytest.fixture(scope="module")
+def held_cost(model_repository) -> int:
+    model, rows, lq, lk = HELD
+    dims = _dims(model_repository, model)
+    input_bytes = 4 * rows * (lq * dims.query_dim + 2 * lk * dims.kv_dim)
+    return request_cost(ALL_OUTPUTS, dims, rows, lq, lk, input_bytes, True).total
+
+
+@pytest.fixture(scope="module")
+def gated(model_repository, held_cost):
+    """One HELD call fits the budget, two do not (the waiting room, an eighth, stays free)."""
+    with GatedServer(model_repository, "--data-plane", "native", "--native-port", "0", "--max-batch-size", "1",
+                     "--memory-limit-bytes", str(held_cost * 3 // 2), "--grace-period-s", "120") as proc:
+        proc.native_port = json.loads(proc.ready_file.read_text())["native_port"]
+        yield proc
+
+
+def _held_request(seed: str, request_id: str = "") -> pb.ModelInferRequest:
+    model, rows, lq, lk = HELD
+    return infer_request(model, request_id=request_id, **_x(model, rows, lq, lk, seed))
+
+
+@pytest.mark.parametrize("holder", ["native", "python"])
+def test_both_planes_take_from_one_budget(gated, held_cost, holder):
+    """A call held at the gate on one plane keeps the budget's room: the same call on either plane is
+    refused RESOURCE_EXHAUSTED with the same words (the native one lacks the deadline hint: it
+    does not wait for memory); once it is answered, both serve again."""
+    limit = held_cost * 3 // 2
+    _until_reserved_is_zero(gated)
+    with _native_channel(gated) as ch, gated.channel() as python_ch, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stubs = {"native": pb_grpc.GRPCInferenceServiceStub(ch), "python": pb_grpc.GRPCInferenceServiceStub(python_ch)}
+        first = pool.submit(stubs[holder].ModelInfer, _held_request("held"), timeout=120)
+        assert gated.gate.wait_started() == 1
+        # No deadline on the Python port: it sheds at once rather than waiting within one.
+        refusals = {name: _refusal(stub, _held_request("second"), timeout=None if name == "python" else 60)
+                    for name, stub in stubs.items()}
+        gated.gate.release()
+        assert len(first.result(timeout=120).outputs) == 2
+        _until_reserved_is_zero(gated)
+        for name in ("native", "python"):
+            again = pool.submit(stubs[name].ModelInfer, _held_request("again"), timeout=120)
+            gated.gate.wait_started()
+            gated.gate.release()
+            assert len(again.result(timeout=120).outputs) == 2
+            _until_reserved_is_zero(gated)
+    words = f"memory budget: {held_cost:,} of {limit:,} bytes in use (--memory-limit-bytes), 0 request(s) waiting; "
+    for name, (code, details) in refusals.items():
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(words), (name, details)
+    python_words = refusals["python"][1]
+    assert refusals["native"][1] == python_words.split(" (a request with a deadline")[0], refusals
+
+
+def test_a_streams_answers_are_bounded_by_its_share(gated):
+    """Six calls that together would need four times the budget, in one stream: the stream reads
+    on only while its calls in flight and unsent answers fit its share (a quarter of the budget;
+    one call always goes), so every call is answered, none shed for memory. Without the share the
+    stream reads them all while the first is held, and the budget sheds the second."""
+    _until_reserved_is_zero(gated)
+    count = 6
+
+    def release_each() -> None:
+        for _ in range(count):
+            gated.gate.wait_started()
+            gated.gate.release()
+
+    with _native_channel(gated) as ch, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        releaser = pool.submit(release_each)
+        requests = [_held_request(f"stream {i}", request_id=f"r{i}") for i in range(count)]
+        answers = list(pb_grpc.GRPCInferenceServiceStub(ch).ModelStreamInfer(iter(requests), timeout=120))
+        assert [(a.error_message, a.infer_response.id) for a in answers] == [("", f"r{i}") for i in range(count)]
+        releaser.result(timeout=120)
+    assert all(len(a.infer_response.raw_output_contents) == 2 for a in answers)
+    _until_reserved_is_zero(gated)
