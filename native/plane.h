@@ -14,6 +14,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -40,6 +42,26 @@ struct ModelLimits {
   // Masks whose heads differ run on the head-mask graphs; without them they are refused with this.
   bool head_masks = false;
   std::string why_no_head_masks;
+};
+
+// The native port's TLS and token (native/security.cc), from server.security's checked files.
+struct Security {
+  std::string cert_chain, private_key;  // PEM; empty: plaintext
+  std::string client_ca;                // PEM roots; set: client certificates required (mutual TLS)
+  std::string token;                    // set: every call needs `authorization: Bearer <token>`
+  std::string refusal;                  // what a refused caller is told, with UNAUTHENTICATED
+};
+
+// Calls refused for their token, read by Python to log them as the Python plane does.
+class Refusals {
+ public:
+  void Note(std::string_view method);
+  std::pair<uint64_t, std::string> Read();  // refused so far, the latest's method
+
+ private:
+  std::mutex mu_;
+  uint64_t count_ = 0;
+  std::string latest_;
 };
 
 // Final statuses by gRPC code (0..16), read by Python at scrape time (attnserve_requests).
@@ -105,6 +127,10 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   void SetZeros(bool zeros) { zeros_ = zeros; }  // the native floor: answer zeros, no Python
   // Requests of one ModelStreamInfer stream in the plane at once; reading pauses beyond it.
   void SetStreamWindow(int64_t window) { stream_window_ = window > 0 ? window : 1; }
+  void SetSecurity(Security security) { security_ = std::move(security); }  // before Start
+  // Worker processes share the port (SO_REUSEPORT); alone, a port in use is an error.
+  void SetReusePort(bool reuse) { reuse_port_ = reuse; }
+  std::pair<uint64_t, std::string> TokenRefusals() { return refusals_.Read(); }
   int Start(const std::string& address, int max_message_bytes, int max_concurrent_streams);
   // Blocks up to timeout_ms for a batch of model `index`; nullptr on timeout or once stopping.
   std::shared_ptr<Batch> NextBatch(size_t index, int64_t timeout_ms);
@@ -179,6 +205,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   grpc::ServerUnaryReactor* Table(grpc::CallbackServerContext* context, const std::string& method,
                                   const std::string& name, google::protobuf::Message* response);
   std::unique_ptr<Batch> Form(size_t index, Queue& queue);  // with queue.mu held
+  std::shared_ptr<grpc::ServerCredentials> Credentials();  // native/security.cc; nullptr: unusable
 
   Contract contract_;
   std::vector<std::unique_ptr<Queue>> models_;
@@ -193,6 +220,9 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   bool zeros_ = false;
   int64_t stream_window_ = 64;
   Counters counters_;
+  Security security_;
+  bool reuse_port_ = false;
+  Refusals refusals_;
 };
 
 // One ModelStreamInfer stream: reads requests as they come (up to the plane's stream window in

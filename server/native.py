@@ -26,6 +26,8 @@ import grpc
 from attnserve.server.batcher import BatchStats
 from attnserve.server.codec import heads_differ_refusal
 from attnserve.server.listen import listen_addresses
+from attnserve.server.metrics import SYNC_PERIOD_S
+from attnserve.server.security import REFUSAL, read_tls_files, read_token
 
 from attnserve import contract
 
@@ -82,14 +84,20 @@ def address(host: str, port: int) -> str:
 
 class NativePlane:
     def __init__(self, config, registry, request_path, metrics=None, loop: asyncio.AbstractEventLoop | None = None,
-                 zeros: bool = False) -> None:
+                 zeros: bool = False, token=None, shared_port: bool = False) -> None:
         """metrics (server.metrics.Metrics) and loop, the event loop that owns them: where the
         native calls are counted (None: not counted). zeros: the native floor (bench.native_floor):
-        C++ answers zeros itself, no runner threads."""
+        C++ answers zeros itself, no runner threads. token: server.security.BearerToken (None:
+        no token asked for), whose refusals on the native port it counts and logs.
+        shared_port: worker processes share --native-port (SO_REUSEPORT; server.workers)."""
         self._config = config
         self._zeros = zeros
         self._metrics = metrics
         self._loop = loop
+        self._token = token
+        self._shared_port = shared_port
+        self._token_refused = 0  # native token refusals already handed to token.note_refusal
+        self._sync_task: asyncio.Task | None = None
         self._codes_counted: dict[tuple[str, str], int] = {}  # (model, code) -> final statuses counted so far
         self._plane = new_plane(zeros)
         self._runners: list[threading.Thread] = []
@@ -115,13 +123,18 @@ class NativePlane:
             from prometheus_client import Gauge
 
             self._in_flight_gauge = Gauge(IN_FLIGHT_METRIC, "Calls queued or computing on the native "
-                                          "data plane (--data-plane native).", registry=metrics.registry)
+                                          "data plane (--data-plane native).", registry=metrics.registry,
+                                          multiprocess_mode="livesum")  # workers: the live ones' sum
             metrics.add_refresh(self.refresh_metrics)
 
     def start(self) -> int:
         """Bind --native-port and start a runner thread per model; the bound port."""
         cfg = self._config
         target = address(cfg.host, cfg.native_port)
+        cert, key, client_ca = read_tls_files(cfg)
+        token = read_token(cfg.auth_token_file) if cfg.auth_token_file is not None else b""
+        self._plane.set_security(cert, key, client_ca, token, REFUSAL)
+        self._plane.set_reuse_port(self._shared_port)
         port = self._plane.start(target, cfg.max_message_bytes, cfg.max_concurrent_streams)
         if port == 0:
             raise OSError(f"native data plane: cannot listen on {target} (--native-port)")
@@ -129,10 +142,30 @@ class NativePlane:
             thread = threading.Thread(target=self._run_forever, args=(index,), name=f"native-{name}", daemon=True)
             thread.start()
             self._runners.append(thread)
-        logger.info("native data plane (prototype%s) serving ModelInfer for %s on %s",
+        logger.info("native data plane (prototype%s) serving ModelInfer for %s on %s%s%s",
                     " answering zeros" if self._zeros else "", [m[0] for m in self._models],
-                    f"{target.rsplit(':', 1)[0]}:{port}")
+                    f"{target.rsplit(':', 1)[0]}:{port}", " (TLS)" if cert else "",
+                    ", shared by the workers" if self._shared_port else "")
+        if self._loop is not None and (self._token is not None or self._shared_port):
+            self._sync_task = self._loop.create_task(self._sync_forever())
         return port
+
+    async def _sync_forever(self) -> None:
+        while not self._stopping.is_set():
+            await asyncio.sleep(SYNC_PERIOD_S)
+            self.sync()
+
+    def sync(self) -> None:
+        """On the event loop: the native port's token refusals to token.note_refusal (counted,
+        logged as the Python plane's are); with workers, the calls' final statuses into
+        attnserve_requests too, since the supervisor's /metrics reads the files, not our refresh."""
+        if self._token is not None:
+            refused, method = self._plane.token_refusals()
+            if refused > self._token_refused:
+                self._token.note_refusal(method or "?", "the native port", refused - self._token_refused)
+                self._token_refused = refused
+        if self._shared_port and self._metrics is not None:
+            self.refresh_metrics()
 
     def _run_forever(self, index: int) -> None:
         # Not lowered (unlike the batchers' run threads): this thread also sends the answers
@@ -215,4 +248,13 @@ class NativePlane:
         self._plane.stop(grace_s)
         for thread in self._runners:
             thread.join()
+        if self._sync_task is not None:  # the last figures, after the last batches' (queued before it)
+            try:
+                self._loop.call_soon_threadsafe(self._last_sync)
+            except RuntimeError:
+                pass  # the loop is closed: the server is gone
+
+    def _last_sync(self) -> None:
+        self._sync_task.cancel()
+        self.sync()
         logger.info("native data plane stopped: %s", self.counters())
