@@ -13,7 +13,9 @@ are made here by openssl (tests/tls_certs.py). Skips where the extension is not 
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import signal
 import time
 import urllib.request
 from pathlib import Path
@@ -223,7 +225,8 @@ def test_workers_share_the_native_port_a_pool_reaches_both_and_the_counts_are_th
     both workers drain (exit 0)."""
     rng = np.random.default_rng(29)
     with GatedServer(model_repository, "--workers", "2", "--data-plane", "native", "--native-port", "0",
-                     "--max-batch-size", "1", "--auth-token-file", str(token_file), "--grace-period-s", "120") as proc:
+                     "--max-batch-size", "1", "--auth-token-file", str(token_file), "--grace-period-s", "120",
+                     "--warmup", "none") as proc:  # no warm-up: two workers start in half the time
         ready = json.loads(Path(proc.ready_file).read_text())
         workers, port = set(ready["workers"]), ready["native_port"]
         assert len(workers) == 2 and port
@@ -265,3 +268,37 @@ def test_workers_share_the_native_port_a_pool_reaches_both_and_the_counts_are_th
         _wait_until(lambda: ok in _metrics(proc))
         assert proc.stop() == 0
     assert TOKEN not in proc.log()
+
+
+def test_a_stopped_native_worker_is_replaced_on_the_shared_port_and_the_server_drains(model_repository):
+    """SIGSTOP one of two workers: the watchdog (heartbeats answered by each worker's event loop)
+    kills and replaces it; the replacement binds the shared native port again (else it could not
+    start), every new connection to that port is served, and SIGTERM drains both (exit 0)."""
+    proc = ServerProcess(model_repository, "--workers", "2", "--data-plane", "native", "--native-port", "0",
+                         "--worker-heartbeat-s", "0.2", "--worker-heartbeat-timeout-s", "10", "--warmup", "none")
+    victim = None
+    try:
+        ready = json.loads(Path(proc.ready_file).read_text())
+        port, victim = ready["native_port"], ready["workers"][0]
+        listening = f"on 127.0.0.1:{port}, shared by the workers"
+        proc.wait_for_log(listening, count=2)
+        os.kill(victim, signal.SIGSTOP)
+        proc.wait_for_log(f"(pid {victim}) missed its heartbeat", timeout_s=120)
+        proc.wait_for_log("replaced: pid", timeout_s=120)
+        proc.wait_for_log(listening, count=3)
+        rng = np.random.default_rng(31)
+        for _ in range(8):  # each its own connection: the kernel spreads them over both listeners
+            with _channel(port) as channel:
+                x = random_inputs(rng, 1, 4, 3, 512, 512)
+                answer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
+                    infer_request("self_attention", outputs=("output",), **x), timeout=CALL_TIMEOUT_S)
+                assert answer.outputs[0].name == "output"
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.log()
+    finally:
+        if victim is not None:
+            try:
+                os.kill(victim, signal.SIGKILL)  # never left stopped, whatever failed
+            except ProcessLookupError:
+                pass
+        proc.stop()
