@@ -11,8 +11,10 @@ batch's own buffers (no copies), runs the model's existing ONNX Runtime engine o
 the outputs back; C++ splits and encodes the answers. The rare RPCs answer from tables made
 here at start (a prototype: they do not follow model changes). Metrics: each batch's figures
 go to the event loop once per batch (server.metrics' histograms and Triton statistics); the calls'
-final statuses are counted in C++ and read into attnserve_requests at scrape time.
-docs/native-data-plane.md.
+final statuses are counted in C++ and read into attnserve_requests at scrape time (with workers,
+once a second: the supervisor's /metrics reads the multiprocess files). The port serves the
+Python port's TLS and bearer token (native/security.cc) and, with --workers, is shared by every
+worker (SO_REUSEPORT). docs/native-data-plane.md.
 """
 
 from __future__ import annotations
