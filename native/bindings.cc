@@ -163,6 +163,14 @@ PYBIND11_MODULE(_native, m) {
            "gRPC's ResourceQuota for the native port (--max-receiving-bytes), before start")
       .def("set_stream_window", &Plane::SetStreamWindow,
            "requests of one ModelStreamInfer stream in the plane at once; reading pauses beyond it")
+      .def("set_security", [](Plane& p, py::bytes cert_chain, py::bytes private_key, py::bytes client_ca,
+                              py::bytes token, const std::string& refusal) {
+        p.SetSecurity(attnserve::Security{std::string(cert_chain), std::string(private_key), std::string(client_ca),
+                                          std::string(token), refusal});
+      }, py::arg("cert_chain"), py::arg("private_key"), py::arg("client_ca"), py::arg("token"), py::arg("refusal"),
+         "TLS (PEM; empty: plaintext), mutual TLS (client_ca), the bearer token (empty: none) and its refusal; before start")
+      .def("set_reuse_port", &Plane::SetReusePort, "worker processes share the port (SO_REUSEPORT); before start")
+      .def("token_refusals", &Plane::TokenRefusals, "calls refused for their token so far, and the latest's method")
       .def("start", &Plane::Start, py::call_guard<py::gil_scoped_release>())
       .def("next_batch", &Plane::NextBatch, py::call_guard<py::gil_scoped_release>(),
            "the next batch of model `index` (blocks up to timeout_ms), or None")

@@ -333,11 +333,13 @@ void Plane::SetAnswer(const std::string& method, const std::string& name, std::s
 int Plane::Start(const std::string& address, int max_message_bytes, int max_concurrent_streams) {
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
+  auto credentials = Credentials();
+  if (!credentials) return 0;
+  builder.AddListeningPort(address, credentials, &port);
   builder.SetMaxReceiveMessageSize(max_message_bytes);
   builder.SetMaxSendMessageSize(max_message_bytes);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, max_concurrent_streams);
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a port in use is an error
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, reuse_port_ ? 1 : 0);  // alone, a port in use is an error
   if (receive_quota_bytes_ > 0) {
     // The callback API hands a message over only once it is whole, so bytes being received cannot
     // be counted per call (server.gate's slots): gRPC's own memory quota bounds the transport.

@@ -17,6 +17,8 @@
 #include <shared_mutex>
 #include <string>
 #include <thread>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -92,6 +94,26 @@ class SharedBudget {
   const int64_t limit_, room_;
   std::atomic<int64_t> reserved_{0}, waiting_{0}, waiters_{0};
   int wake_fd_ = -1;
+};
+
+// The native port's TLS and token (native/security.cc), from server.security's checked files.
+struct Security {
+  std::string cert_chain, private_key;  // PEM; empty: plaintext
+  std::string client_ca;                // PEM roots; set: client certificates required (mutual TLS)
+  std::string token;                    // set: every call needs `authorization: Bearer <token>`
+  std::string refusal;                  // what a refused caller is told, with UNAUTHENTICATED
+};
+
+// Calls refused for their token, read by Python to log them as the Python plane does.
+class Refusals {
+ public:
+  void Note(std::string_view method);
+  std::pair<uint64_t, std::string> Read();  // refused so far, the latest's method
+
+ private:
+  std::mutex mu_;
+  uint64_t count_ = 0;
+  std::string latest_;
 };
 
 // Final statuses by gRPC code (0..16), read by Python at scrape time (attnserve_requests).
@@ -209,6 +231,10 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   int64_t stream_share_bytes() const { return stream_share_bytes_; }
   // Requests of one ModelStreamInfer stream in the plane at once; reading pauses beyond it.
   void SetStreamWindow(int64_t window) { stream_window_ = window > 0 ? window : 1; }
+  void SetSecurity(Security security) { security_ = std::move(security); }  // before Start
+  // Worker processes share the port (SO_REUSEPORT); alone, a port in use is an error.
+  void SetReusePort(bool reuse) { reuse_port_ = reuse; }
+  std::pair<uint64_t, std::string> TokenRefusals() { return refusals_.Read(); }
   int Start(const std::string& address, int max_message_bytes, int max_concurrent_streams);
   // gRPC's ResourceQuota for the native port's transport (--max-receiving-bytes), set before Start.
   void SetReceiveQuota(int64_t bytes) { receive_quota_bytes_ = bytes; }
@@ -342,6 +368,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   TimePoint Expire();            // refuses what has expired; the next deadline still queued
   void StopTimer();
   std::vector<char> Unrun(Batch& batch);  // out of its queue's running list; which items were cancelled
+  std::shared_ptr<grpc::ServerCredentials> Credentials();  // native/security.cc; nullptr: unusable
 
   Contract contract_;
   std::vector<std::unique_ptr<Queue>> models_;
@@ -371,6 +398,9 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   std::condition_variable timer_cv_;
   TimePoint next_expiry_ = kNever;
   bool timer_stop_ = false;
+  Security security_;
+  bool reuse_port_ = false;
+  Refusals refusals_;
 };
 
 // One ModelStreamInfer stream: reads requests as they come (up to the plane's stream window in

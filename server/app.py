@@ -40,7 +40,7 @@ from attnserve.server.models import ModelRegistry, RunBatchFactory
 from attnserve.server.repository import ModelLoadError
 from attnserve.server.request_path import RequestPath
 from attnserve.server.rest import RestPort
-from attnserve.server.security import bearer_token, server_credentials, server_ssl_context
+from attnserve.server.security import BearerToken, bearer_token, server_credentials, server_ssl_context
 from attnserve.server.service import InferenceServicer
 from attnserve.server.shm import SystemSharedMemory
 from attnserve.server.tracing import Calls, Tracing
@@ -274,7 +274,7 @@ class Server:
         # the ready file is written after, so it still means ready.
         await self.registry.warm_up_at_start()
         if cfg.data_plane == "native":  # it serves the models ready now: warmed
-            self.native_port = self._start_native(request_path)
+            self.native_port = self._start_native(request_path, token)
         # Said once the models are warm and every listener is up, the native one included.
         logger.info("serving %d model(s) %s on %s:%d (data plane %s, REST %s, metrics %s, max message %d bytes, "
                     "model control %s, memory budget %d bytes, %d message(s) received at once)%s",
@@ -311,17 +311,17 @@ class Server:
         await self._health.set("", overall)
         await self._health.set(SERVICE_NAME, overall)
 
-    def _start_native(self, request_path: RequestPath) -> int:
-        """The native data plane's listener (server.native), or RuntimeError saying why it cannot start."""
+    def _start_native(self, request_path: RequestPath, token: BearerToken | None) -> int:
+        """The native data plane's listener (server.native), with the Python port's TLS and token;
+        workers share its port as they share the others. RuntimeError saying why it cannot start."""
         from attnserve.server.native import NativePlane, why_unavailable
 
         why = why_unavailable()
-        if why is None and self.worker is not None and self.worker.workers > 1:
-            why = "it serves one process (--workers 1)"
         if why is not None:
             raise RuntimeError(f"--data-plane native: {why}")
         self._native = NativePlane(self.config, self.registry, request_path, self.metrics, asyncio.get_running_loop(),
-                                   budget_counter=self._budget_counter, receiving_bytes=self._receiving_bytes)
+                                   budget_counter=self._budget_counter, receiving_bytes=self._receiving_bytes,
+                                   token=token, shared_port=self.worker is not None)
         return self._native.start()
 
     async def _native_idle(self, deadline: float) -> bool:

@@ -205,10 +205,6 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.native_port <= 65535:
             raise ValueError(f"native_port must be in 0..65535, got {self.native_port}")
-        if self.data_plane == "native" and (self.tls_cert is not None or self.auth_token_file is not None
-                                            or (self.workers or 1) > 1):
-            raise ValueError("--data-plane native (a prototype) serves one process without TLS or tokens: "
-                             "drop --tls-cert/--auth-token-file and use --workers 1")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key, got only "
                              + ("--tls-cert" if self.tls_key is None else "--tls-key"))

@@ -222,6 +222,8 @@ class Metrics:
             observe(duration_s)
             if stats is not None:
                 stats.success.add(duration_s)
+        if stats is not None and self.shared is not None:  # workers: ModelStatistics sums the files
+            self.shared.publish(model, stats)
 
     def observer(self, model: str) -> ModelObserver:
         self.statistics.setdefault(model, ModelStatistics())
@@ -373,13 +375,17 @@ class _SharedMemoryCollector:
                                 "mapped now (--shared-memory-max-bytes bounds them).", value=r.mapped_bytes)
 
 
+# With several workers, how often figures kept outside the collectors reach the multiprocess files.
+SYNC_PERIOD_S = 1.0
+
+
 class _Mirror:
     """With several workers the supervisor serves /metrics from the workers' multiprocess files,
     which a collector's figures read at scrape time never reach: this copies them into Gauges
     (summed over the live workers: the whole server's limit, reservations, slots) and Counters,
     every PERIOD_S, on a daemon thread (plain integer reads, as a scrape does)."""
 
-    PERIOD_S = 1.0
+    PERIOD_S = SYNC_PERIOD_S
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._registry = registry

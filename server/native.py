@@ -21,6 +21,9 @@ QueuePolicy) and --priority-aging-batches are handed to C++, which reads `priori
 orders and expires its queue; a cancelled call leaves it at once, and a batch whose calls are
 all cancelled is stopped through the RunStop its runner registers (plane.on_stop); cancellations
 are counted in C++ and read into attnserve_cancelled_requests at scrape time.
+With workers, the final statuses are also read once a second (the supervisor's /metrics reads
+the multiprocess files). The port serves the Python port's TLS and bearer token
+(native/security.cc) and, with --workers, is shared by every worker (SO_REUSEPORT).
 docs/native-data-plane.md.
 """
 
@@ -39,8 +42,10 @@ from attnserve.server.codec import _RESPONSE_OVERHEAD_BYTES, heads_differ_refusa
 from attnserve.server.errors import status_for
 from attnserve.server.listen import listen_addresses
 from attnserve.server.memory.costs import native_cost_terms
+from attnserve.server.metrics import SYNC_PERIOD_S
 from attnserve.server.models import ModelUnavailable
 from attnserve.server.request_path import CLIENT, DEADLINE
+from attnserve.server.security import REFUSAL, read_tls_files, read_token
 from attnserve.server.tensors import RunStop
 
 from attnserve import contract
@@ -138,13 +143,17 @@ def address(host: str, port: int) -> str:
 
 class NativePlane:
     def __init__(self, config, registry, request_path, metrics=None, loop: asyncio.AbstractEventLoop | None = None,
-                 zeros: bool = False, budget_counter=None, receiving_bytes: int = 0) -> None:
+                 zeros: bool = False, budget_counter=None, receiving_bytes: int = 0, token=None,
+                 shared_port: bool = False) -> None:
         """metrics (server.metrics.Metrics) and loop, the event loop that owns them and the
         registry: where the native calls are counted and the rare RPCs answered (None: not
         counted, and the rare RPCs answered from tables made now). zeros: the native floor
         (bench.native_floor): C++ answers zeros itself, no runner threads. budget_counter: the
         memory budget's shared counter (share_budget; None: native calls reserve nothing).
-        receiving_bytes: --max-receiving-bytes, gRPC's memory quota for the native port (0: none)."""
+        receiving_bytes: --max-receiving-bytes, gRPC's memory quota for the native port (0: none).
+        token: server.security.BearerToken (None: no token asked for), whose refusals on the native
+        port it counts and logs. shared_port: worker processes share --native-port (SO_REUSEPORT;
+        server.workers)."""
         self._config = config
         self._receiving_bytes = receiving_bytes
         self._zeros = zeros
@@ -152,6 +161,10 @@ class NativePlane:
         self._loop = loop
         self._registry = registry
         self._request_path = request_path
+        self._token = token
+        self._shared_port = shared_port
+        self._token_refused = 0  # native token refusals already handed to token.note_refusal
+        self._sync_task: asyncio.Task | None = None
         self._codes_counted: dict[tuple[str, str], int] = {}  # (model, code) -> final statuses counted so far
         self._cancels_counted: dict[tuple[str, str, str], int] = {}  # (model, reason, stage) -> counted so far
         self._plane = new_plane(zeros)
@@ -182,7 +195,8 @@ class NativePlane:
             from prometheus_client import Gauge
 
             self._in_flight_gauge = Gauge(IN_FLIGHT_METRIC, "Calls queued or computing on the native "
-                                          "data plane (--data-plane native).", registry=metrics.registry)
+                                          "data plane (--data-plane native).", registry=metrics.registry,
+                                          multiprocess_mode="livesum")  # workers: the live ones' sum
             metrics.add_refresh(self.refresh_metrics)
 
     # -- model changes (docs/native-data-plane.md, "Model changes and the rare RPCs") ---------
@@ -262,6 +276,10 @@ class NativePlane:
         cfg = self._config
         target = address(cfg.host, cfg.native_port)
         self._plane.set_receive_quota(self._receiving_bytes)
+        cert, key, client_ca = read_tls_files(cfg)
+        token = read_token(cfg.auth_token_file) if cfg.auth_token_file is not None else b""
+        self._plane.set_security(cert, key, client_ca, token, REFUSAL)
+        self._plane.set_reuse_port(self._shared_port)
         port = self._plane.start(target, cfg.max_message_bytes, cfg.max_concurrent_streams)
         if port == 0:
             raise OSError(f"native data plane: cannot listen on {target} (--native-port)")
@@ -269,9 +287,12 @@ class NativePlane:
             self._started = True
             for index in sorted(self._lanes.values()):
                 self._start_runner(index)
-        logger.info("native data plane (prototype%s) serving ModelInfer for %s on %s",
+        logger.info("native data plane (prototype%s) serving ModelInfer for %s on %s%s%s",
                     " answering zeros" if self._zeros else "", [m[0] for m in self._models],
-                    f"{target.rsplit(':', 1)[0]}:{port}")
+                    f"{target.rsplit(':', 1)[0]}:{port}", " (TLS)" if cert else "",
+                    ", shared by the workers" if self._shared_port else "")
+        if self._loop is not None and (self._token is not None or self._shared_port):
+            self._sync_task = self._loop.create_task(self._sync_forever())
         return port
 
     def _start_runner(self, index: int) -> None:
@@ -280,6 +301,23 @@ class NativePlane:
                                   daemon=True)
         thread.start()
         self._runners.append(thread)
+
+    async def _sync_forever(self) -> None:
+        while not self._stopping.is_set():
+            await asyncio.sleep(SYNC_PERIOD_S)
+            self._sync_counts()
+
+    def _sync_counts(self) -> None:
+        """On the event loop: the native port's token refusals to token.note_refusal (counted,
+        logged as the Python plane's are); with workers, the calls' final statuses into
+        attnserve_requests too, since the supervisor's /metrics reads the files, not our refresh."""
+        if self._token is not None:
+            refused, method = self._plane.token_refusals()
+            if refused > self._token_refused:
+                self._token.note_refusal(method or "?", "the native port", refused - self._token_refused)
+                self._token_refused = refused
+        if self._shared_port and self._metrics is not None:
+            self.refresh_metrics()
 
     def _run_forever(self, index: int) -> None:
         # Not lowered (unlike the batchers' run threads): this thread also sends the answers
@@ -384,4 +422,13 @@ class NativePlane:
         self._plane.stop(grace_s)
         for thread in self._runners:
             thread.join()
+        if self._sync_task is not None:  # the last figures, after the last batches' (queued before it)
+            try:
+                self._loop.call_soon_threadsafe(self._last_sync)
+            except RuntimeError:
+                pass  # the loop is closed: the server is gone
+
+    def _last_sync(self) -> None:
+        self._sync_task.cancel()
+        self._sync_counts()
         logger.info("native data plane stopped: %s", self.counters())

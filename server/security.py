@@ -80,6 +80,15 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
                                        require_client_auth=client_ca is not None)
 
 
+def read_tls_files(config: ServerConfig) -> tuple[bytes, bytes, bytes]:
+    """The PEM bytes of --tls-cert, --tls-key and --tls-client-ca (b"" for each not given), for
+    the native data plane's port (server.native). Call after server_credentials, which checks them."""
+    if config.tls_cert is None or config.tls_key is None:
+        return b"", b"", b""
+    client_ca = _read(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca is not None else b""
+    return _read(config.tls_cert, "--tls-cert"), _read(config.tls_key, "--tls-key"), client_ca
+
+
 def server_ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
     """The same TLS for the REST port: the same files, mutual TLS when config.tls_client_ca is
     set; None for plaintext. Call after server_credentials, which checks the files first."""
@@ -179,9 +188,10 @@ class BearerToken:
         matches = hmac.compare_digest(credential.strip(), self._token)
         return matches and scheme.lower() == b"bearer"
 
-    def note_refusal(self, method: str, peer: str) -> None:
-        self.refused += 1
-        self._refused_unlogged += 1
+    def note_refusal(self, method: str, peer: str, count: int = 1) -> None:
+        """count: refusals noted at once (the native port's, read now and then: server.native)."""
+        self.refused += count
+        self._refused_unlogged += count
         now = time.monotonic()
         if now - self._last_log >= _REFUSAL_LOG_EVERY_S:
             logger.warning("refused %d call(s) without a valid bearer token (latest: %s from %s)",

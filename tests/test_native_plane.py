@@ -337,8 +337,8 @@ def test_a_failed_batch_fails_its_calls_and_stop_refuses_queued_ones(model_repos
 def test_the_flag_is_checked():
     with pytest.raises(ValueError, match="data_plane"):
         ServerConfig(data_plane="rust")
-    with pytest.raises(ValueError, match="--workers 1"):
-        ServerConfig(data_plane="native", workers=2)
+    # TLS, tokens and workers are served on the native port too (tests/test_native_security.py).
+    ServerConfig(data_plane="native", workers=2, tls_cert="c.pem", tls_key="k.pem", auth_token_file="t")
 
 
 # -- which plane serves ----------------------------------------------------------------------------
