@@ -116,15 +116,17 @@ def warm_up(engine: Engine, spec: ModelSpec, runs: list[WarmRun],
     return done
 
 
-def warm_request(spec: ModelSpec) -> pb.ModelInferRequest:
-    """A short request as a client sends it: zeros at SHORT_LEN, raw contents, the output alone."""
+def warm_request(spec: ModelSpec, probs: bool = False) -> pb.ModelInferRequest:
+    """A short request as a client sends it: zeros at SHORT_LEN, raw contents, the output alone
+    (probs: and attn_probs)."""
     feeds = warm_feeds(spec, WarmRun("", NO_MASK, False, min(SHORT_LEN, spec.max_q_len, spec.max_kv_len)))
     request = pb.ModelInferRequest(model_name=spec.name, id="warm-up")
     for name, array in feeds.items():
         datatype = next((t.datatype for t in spec.inputs if t.name == name), "FP32")
         request.inputs.add(name=name, datatype=datatype, shape=array.shape)
         request.raw_input_contents.append(array.tobytes())
-    request.outputs.add(name=OUTPUT_NAMES[0])
+    for name in OUTPUT_NAMES if probs else OUTPUT_NAMES[:1]:
+        request.outputs.add(name=name)
     return request
 
 
@@ -132,13 +134,15 @@ async def warm_request_path(spec: ModelSpec, limits: codec.Limits, batcher: Batc
                             sent: Callable[[str], None] | None = None) -> collections.Counter[str]:
     """On the event loop: warm_request(spec) parsed, decoded, submitted to `batcher` as a warm-up
     on its solo sessions twice (the first on its run thread, which it starts; the next where a
-    caller's would run: on the loop if short) and on its regular sessions once, each answer
+    caller's would run: on the loop if short), once more asking for attn_probs too (its own shape
+    for the solo rule, its own graph and encoding) and on its regular sessions once, each answer
     encoded and serialized. sent(session) after each. Returns {session: requests}."""
     done: collections.Counter[str] = collections.Counter()
-    wire = warm_request(spec).SerializeToString()
-    sessions = (SOLO, SOLO, REGULAR) if batcher.run_solo is not None else (REGULAR,)
-    for session in sessions:
-        request = codec.parse_infer_request(wire)
+    wires = {probs: warm_request(spec, probs).SerializeToString() for probs in (False, True)}
+    sessions = ((SOLO, False), (SOLO, False), (SOLO, True), (REGULAR, False)) if batcher.run_solo is not None \
+        else ((REGULAR, False),)
+    for session, probs in sessions:
+        request = codec.parse_infer_request(wires[probs])
         decoded = codec.decode(request, spec, limits)
         result = await batcher.submit(decoded.work, warm_up=session)
         try:

@@ -147,7 +147,7 @@ def test_readiness_is_false_and_the_index_says_warming_until_each_models_warm_up
                 stats = stub.ModelStatistics(pb.ModelStatisticsRequest(name=model), timeout=10).model_stats[0]
                 assert stats.inference_count == (1 if model == MODELS[0] else 0)  # the one call above
                 assert _batches(proc, model) == (1 if model == MODELS[0] else 0)
-                assert _warm_up_requests(proc)[model, "solo"] == 2
+                assert _warm_up_requests(proc)[model, "solo"] == 3
                 assert _warm_up_requests(proc)[model, "regular"] == 1
                 assert re.search(rf'attnserve_model_ready_seconds\{{model="{model}"\}} [0-9.]+', _metrics(proc))
         assert re.search(rf"model {MODELS[1]} ready: time-to-ready [0-9.]+s since the server's start", proc.log())
@@ -195,7 +195,7 @@ def test_a_new_version_warms_before_it_serves_while_the_old_one_keeps_serving(mo
             proc.release()
             load.result(timeout=120)
             # Version 2's own batcher: its request path warmed before it served, as version 1's did.
-            assert _warm_up_requests(proc) == {(MODELS[0], "solo"): 4, (MODELS[0], "regular"): 2}
+            assert _warm_up_requests(proc) == {(MODELS[0], "solo"): 6, (MODELS[0], "regular"): 2}
             index = stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True), timeout=10).models
             assert [(m.version, m.state) for m in index] == [("2", "READY")]
             assert _infer(stub, MODELS[0]).model_version == "2"
