@@ -517,7 +517,7 @@ class _Held:
                 self._parts.append(reservation)
                 self.nbytes = target
                 return
-        self._budget.shed += 1
+        self._budget.count_shed()
         raise MemoryExhausted(f"memory budget: {self._budget.used_bytes:,} of {self._budget.limit_bytes:,} bytes "
                               f"in use (--memory-limit-bytes); receiving and parsing {self._what} needs "
                               f"{nbytes:,}; retry later")

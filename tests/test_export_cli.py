@@ -113,18 +113,21 @@ def test_success_prints_parity_figures(tmp_path):
     out = result.stdout
     assert f"wrote {tmp_path / 'models' / 'tiny' / '1'}  (model 'tiny', version 1)" in out
     # 16 cases for the traced graphs, 9 for the fused one, 17 for the key padding one (export.fused),
-    # 25 for the other mask forms (export.head_mask: 8 shapes x 3 forms, one long per-head mask).
-    assert re.search(r"parity vs eager PyTorch over 67 cases .*\(Lq, Lk\), \(B, 1, Lq, Lk\), \(B, H, Lq, Lk\); "
-                     r".*1x2048x2048, 2x2048x2048\), tolerance 1e-05:", out), out
+    # 25 for the other mask forms (export.head_mask: 8 shapes x 3 forms, one long per-head mask),
+    # 18 for the two row-chunk graphs (export.chunked).
+    assert re.search(r"parity vs eager PyTorch over 85 cases .*\(Lq, Lk\), \(B, 1, Lq, Lk\), \(B, H, Lq, Lk\); "
+                     r".*1x2048x2048, .*2x2048x2048\), tolerance 1e-05:", out), out
     figures = {}
     for graph, errors in re.findall(r"^  (\S+)\s+max abs error: (.+)$", out, re.M):
         figures[graph] = {name: float(value) for name, value in (e.split() for e in errors.split(", "))}
     forms = {f"{kind}.forms" for kind in ("all_outputs", "output_only", "head_mask_all_outputs",
                                           "head_mask_output_only")}
-    assert set(figures) == {"all_outputs", "output_only", "fused", "fused_key_padding", *forms}, out
+    assert set(figures) == {"all_outputs", "output_only", "fused", "fused_key_padding", "fused_rows",
+                            "fused_rows_key_padding", *forms}, out
     assert all(set(figures[g]) == {"output"} for g in ("output_only.forms", "head_mask_output_only.forms"))
     assert set(figures["all_outputs"]) == {"output", "attn_probs"}
-    assert all(set(figures[g]) == {"output"} for g in ("output_only", "fused", "fused_key_padding"))
+    assert all(set(figures[g]) == {"output"} for g in ("output_only", "fused", "fused_key_padding", "fused_rows",
+                                                      "fused_rows_key_padding"))
     assert re.search(r"^fused graphs run from sqrt\(Lq\*Lk\) >= fused \d+, fused_key_padding \d+ ", out, re.M), out
     assert all(0.0 <= v <= 1e-5 for errs in figures.values() for v in errs.values()), figures
 

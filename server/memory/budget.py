@@ -158,6 +158,10 @@ class MemoryBudget:
     def too_large(self) -> int:
         return self._too_large + self._counter.native_too_large()
 
+    def count_shed(self) -> None:
+        """One more request shed for memory by a transport's own reservation (server.rest's bodies)."""
+        self._shed += 1
+
     def _waiting_changed(self) -> None:
         self._counter.set_waiting(self.waiting_bytes, len(self._waiters))
 
