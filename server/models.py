@@ -410,7 +410,8 @@ class ModelRegistry:
                 why = "; ".join(f"version {v}: {r}" for v, r in sorted(failures.items()))
                 logger.error("model %s: load failed, %s: %s", name, self._serving_note(old), why)
                 raise ModelLoadFailed(f"load of model {name} failed ({self._serving_note(old)}): {why}")
-            new = self._install(name, specs, keep, built, {})
+            ready_lines: list = []  # said once the new versions serve, not while their request path warms
+            new = self._install(name, specs, keep, built, {}, ready_lines)
             new.seen = seen
             if warms:
                 try:  # the new batchers' request path, before they serve (no caller reaches them yet)
@@ -421,6 +422,8 @@ class ModelRegistry:
                     del self._warming_loads[name]
             retired = [lv for v, lv in old.versions.items() if keep.get(v) is not lv]
             self._models[name] = new
+            for line in ready_lines:
+                logger.info(*line)
             for lv in retired:
                 self._retire(lv)
             self._record_ready(name, time.monotonic() - started, "its load began")
@@ -566,9 +569,10 @@ class ModelRegistry:
                     self.config.warmup)
 
     def _install(self, name: str, specs: tuple[ModelSpec, ...], keep: dict[int, LoadedVersion],
-                 built: dict[int, tuple], failures: dict[int, str]) -> _Model:
+                 built: dict[int, tuple], failures: dict[int, str], ready_lines: list | None = None) -> _Model:
         """A model entry serving `keep` and the versions in `built` (batchers made and, once the
-        registry has started, started); failures are logged and kept."""
+        registry has started, started); failures are logged and kept. ready_lines: where each
+        version's "ready" log line waits (its caller logs them once the entry serves), else logged now."""
         cfg = self.config
         versions = dict(keep)
         for spec in specs:
@@ -603,9 +607,13 @@ class ModelRegistry:
             if self._started:
                 batcher.start()
             versions[spec.version] = LoadedVersion(spec, batcher, limits, fingerprint, warm)
-            logger.info("model %s version %d ready on %s (max_batch_size=%d, max_queue_delay_ms=%.2f, graphs=%s)",
-                        name, spec.version, runs_on, policy.max_batch_size, policy.max_queue_delay_s * 1000,
-                        _describe(graphs))
+            line = ("model %s version %d ready on %s (max_batch_size=%d, max_queue_delay_ms=%.2f, graphs=%s)",
+                    name, spec.version, runs_on, policy.max_batch_size, policy.max_queue_delay_s * 1000,
+                    _describe(graphs))
+            if ready_lines is None:
+                logger.info(*line)
+            else:
+                ready_lines.append(line)
         for version, reason in sorted(failures.items()):
             logger.error("model %s is not ready: version %d: %s", name, version, reason)
         if failures:  # at startup: a model serves its whole policy or nothing (as a reload)
