@@ -412,11 +412,20 @@ def test_text_access_lines_and_refusals_at_the_gate(model_repository, tmp_path):
     finally:
         proc.stop()
     lines = [line for line in log.splitlines() if "attnserve.access" in line]
-    assert re.search(r"transport=grpc peer=ipv4:127\.0\.0\.1:\d+ method=ModelInfer model=- .*status=UNAUTHENTICATED "
-                     r"http_status=401", lines[0]), lines[0]
-    assert 'request_id="a \\"quoted\\" id" status=OK http_status=200' in lines[1], lines[1]
-    assert "transport=http" in lines[2] and "status=UNAUTHENTICATED http_status=401" in lines[2], lines[2]
-    for i, line in enumerate(lines[3:5]):  # each request of a stream has its own line
+    # A call's line is written once it is answered, so lines of calls a client made one after the other may
+    # swap places: each is looked up by what it says.
+    assert len(lines) == 5, lines
+    grpc_lines = [line for line in lines if "transport=grpc" in line]
+    http_lines = [line for line in lines if "transport=http" in line]
+    assert len(grpc_lines) == 4 and len(http_lines) == 1, lines
+    refused = [line for line in grpc_lines if "status=UNAUTHENTICATED" in line]
+    assert len(refused) == 1 and re.search(r"transport=grpc peer=ipv4:127\.0\.0\.1:\d+ method=ModelInfer model=- "
+                                           r".*status=UNAUTHENTICATED http_status=401", refused[0]), refused
+    assert sum('request_id="a \\"quoted\\" id" status=OK http_status=200' in line for line in grpc_lines) == 1, lines
+    assert "status=UNAUTHENTICATED http_status=401" in http_lines[0], http_lines
+    stream_lines = [line for line in grpc_lines if "method=ModelStreamInfer" in line]
+    assert len(stream_lines) == 2, lines  # each request of a stream has its own line, in the stream's order
+    for i, line in enumerate(stream_lines):
         assert f"method=ModelStreamInfer model=self_attention version=1 request_id=s-{i} status=OK" in line, line
 
 
