@@ -61,15 +61,18 @@ def test_one_tiny_round_gives_every_variant_its_figures(binary, cases, tmp_path)
         got = bench.measure(cases[:2], program, rounds=1, seconds=1e-6, min_calls=1, max_calls=1, warm_up=1)
     for case in cases[:2]:
         result = got[case.name]
-        assert len(result["rounds"]) == 1 and set(result["rounds"][0]) == set(bench.VARIANTS)
+        assert len(result["rounds"]) == 1 and set(result["rounds"][0]) == {*bench.VARIANTS, "load"}
+        assert result["calls_per_round"] == 1
         for variant in bench.VARIANTS:
             figures = result["median"][variant]
             assert figures["wall_us"] > 0 and figures["cpu_us"] >= 0, (variant, figures)
-            assert result["rounds"][0][variant]["calls"] == 1
         for variant in bench.PYTHON_VARIANTS:
             over = result["overhead_over_c_api"][variant]
+            # One call each: the paired difference is the difference of the two calls.
             assert over["wall_us"] == pytest.approx(result["median"][variant]["wall_us"]
                                                     - result["median"]["c_api"]["wall_us"])
+            assert over["cpu_us_per_round"] == [pytest.approx(result["median"][variant]["cpu_us"]
+                                                              - result["median"]["c_api"]["cpu_us"])]
 
 
 def test_a_bad_command_is_refused_alone_and_the_program_serves_on(binary, cases, tmp_path):

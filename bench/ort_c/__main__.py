@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", default="1,2,32",
                         help="requests merged into one run (at c=32 the plane's batches held 2.4-2.7)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=0.3, help="per variant, case and round")
+    parser.add_argument("--seconds", type=float, default=0.2, help="per variant, case and round")
     parser.add_argument("--intra-op-threads", type=int, default=ServerConfig().intra_op_threads)
     parser.add_argument("--results", type=Path, default=REPO_ROOT / "bench" / "results",
                         help="where goals*.json are read (the plane's CPU per request)")

@@ -1,10 +1,10 @@
 """ONNX Runtime from Python (as the native plane's runner calls it) against its C API, per batch.
 
-For each model at its benchmark shape (bench.inprocess.SHAPES), 1 and 32 requests merged into a
-run, and both graphs a request takes there (attn_probs wanted, with the mask perf_analyzer sends:
-the unfused graph; `output` alone without a mask: the graph server.graphs picks), in alternating
-rounds (the order of the variants turns round each round), each variant's per-call wall and
-process CPU time:
+For each model at its benchmark shape (bench.inprocess.SHAPES), 1, 2 and 32 requests merged into
+a run, and both graphs a request takes there (attn_probs wanted, with the mask perf_analyzer sends:
+the unfused graph; `output` alone without a mask: the graph server.graphs picks), in rounds where
+the variants are interleaved call by call in a shuffled order, each variant's per-call wall and
+process CPU time (the process's: ONNX Runtime's pool threads included):
 
     engine      Engine.run(feeds, want_probs, stop=RunStop()): the plane's runner's call, whole
     run         InferenceSession.run(None, feeds, RunOptions()) on the graph's feeds (engine._run)
@@ -13,9 +13,11 @@ process CPU time:
     c_api       bench/ort_c/ort_c_bench.cc, a process of its own: the C API's Run over tensors that
                 view the caller's memory, outputs preallocated (what the plane would do in C++)
 
-Every Python variant runs on a session opened with server.engine.session_options, as the C program
-opens its own, so they compute the same thing: `check_parity` compares their outputs.
-Per-batch overhead of a variant: its median minus c_api's, per round, then the median over rounds.
+Every variant runs on a session of its own opened with server.engine.session_options (the C
+program opens its own with the same options), so they compute the same thing: `check_parity`
+compares the C program's outputs with the Python session's.
+Per-batch overhead of a variant: the median of its paired per-call differences from c_api in each
+round (the variants interleaved call by call), then the median over rounds.
 docs/native-data-plane.md, "ONNX Runtime from C++ or from Python", has the method and the figures.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import subprocess
 import tempfile
@@ -93,7 +96,8 @@ class Case:
     want_probs: bool
     engine: Engine
     engine_threads: int = 0  # intra-op threads of every session here (0: one per core, the server's default)
-    session: ort.InferenceSession = field(init=False)
+    session: ort.InferenceSession = field(init=False)  # the run variant's (parity is checked against it)
+    sessions: dict[str, ort.InferenceSession] = field(init=False)
     feeds: dict[str, np.ndarray] = field(init=False)  # as the plane hands them to the engine
     graph_feeds: dict[str, np.ndarray] = field(init=False)  # as the engine hands them to ONNX Runtime
     kind: str = field(init=False)
@@ -113,8 +117,13 @@ class Case:
         self.kind = self.engine.graph_for(self.feeds, self.want_probs)
         # The engine's own feed rule, so both sides run exactly what the plane's run would.
         self.graph_feeds = {n: np.ascontiguousarray(a) for n, a in _graph_feeds(self.kind, self.feeds).items()}
-        self.session = ort.InferenceSession(str(self.spec.graph_path(self.kind)),
-                                            sess_options=session_options(self.engine_threads), providers=[CPU])
+        # A session per variant, as the engine and the C program have their own: a run right after
+        # another on the same session finds its weights in cache, which would favour those variants.
+        self.sessions = {variant: ort.InferenceSession(str(self.spec.graph_path(self.kind)),
+                                                       sess_options=session_options(self.engine_threads),
+                                                       providers=[CPU])
+                         for variant in PYTHON_VARIANTS if variant != "engine"}
+        self.session = self.sessions["run"]
         got = self.session.run(None, self.graph_feeds)
         self.outputs = {o.name: a.shape for o, a in zip(self.session.get_outputs(), got, strict=True)}
 
@@ -124,7 +133,7 @@ class Case:
 
     def python_calls(self) -> dict[str, Callable[[], object]]:
         """Each Python variant as a no-argument call (module docstring)."""
-        session, feeds, graph_feeds = self.session, self.feeds, self.graph_feeds
+        sessions, feeds, graph_feeds = self.sessions, self.feeds, self.graph_feeds
         names = list(self.outputs)
         into = {name: _aligned_empty(shape) for name, shape in self.outputs.items()}
 
@@ -132,19 +141,19 @@ class Case:
             return self.engine.run(feeds, self.want_probs, stop=RunStop())
 
         def run() -> object:
-            return session.run(None, graph_feeds, ort.RunOptions())
+            return sessions["run"].run(None, graph_feeds, ort.RunOptions())
 
         def ort_values() -> object:
             values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in graph_feeds.items()}
-            return [v.numpy() for v in session.run_with_ort_values(names, values, ort.RunOptions())]
+            return [v.numpy() for v in sessions["ort_values"].run_with_ort_values(names, values, ort.RunOptions())]
 
         def io_binding() -> object:
-            binding = session.io_binding()
+            binding = sessions["io_binding"].io_binding()
             for n, a in graph_feeds.items():
                 binding.bind_cpu_input(n, a)
             for n, target in into.items():
                 binding.bind_output(n, "cpu", 0, np.float32, list(target.shape), target.ctypes.data)
-            session.run_with_iobinding(binding, ort.RunOptions())
+            sessions["io_binding"].run_with_iobinding(binding, ort.RunOptions())
             return into
 
         return {"engine": engine, "run": run, "ort_values": ort_values, "io_binding": io_binding}
@@ -206,36 +215,49 @@ def _time_c(program: CProgram, case: Case, calls: int) -> tuple[list[int], list[
     return got["wall_ns"], got["cpu_ns"]
 
 
-def _calls_for(per_call_s: float, seconds: float, min_calls: int, max_calls: int) -> int:
-    return max(min_calls, min(max_calls, int(seconds / max(per_call_s, 1e-6))))
-
-
 def measure(cases: list[Case], program: CProgram, rounds: int, seconds: float, min_calls: int = 3,
             max_calls: int = 400, warm_up: int = 3) -> dict[str, dict]:
-    """Alternating rounds over `cases`: {case: {"graph", ..., "rounds": [{variant: figures}],
-    "median": {variant: figures}, "overhead_over_c_api": {variant: figures}}}; figures in µs."""
+    """Rounds over `cases`, the variants interleaved call by call (call i of each, in a shuffled
+    order), so that a variant's overhead over c_api is the median of
+    paired differences, which a loaded machine's drift moves far less than it moves either side.
+    Returns {case: {"graph", ..., "rounds": [{variant: figures}], "median": {variant: figures},
+    "overhead_over_c_api": {variant: figures}}}, figures in µs; `seconds`: per variant, case and round."""
     results = {}
     calls = {}
-    for case in cases:  # warm every side, and size each variant's calls to `seconds` a round
+    for case in cases:  # warm every side, and size the rounds to `seconds` a variant
         timed = {name: _time_python(call, warm_up) for name, call in case.python_calls().items()}
         timed["c_api"] = _time_c(program, case, warm_up)
-        calls[case.name] = {v: _calls_for(statistics.median(w) / 1e9, seconds, min_calls, max_calls)
-                            for v, (w, _) in timed.items()}
+        per_call_s = sum(statistics.median(wall) for wall, _ in timed.values()) / 1e9 / len(VARIANTS)
+        calls[case.name] = max(min_calls, min(max_calls, int(seconds / max(per_call_s, 1e-6))))
         shape = SHAPES[case.spec.name]
         results[case.name] = {"model": case.spec.name, "requests": case.requests,
                               "rows": case.feeds["query"].shape[0], "q_len": shape.q_len, "k_len": shape.k_len,
                               "want_probs": case.want_probs, "graph": case.kind,
-                              "file": case.spec.graph_path(case.kind).name, "rounds": []}
-    for r in range(rounds):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+                              "file": case.spec.graph_path(case.kind).name, "calls_per_round": calls[case.name],
+                              "rounds": []}
+    rng = random.Random(0)
+    for _round in range(rounds):
         for case in cases:
             python = case.python_calls()
+            wall: dict[str, list[int]] = {v: [] for v in VARIANTS}
+            cpu: dict[str, list[int]] = {v: [] for v in VARIANTS}
+            for _ in range(calls[case.name]):
+                order = list(VARIANTS)
+                rng.shuffle(order)  # no variant always follows the same one (what ran before warms or cools it)
+                for variant in order:
+                    w, c = _time_c(program, case, 1) if variant == "c_api" else _time_python(python[variant], 1)
+                    wall[variant] += w
+                    cpu[variant] += c
             got = {}
-            for variant in order:
-                n = calls[case.name][variant]
-                wall, cpu = _time_c(program, case, n) if variant == "c_api" else _time_python(python[variant], n)
-                got[variant] = {"wall_us": statistics.median(wall) / 1e3, "cpu_us": statistics.median(cpu) / 1e3,
-                                "calls": n, "load": os.getloadavg()[0]}
+            for variant in VARIANTS:
+                got[variant] = {"wall_us": statistics.median(wall[variant]) / 1e3,
+                                "cpu_us": statistics.median(cpu[variant]) / 1e3}
+                if variant != "c_api":  # the paired differences' medians
+                    got[variant]["over_c_api_wall_us"] = statistics.median(
+                        a - b for a, b in zip(wall[variant], wall["c_api"], strict=True)) / 1e3
+                    got[variant]["over_c_api_cpu_us"] = statistics.median(
+                        a - b for a, b in zip(cpu[variant], cpu["c_api"], strict=True)) / 1e3
+            got["load"] = os.getloadavg()[0]
             results[case.name]["rounds"].append(got)
     for result in results.values():
         per_round = result["rounds"]
@@ -243,7 +265,7 @@ def measure(cases: list[Case], program: CProgram, rounds: int, seconds: float, m
                             for v in VARIANTS}
         result["overhead_over_c_api"] = {}
         for variant in PYTHON_VARIANTS:
-            over = {k: [r[variant][k] - r["c_api"][k] for r in per_round] for k in ("wall_us", "cpu_us")}
+            over = {k: [r[variant][f"over_c_api_{k}"] for r in per_round] for k in ("wall_us", "cpu_us")}
             result["overhead_over_c_api"][variant] = {
                 "wall_us": statistics.median(over["wall_us"]), "cpu_us": statistics.median(over["cpu_us"]),
                 "wall_us_per_round": over["wall_us"], "cpu_us_per_round": over["cpu_us"]}
