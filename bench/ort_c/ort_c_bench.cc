@@ -113,7 +113,8 @@ Tensor NewTensor(std::istringstream& words, std::string name, ONNXTensorElementD
 
 class Bench {
  public:
-  explicit Bench(const OrtApi& api) : api_(api), env_(nullptr, {api.ReleaseEnv}), memory_(nullptr, {api.ReleaseMemoryInfo}) {
+  explicit Bench(const OrtApi& api)
+      : api_(api), env_(nullptr, {api.ReleaseEnv}), memory_(nullptr, {api.ReleaseMemoryInfo}) {
     OrtEnv* env = nullptr;
     Check(api_, api_.CreateEnv(ORT_LOGGING_LEVEL_WARNING, "ort_c_bench", &env));
     env_.reset(env);
