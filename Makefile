@@ -10,7 +10,7 @@ PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
 PRESETS := self_attention cross_attention
 
-.PHONY: native native-deps native-if-possible test-native-asan fuzz-native fuzz-deps install test test-fast docs lint test-ray test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-goals bench-peers bench-sweep bench-shm bench-tools clean nginx
+.PHONY: native native-deps native-if-possible test-native-asan fuzz-native fuzz-deps install test test-fast docs lint test-ray test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-goals bench-peers bench-sweep bench-shm bench-ort-c bench-tools clean nginx
 
 install: $(STAMP)
 
@@ -252,6 +252,13 @@ SHM_ROUNDS ?= 10
 bench-shm: export
 	$(PY) -m bench.sweep --one pair --shared-memory --model self_attention --q-len 4096 --k-len 4096 \
 	  --pair-rounds $(SHM_ROUNDS) --repository $(MODELS)
+
+# Issue 26's question of where the run lives (under a minute): ONNX Runtime's Python session, as the
+# native plane's runner calls it, against its C API from a small C++ program (bench/ort_c), per
+# batch, in alternating rounds; JSON to bench/results/ort-c.json. The wheel ships no C headers:
+# the first build reads them from $ORT_C_HEADERS (docs/native-data-plane.md). ORT_C_ARGS="--rounds 5".
+bench-ort-c: export
+	$(PY) -m bench.ort_c --repository $(MODELS) $(ORT_C_ARGS)
 
 # NVIDIA's perf_analyzer: its binary ships in tritonclient 2.45's wheel; it links libcudart.so.12
 # (pip: nvidia-cuda-runtime-cu12, no GPU needed) and libb64 (Debian: libb64-0d). If it cannot be
