@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing
-import time
 
 import numpy as np
 
+from bench import loadgen
 from bench.inprocess import Shape
 
 HEADER_LENGTH = "Inference-Header-Content-Length"  # the binary tensor data extension's header
@@ -54,8 +53,6 @@ def _worker(address: str, model: str, dims: tuple[int, int], shape: Shape, binar
     url = f"http://{address}/v2/models/{model}/infer"
 
     async def main() -> tuple[list[float], int]:
-        latencies: list[float] = []
-        errors = 0
         connector = aiohttp.TCPConnector(limit=in_flight)
         async with aiohttp.ClientSession(connector=connector) as session:
             async def once() -> bool:
@@ -66,23 +63,7 @@ def _worker(address: str, model: str, dims: tuple[int, int], shape: Shape, binar
             await asyncio.gather(*(once() for _ in range(in_flight)))  # warm every connection
             ready.put(True)
             await asyncio.to_thread(go.wait)
-            stop_at = time.perf_counter() + seconds
-
-            async def loop() -> None:
-                nonlocal errors
-                while time.perf_counter() < stop_at:
-                    started = time.perf_counter()
-                    try:
-                        ok = await once()
-                    except aiohttp.ClientError:
-                        ok = False
-                    if ok:
-                        latencies.append(time.perf_counter() - started)
-                    else:
-                        errors += 1
-
-            await asyncio.gather(*(loop() for _ in range(in_flight)))
-        return latencies, errors
+            return await loadgen.closed_loops([once] * in_flight, seconds, (aiohttp.ClientError,))
 
     queue.put(asyncio.run(main()))
 
@@ -91,36 +72,8 @@ def run(address: str, model: str, dims: tuple[int, int], shape: Shape, concurren
         binary: bool = True, on_start=None, on_stop=None) -> dict[str, float]:
     """One concurrency level against the REST port at `address`; on_start()/on_stop() are called
     just as the measured window opens and once every process has reported."""
-    processes = max(1, min(concurrency, 4))
-    share = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
-    ctx = multiprocessing.get_context("spawn")
-    ready, queue, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_worker, args=(address, model, dims, shape, binary, n, seconds, ready, go, queue))
-             for n in share]
-    for p in procs:
-        p.start()
-    try:
-        for _ in procs:
-            ready.get(timeout=120)
-        if on_start is not None:
-            on_start()
-        started = time.perf_counter()
-        go.set()
-        latencies: list[float] = []
-        errors = 0
-        for _ in procs:
-            got, failed = queue.get(timeout=seconds + 120)
-            latencies += got
-            errors += failed
-        wall = time.perf_counter() - started
-        if on_stop is not None:
-            on_stop()
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    ms = np.array(latencies or [float("nan")]) * 1000
-    return {"requests_per_s": len(latencies) / wall, "requests": len(latencies),
-            "p50_ms": float(np.percentile(ms, 50)), "p90_ms": float(np.percentile(ms, 90)),
-            "p99_ms": float(np.percentile(ms, 99)), "errors": errors}
+    processes = max(1, min(concurrency, loadgen.MAX_PROCESSES))
+    latencies, errors, wall_s = loadgen.fan_out(
+        _worker, [(address, model, dims, shape, binary, n, seconds) for n in loadgen.shares(concurrency, processes)],
+        seconds, together=True, on_start=on_start, on_stop=on_stop)
+    return loadgen.summary(latencies, errors, wall_s) | {"requests": len(latencies)}

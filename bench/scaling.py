@@ -41,42 +41,20 @@ LOADGEN_PROCESSES = 4
 def _load(address: str, model: str, dims: tuple[int, int], shape: Shape, in_flight: int, channels: int,
           seconds: float, queue: multiprocessing.Queue) -> None:
     import grpc
-    from attnserve.proto import inference_pb2 as pb
     from attnserve.proto import inference_pb2_grpc as pb_grpc
 
-    rng = np.random.default_rng(0)
-    request = pb.ModelInferRequest(model_name=model)
-    for name, dim, length in (("query", dims[0], shape.q_len), ("key", dims[1], shape.k_len),
-                              ("value", dims[1], shape.k_len)):
-        array = rng.standard_normal((shape.batch, length, dim), dtype=np.float32)
-        request.inputs.add(name=name, datatype="FP32", shape=array.shape)
-        request.raw_input_contents.append(array.tobytes())
-    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
-               ("grpc.use_local_subchannel_pool", 1)]  # each channel its own connection
+    request = loadgen.grpc_request(model, dims, shape, np.random.default_rng(0))
+    options = [*loadgen.CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]  # each channel its own connection
 
     async def main() -> tuple[list[float], int]:
-        latencies: list[float] = []
-        errors = 0
         chans = [grpc.aio.insecure_channel(address, options=options) for _ in range(channels)]
         stubs = [pb_grpc.GRPCInferenceServiceStub(c) for c in chans]
         await asyncio.gather(*(s.ModelInfer(request) for s in stubs))  # connect and warm every one
-        stop_at = time.perf_counter() + seconds
-
-        async def loop(stub) -> None:
-            nonlocal errors
-            while time.perf_counter() < stop_at:
-                started = time.perf_counter()
-                try:
-                    await stub.ModelInfer(request, timeout=30)
-                except grpc.aio.AioRpcError:
-                    errors += 1
-                    continue
-                latencies.append(time.perf_counter() - started)
-
-        await asyncio.gather(*(loop(stubs[i % channels]) for i in range(in_flight)))
+        got = await loadgen.closed_loops([loadgen.grpc_send(stubs[i % channels], request) for i in range(in_flight)],
+                                         seconds, (grpc.aio.AioRpcError,))
         for c in chans:
             await c.close()
-        return latencies, errors
+        return got
 
     queue.put(asyncio.run(main()))
 
@@ -85,15 +63,16 @@ def drive(address: str, model: str, dims: tuple[int, int], shape: Shape, concurr
           seconds: float) -> dict:
     """Requests/s, p50 and the generator's CPU seconds, `concurrency` calls over `connections`."""
     processes = min(LOADGEN_PROCESSES, connections)
-    split = lambda total, i: total // processes + (i < total % processes)  # noqa: E731
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    latencies, errors = loadgen.fan_out(_load,
-                                        [(address, model, dims, shape, split(concurrency, i), split(connections, i),
-                                                 seconds) for i in range(processes)], seconds)
+    latencies, errors, _ = loadgen.fan_out(
+        _load, [(address, model, dims, shape, calls, conns, seconds) for calls, conns in
+                zip(loadgen.shares(concurrency, processes), loadgen.shares(connections, processes), strict=True)],
+        seconds)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"requests_per_s": len(latencies) / seconds, "p50_ms": float(np.percentile(latencies, 50)) * 1000,
-            "errors": errors, "loadgen_cpu_s": cpu}
+    stats = loadgen.summary(latencies, errors, seconds)
+    return {"requests_per_s": stats["requests_per_s"], "p50_ms": stats["p50_ms"], "errors": errors,
+            "loadgen_cpu_s": cpu}
 
 
 def cpu_s(pid: int) -> float:

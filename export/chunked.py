@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 from attnserve.export.attention import MultiHeadAttention
-from attnserve.export.fused import MS_DOMAIN, _key_mask
+from attnserve.export.fused import MS_DOMAIN, _key_mask, bias, parity_error, save_graph, weight_t, worse
 
 from attnserve import contract
 
@@ -43,32 +43,23 @@ PARITY_CHUNK_ROWS = 128  # the short shapes' chunk: several chunks where lq allo
 
 def build(module: MultiHeadAttention, paths: dict[str, Path], opset: int) -> None:
     """Write the row-chunk graphs (contract.ROW_GRAPH_FILES' kinds) of `module` to `paths`."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     cfg = module.config
     b, lk = contract.BATCH, contract.K_LEN  # the row graphs' query axis is "rows": a chunk of q_len
-
-    def weight_t(linear: torch.nn.Linear) -> np.ndarray:  # (in, out): x @ W^T as one MatMul
-        return linear.weight.detach().to(torch.float32).numpy().T.copy()
 
     def projection(x: str, name: str, linear: torch.nn.Linear, out: str) -> tuple[list, list]:
         """x @ W^T (+ bias) -> out: the nodes and their initializers."""
         inits = [numpy_helper.from_array(weight_t(linear), f"{name}.weight_t")]
         if not cfg.bias:
             return [helper.make_node("MatMul", [x, f"{name}.weight_t"], [out], name=name)], inits
-        inits.append(numpy_helper.from_array(linear.bias.detach().to(torch.float32).numpy().copy(), f"{name}.bias"))
+        inits.append(numpy_helper.from_array(bias(linear), f"{name}.bias"))
         return [helper.make_node("MatMul", [x, f"{name}.weight_t"], [f"{out}_nobias"], name=name),
                 helper.make_node("Add", [f"{out}_nobias", f"{name}.bias"], [out], name=f"{name}_bias")], inits
 
     def save(kind: str, nodes: list, inputs: list, outputs: list, inits: list) -> None:
-        graph = helper.make_graph(nodes, f"attnserve_{kind}", inputs, outputs, inits)
-        opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)]
-        model = helper.make_model(graph, opset_imports=opsets, producer_name="attnserve.export",
-                                  ir_version=helper.find_min_ir_version_for(opsets, ignore_unknown=True),
-                                  doc_string=f"attnserve {kind}: a fused run's query rows in chunks (export.chunked)")
-        onnx.checker.check_model(model)
-        onnx.save(model, str(paths[kind]))
+        save_graph(paths[kind], kind, nodes, inputs, outputs, inits, opset,
+                   "a fused run's query rows in chunks (export.chunked)")
 
     def tensor(name: str, shape: list, dtype: int = TensorProto.FLOAT):
         return helper.make_tensor_value_info(name, dtype, shape)
@@ -129,15 +120,9 @@ def parity(module: MultiHeadAttention, graphs: dict[str, Path], shapes: tuple[tu
         for b, lq, lk, chunk_rows in (*((*s, PARITY_CHUNK_ROWS) for s in shapes), *LONG_PARITY_SHAPES[kind]):
             query, key, value = random_inputs(module.config, b, lq, lk, generator)
             keep = _key_mask(b, lk, generator) if kind == contract.FUSED_ROWS_KEY_PADDING else None
-            full = None if keep is None else keep[:, None, :].expand(b, lq, lk)  # (b, lq, lk)
-            with torch.no_grad():
-                want, _ = module(query, key, value, mask=full)
-            feeds = {"query": query.numpy(), "key": key.numpy(), "value": value.numpy()}
-            if keep is not None:
-                feeds[contract.KEY_PADDING_MASK] = keep.to(torch.int32).numpy()
-            got = run_chunked(sessions, feeds, chunk_rows)
-            err = float(np.max(np.abs(got - want.numpy())))
-            worst[kind]["output"] = max(worst[kind]["output"], err) if err == err else float("nan")
+            err = parity_error(module, query, key, value, keep,
+                               lambda feeds, rows=chunk_rows: run_chunked(sessions, feeds, rows))
+            worst[kind]["output"] = worse(worst[kind]["output"], err)
             cases.append({"graph": kind, "batch": b, "q_len": lq, "k_len": lk, "chunk_rows": chunk_rows,
                           "chunks": len(contract.row_chunks(lq, chunk_rows)), f"{kind}.output": err})
     return worst, cases

@@ -53,21 +53,39 @@ CROSSOVER_RULE = (f"a fused graph runs when sqrt(Lq*Lk) >= its length: the short
                   f"longer measured length")
 
 
+def weight_t(linear: torch.nn.Linear) -> np.ndarray:
+    """A projection's weight as (in, out) fp32: x @ W^T as one MatMul."""
+    return linear.weight.detach().to(torch.float32).numpy().T.copy()
+
+
+def bias(linear: torch.nn.Linear) -> np.ndarray:
+    return linear.bias.detach().to(torch.float32).numpy().copy()
+
+
+def save_graph(path: Path, kind: str, nodes: list, inputs: list, outputs: list, initializers: list, opset: int,
+               doc: str) -> None:
+    """Check and write graph `kind` (the ONNX opset and com.microsoft's, for MultiHeadAttention):
+    the one way the fused and row-chunk graphs (export.chunked) are written."""
+    import onnx
+    from onnx import helper
+
+    graph = helper.make_graph(nodes, f"attnserve_{kind}", inputs, outputs, initializers)
+    opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="attnserve.export",
+                              ir_version=helper.find_min_ir_version_for(opsets, ignore_unknown=True),
+                              doc_string=f"attnserve {kind}: {doc}")
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+
+
 def build(module: MultiHeadAttention, path: Path, kind: str, opset: int) -> None:
     """Write the fused graph `kind` (contract.FUSED or FUSED_KEY_PADDING) of `module` to `path`."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     if kind not in contract.FUSED_KINDS:
         raise ValueError(f"kind must be one of {contract.FUSED_KINDS}, got {kind!r}")
     cfg = module.config
     b, lq, lk = contract.BATCH, contract.Q_LEN, contract.K_LEN
-
-    def weight_t(linear: torch.nn.Linear) -> np.ndarray:  # (in, out): x @ W^T as one MatMul
-        return linear.weight.detach().to(torch.float32).numpy().T.copy()
-
-    def bias(linear: torch.nn.Linear) -> np.ndarray:
-        return linear.bias.detach().to(torch.float32).numpy().copy()
 
     initializers = [numpy_helper.from_array(weight_t(lin), f"{name}.weight_t")
                     for name, lin in (("to_q", module.to_q), ("to_k", module.to_k), ("to_v", module.to_v),
@@ -102,13 +120,8 @@ def build(module: MultiHeadAttention, path: Path, kind: str, opset: int) -> None
         initializers.append(numpy_helper.from_array(bias(module.to_out), "to_out.bias"))
         nodes.append(helper.make_node("Add", ["output_nobias", "to_out.bias"], ["output"], name="to_out_bias"))
     outputs = [helper.make_tensor_value_info("output", TensorProto.FLOAT, [b, lq, cfg.out_dim])]
-    graph = helper.make_graph(nodes, f"attnserve_{kind}", inputs, outputs, initializers)
-    opsets = [helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)]
-    model = helper.make_model(graph, opset_imports=opsets, producer_name="attnserve.export",
-                              ir_version=helper.find_min_ir_version_for(opsets, ignore_unknown=True),
-                              doc_string=f"attnserve {kind}: ONNX Runtime's fused MultiHeadAttention, output only")
-    onnx.checker.check_model(model)
-    onnx.save(model, str(path))
+    save_graph(path, kind, nodes, inputs, outputs, initializers, opset,
+               "ONNX Runtime's fused MultiHeadAttention, output only")
 
 
 # -- parity --------------------------------------------------------------------------------------
@@ -123,6 +136,25 @@ def _key_mask(b: int, lk: int, generator: torch.Generator) -> Tensor:
         keep[-1, : max(lk // 2, 1)] = True
         keep[-1, max(lk // 2, 1):] = False
     return keep
+
+
+def parity_error(module: MultiHeadAttention, query: Tensor, key: Tensor, value: Tensor, keep: Tensor | None,
+                 run) -> float:
+    """Max abs error of run(feeds)'s output against eager PyTorch on (query, key, value). A key
+    mask `keep` (b, lk) goes to eager as its (b, lq, lk) mask and to `run` as KEY_PADDING_MASK."""
+    b, lq, lk = query.shape[0], query.shape[1], key.shape[1]
+    full = None if keep is None else keep[:, None, :].expand(b, lq, lk)  # (b, lq, lk)
+    with torch.no_grad():
+        want, _ = module(query, key, value, mask=full)
+    feeds = {"query": query.numpy(), "key": key.numpy(), "value": value.numpy()}
+    if keep is not None:
+        feeds[contract.KEY_PADDING_MASK] = keep.to(torch.int32).numpy()
+    return float(np.max(np.abs(run(feeds) - want.numpy())))
+
+
+def worse(worst: float, err: float) -> float:
+    """The worst error so far with `err`: NaN once any case gave NaN (max would drop it)."""
+    return max(worst, err) if err == err else float("nan")
 
 
 def parity(module: MultiHeadAttention, graphs: dict[str, Path], shapes: tuple[tuple[int, int, int], ...],
@@ -146,15 +178,9 @@ def parity(module: MultiHeadAttention, graphs: dict[str, Path], shapes: tuple[tu
                 masks = ([] if (b, lq, lk) in long_shapes else [torch.ones(b, lk, dtype=torch.bool)])
                 masks.append(_key_mask(b, lk, generator))
             for keep in masks:
-                full = None if keep is None else keep[:, None, :].expand(b, lq, lk)  # (b, lq, lk)
-                with torch.no_grad():
-                    want, _ = module(query, key, value, mask=full)
-                feeds = {"query": query.numpy(), "key": key.numpy(), "value": value.numpy()}
-                if keep is not None:
-                    feeds[contract.KEY_PADDING_MASK] = keep.to(torch.int32).numpy()
-                (got,) = session.run(None, feeds)
-                err = float(np.max(np.abs(got - want.numpy())))
-                worst[kind]["output"] = max(worst[kind]["output"], err) if err == err else float("nan")
+                err = parity_error(module, query, key, value, keep,
+                                   lambda feeds, session=session: session.run(None, feeds)[0])
+                worst[kind]["output"] = worse(worst[kind]["output"], err)
                 cases.append({"graph": kind, "batch": b, "q_len": lq, "k_len": lk,
                               "key_mask": keep is not None and not bool(keep.all()), f"{kind}.output": err})
     return worst, cases

@@ -232,8 +232,8 @@ async def wait_for_clock(t: float) -> None:
 
 
 async def started(model: Model, policy: BatchPolicy, observer: Observer | None = None,
-                  arrivals: Arrivals | None = None) -> Batcher:
-    batcher = Batcher("test", model, policy, observer, arrivals)
+                  arrivals: Arrivals | None = None, **options) -> Batcher:
+    batcher = Batcher("test", model, policy, observer, arrivals, **options)
     batcher.start()
     return batcher
 
@@ -243,17 +243,34 @@ async def stop(batcher: Batcher, model: Model) -> None:
     await batcher.close()
 
 
-async def queue_while_busy(batcher: Batcher, model: Model, works: list[Work], deadline: float | None = None):
-    """Hold the model on a blocker request, queue `works` behind it, then let everything run.
-    Returns (the blocker's task, the tasks of `works`) with the model released."""
+async def queue_behind_held_run(batcher: Batcher, model: Model, works: list[Work], deadline: float | None = None):
+    """Hold the model on a blocker request and queue `works` behind it. Returns (the blocker's
+    task, the tasks of `works`) with the blocker's run begun and held, and every one of `works` queued."""
     model.hold()
     runs_before = len(model.calls)
     blocker = asyncio.create_task(batcher.submit(make_work()))
     await model.run_started(runs_before + 1)
     tasks = [asyncio.create_task(batcher.submit(w, deadline)) for w in works]
     await wait_until(lambda: batcher.queue_depth == len(works))
+    return blocker, tasks
+
+
+async def queue_while_busy(batcher: Batcher, model: Model, works: list[Work], deadline: float | None = None):
+    """queue_behind_held_run, then let everything run: the model is released on return."""
+    blocker, tasks = await queue_behind_held_run(batcher, model, works, deadline)
     model.open()
     return blocker, tasks
+
+
+async def answered_behind_blocker(batcher: Batcher, model: Model, works: list[Work]) -> list:
+    """queue_while_busy, then the answers of `works` once the blocker's run is done; the batcher
+    is stopped after, whatever happened."""
+    try:
+        blocker, tasks = await queue_while_busy(batcher, model, works)
+        await blocker
+        return await asyncio.gather(*tasks)
+    finally:
+        await stop(batcher, model)
 
 
 # -- each caller gets its own rows ----------------------------------------------------------
@@ -349,12 +366,7 @@ def test_max_batch_size_is_respected_and_a_larger_request_runs_alone():
         model = Model()
         batcher = await started(model, BatchPolicy(max_batch_size=4, max_queue_delay_s=0.0))
         works = [make_work(b=b, lq=3, lk=5) for b in (3, 2, 6, 1, 2, 1, 3)]
-        try:
-            blocker, tasks = await queue_while_busy(batcher, model, works)
-            await blocker
-            results = await asyncio.gather(*tasks)
-        finally:
-            await stop(batcher, model)
+        results = await answered_behind_blocker(batcher, model, works)
         return model, works, results
 
     model, works, results = asyncio.run(main())
@@ -384,12 +396,7 @@ def test_mixed_lengths_are_padded_and_match_unbatched_runs():
             make_work(b=1, lq=1, lk=9, mask=None),
             make_work(b=3, lq=6, lk=6),
         ]
-        try:
-            blocker, tasks = await queue_while_busy(batcher, model, works)
-            await blocker
-            results = await asyncio.gather(*tasks)
-        finally:
-            await stop(batcher, model)
+        results = await answered_behind_blocker(batcher, model, works)
         return model, observer, works, results
 
     model, observer, works, results = asyncio.run(main())
@@ -412,12 +419,7 @@ def test_padding_ratio_bound_keeps_short_and_long_requests_apart():
         long = make_work(b=1, lq=64, lk=64)
         near = make_work(b=1, lq=64, lk=60)  # 3% padding beside `long`: may share its run
         works = [short, long, near]
-        try:
-            blocker, tasks = await queue_while_busy(batcher, model, works)
-            await blocker
-            results = await asyncio.gather(*tasks)
-        finally:
-            await stop(batcher, model)
+        results = await answered_behind_blocker(batcher, model, works)
         return model, observer, works, results
 
     model, observer, (short, long, near), results = asyncio.run(main())
@@ -446,12 +448,7 @@ def test_fully_masked_row_only_joins_batches_of_equal_key_length():
             "exact": make_work(b=1, lq=2, lk=3, mask=exact_mask),
             "same_k": make_work(b=1, lq=4, lk=3),  # equal key length: may share with `exact`
         }
-        try:
-            blocker, tasks = await queue_while_busy(batcher, model, list(works.values()))
-            await blocker
-            results = await asyncio.gather(*tasks)
-        finally:
-            await stop(batcher, model)
+        results = await answered_behind_blocker(batcher, model, list(works.values()))
         return model, works, dict(zip(works, results, strict=True))
 
     model, works, results = asyncio.run(main())
@@ -510,11 +507,7 @@ def test_queue_full_sheds_the_third_concurrent_request_at_once():
         batcher = await started(model, BatchPolicy(max_queue_size=2, max_queue_delay_s=0.0))
         works = [make_work() for _ in range(3)]
         try:
-            model.hold()
-            blocker = asyncio.create_task(batcher.submit(make_work()))
-            await model.run_started(1)  # running, so out of the queue
-            queued = [asyncio.create_task(batcher.submit(w)) for w in works[:2]]
-            await wait_until(lambda: batcher.queue_depth == 2)
+            blocker, queued = await queue_behind_held_run(batcher, model, works[:2])
             third = asyncio.create_task(batcher.submit(works[2]))
             # bounded only against a hang: a batcher that queued it would answer after the held run
             await asyncio.wait({third}, timeout=WAIT_S)
@@ -577,12 +570,7 @@ def test_cancelled_queued_request_is_not_computed():
         batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0))
         kept, dropped = make_work(), make_work()
         try:
-            model.hold()
-            blocker = asyncio.create_task(batcher.submit(make_work()))
-            await model.run_started(1)
-            kept_task = asyncio.create_task(batcher.submit(kept))
-            dropped_task = asyncio.create_task(batcher.submit(dropped))
-            await wait_until(lambda: batcher.queue_depth == 2)
+            blocker, (kept_task, dropped_task) = await queue_behind_held_run(batcher, model, [kept, dropped])
             dropped_task.cancel()  # while queued behind the held run
             model.open()
             await blocker
@@ -940,15 +928,9 @@ def test_merged_batch_is_bounded_by_what_its_run_holds():
 
     async def run(works):
         model = Model()
-        batcher = Batcher("test", model, BatchPolicy(max_queue_delay_s=0.0, max_batch_scores=bound),
-                          scores_of=scores_of)
-        batcher.start()
-        try:
-            blocker, tasks = await queue_while_busy(batcher, model, works)
-            await blocker
-            results = await asyncio.gather(*tasks)
-        finally:
-            await stop(batcher, model)
+        batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0, max_batch_scores=bound),
+                                scores_of=scores_of)
+        results = await answered_behind_blocker(batcher, model, works)
         return model, results
 
     same = [make_work(1, 8, 8, mask=None, want_probs=False) for _ in range(3)]  # 3 x 64 scores > 100
@@ -974,14 +956,8 @@ def test_a_batch_on_the_flash_path_takes_only_requests_that_keep_it_there():
 
     async def run(works, scores_of):
         model = Model()
-        batcher = Batcher("test", model, BatchPolicy(max_queue_delay_s=0.0), scores_of=scores_of)
-        batcher.start()
-        try:
-            blocker, tasks = await queue_while_busy(batcher, model, works)
-            await blocker
-            results = await asyncio.gather(*tasks)
-        finally:
-            await stop(batcher, model)
+        batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0), scores_of=scores_of)
+        results = await answered_behind_blocker(batcher, model, works)
         return model, results
 
     keys = np.ones((1, 8, 8), np.bool_)
@@ -1087,19 +1063,39 @@ def _two_runs() -> tuple[Model, Model]:
     return Model(), Model()
 
 
-def test_a_lone_request_runs_solo_and_gets_the_same_answer():
-    regular, solo = _two_runs()
-    work = make_work(1, 4, 6)
+def _each_in_turn(regular, run_solo, order: tuple[Work, ...], lone_call: bool | None = True) -> list:
+    """The answers of `order`, each submitted once the one before is answered, to a Batcher whose
+    lone-call signal says `lone_call` (None: the Batcher has no signal)."""
+    signal = None if lone_call is None else LoneCallSignal(lone_call)
 
     async def main():
-        batcher = Batcher("test", regular, BatchPolicy(), run_solo=solo, lone_call_signal=LoneCallSignal(True))
+        batcher = Batcher("test", regular, BatchPolicy(), run_solo=run_solo, lone_call_signal=signal)
         batcher.start()
         try:
-            return await batcher.submit(work)
+            return [await batcher.submit(work) for work in order]
         finally:
             await batcher.close()
 
-    result = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def _slow_at(solo: Model, slow_q_len: int, threads: list[tuple[int, int]]):
+    """`solo` as a run_solo that notes each run's (query length, thread) and, for a query of
+    `slow_q_len` rows, takes longer than the INLINE_SOLO_MAX_S of 0.5 s the tests set."""
+    def run_solo(feeds, want_probs):
+        q_len = feeds["query"].shape[1]
+        threads.append((q_len, threading.get_ident()))
+        if q_len == slow_q_len:
+            time.sleep(0.6)  # past INLINE_SOLO_MAX_S, however fast the machine
+        return solo(feeds, want_probs)
+
+    return run_solo
+
+
+def test_a_lone_request_runs_solo_and_gets_the_same_answer():
+    regular, solo = _two_runs()
+    work = make_work(1, 4, 6)
+    (result,) = _each_in_turn(regular, solo, (work,))
     assert len(solo.calls) == 1 and not regular.calls
     assert_matches_alone(work, result)
 
@@ -1118,28 +1114,11 @@ def test_a_solo_run_computes_on_the_event_loop_once_its_shape_has_run_short(monk
     regular, solo = _two_runs()
     threads: list[tuple[int, int]] = []  # (query length, thread)
     slow_q_len = 7
-
-    def run_solo(feeds, want_probs):
-        q_len = feeds["query"].shape[1]
-        threads.append((q_len, threading.get_ident()))
-        if q_len == slow_q_len:
-            time.sleep(0.6)  # past INLINE_SOLO_MAX_S, however fast the machine
-        return solo(feeds, want_probs)
-
     # other and another hold no key as long as short's (6): no estimate of short from theirs.
     short, slow = make_work(1, 4, 6), make_work(1, slow_q_len, 6)
     other, another = make_work(1, 5, 5), make_work(1, 8, 5)
     order = (short, short, short, slow, slow, other, another, short)
-
-    async def main():
-        batcher = Batcher("test", regular, BatchPolicy(), run_solo=run_solo, lone_call_signal=LoneCallSignal(True))
-        batcher.start()
-        try:
-            return [await batcher.submit(work) for work in order]
-        finally:
-            await batcher.close()
-
-    results = asyncio.run(main())
+    results = _each_in_turn(regular, _slow_at(solo, slow_q_len, threads), order)
     on_loop = [thread == threading.get_ident() for _, thread in threads]  # asyncio.run's loop ran here
     assert [q for q, _ in threads] == [w.q_len for w in order]
     # short: first on the run thread, then on the loop; slow: always on the run thread; other and
@@ -1159,29 +1138,13 @@ def test_a_first_solo_run_held_by_a_short_timed_shape_computes_on_the_event_loop
 
     monkeypatch.setattr(batching, "INLINE_SOLO_MAX_S", 0.5)
     regular, solo = _two_runs()
-    threads: list[int] = []
-
-    def run_solo(feeds, want_probs):
-        threads.append(threading.get_ident())
-        if feeds["query"].shape[1] == 12:
-            time.sleep(0.6)  # past INLINE_SOLO_MAX_S, however fast the machine
-        return solo(feeds, want_probs)
-
+    threads: list[tuple[int, int]] = []  # (query length, thread)
     big, small, slow, held_by_slow, other_outputs = (
         make_work(1, 8, 8), make_work(1, 4, 6), make_work(1, 12, 12), make_work(1, 10, 10),
         make_work(1, 4, 6, want_probs=False))
     order = (big, small, slow, held_by_slow, other_outputs)
-
-    async def main():
-        batcher = Batcher("test", regular, BatchPolicy(), run_solo=run_solo, lone_call_signal=LoneCallSignal(True))
-        batcher.start()
-        try:
-            return [await batcher.submit(work) for work in order]
-        finally:
-            await batcher.close()
-
-    results = asyncio.run(main())
-    assert [t == threading.get_ident() for t in threads] == [False, True, False, False, False]
+    results = _each_in_turn(regular, _slow_at(solo, slow.q_len, threads), order)
+    assert [t == threading.get_ident() for _, t in threads] == [False, True, False, False, False]
     for work, result in zip(order, results, strict=True):
         assert_matches_alone(work, result)
 
@@ -1217,17 +1180,8 @@ def test_a_warm_up_request_runs_on_the_session_it_asks_for_and_is_told_to_no_obs
 @pytest.mark.parametrize("case", ["not alone", "no signal", "no solo run"])
 def test_without_solitude_or_a_solo_run_a_request_takes_the_regular_run(case):
     regular, solo = _two_runs()
-
-    async def main():
-        batcher = Batcher("test", regular, BatchPolicy(), run_solo=None if case == "no solo run" else solo,
-                          lone_call_signal=None if case == "no signal" else LoneCallSignal(case != "not alone"))
-        batcher.start()
-        try:
-            return await batcher.submit(make_work(1, 4, 6))
-        finally:
-            await batcher.close()
-
-    asyncio.run(main())
+    _each_in_turn(regular, None if case == "no solo run" else solo, (make_work(1, 4, 6),),
+                  lone_call=None if case == "no signal" else case != "not alone")
     assert len(regular.calls) == 1 and not solo.calls
 
 

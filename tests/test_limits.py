@@ -22,7 +22,15 @@ from attnserve.server.repository import ModelSpec
 from attnserve.contract import TensorSpec
 from tests.oip import eager, infer_request, outputs_of, random_inputs
 from tests.server_process import ServerProcess
-from tests.test_batcher import Model, assert_matches_alone, make_work, queue_while_busy, started, stop, wait_until
+from tests.test_batcher import (
+    Model,
+    answered_behind_blocker,
+    assert_matches_alone,
+    make_work,
+    queue_behind_held_run,
+    started,
+    stop,
+)
 
 pytestmark = pytest.mark.e2e  # starts servers
 
@@ -36,11 +44,7 @@ def test_queue_is_bounded_in_bytes_and_frees_them_as_it_drains():
         size = works[0].nbytes  # (4 + 6 + 6) x 16 floats + a 4 x 6 mask = 1,048 bytes
         batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0, max_queued_bytes=int(2.5 * size)))
         try:
-            model.hold()
-            blocker = asyncio.create_task(batcher.submit(make_work()))
-            await model.run_started(1)  # running, so out of the queue
-            queued = [asyncio.create_task(batcher.submit(w)) for w in works[:2]]
-            await wait_until(lambda: batcher.queue_depth == 2)
+            blocker, queued = await queue_behind_held_run(batcher, model, works[:2])
             with pytest.raises(QueueFull) as exc:  # a third would hold 3 x 1,048 > 2,620 bytes
                 await batcher.submit(works[2])
             model.open()
@@ -65,11 +69,7 @@ def test_request_larger_than_the_byte_bound_is_taken_by_an_empty_queue_alone():
         big = [make_work(2, 8, 8) for _ in range(2)]
         batcher = await started(model, BatchPolicy(max_queue_delay_s=0.0, max_queued_bytes=100))
         try:
-            model.hold()
-            blocker = asyncio.create_task(batcher.submit(make_work()))
-            await model.run_started(1)
-            first = asyncio.create_task(batcher.submit(big[0]))  # an empty queue takes it
-            await wait_until(lambda: batcher.queue_depth == 1)
+            blocker, (first,) = await queue_behind_held_run(batcher, model, big[:1])  # an empty queue takes it
             with pytest.raises(QueueFull, match="max_queued_bytes 100"):
                 await batcher.submit(big[1])
             model.open()
@@ -93,12 +93,7 @@ def test_merged_batch_stays_within_the_attention_bound():
         model = Model()
         batcher = await started(model, policy)
         works = [make_work(1, 4, 6) for _ in range(4)]
-        try:
-            blocker, tasks = await queue_while_busy(batcher, model, works)
-            await blocker
-            results = await asyncio.gather(*tasks)
-        finally:
-            await stop(batcher, model)
+        results = await answered_behind_blocker(batcher, model, works)
         return model, works, results
 
     model, works, results = asyncio.run(run(BatchPolicy(max_queue_delay_s=0.0, max_batch_scores=48)))
