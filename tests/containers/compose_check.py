@@ -419,8 +419,10 @@ def check_cuda_image_without_cuda() -> None:
         podman("run", "-d", "--name", name, "--network", "none", "-e", "ATTNSERVE_DEVICE=auto",
                "-v", f"{VOLUME}:/models:ro", "attnserve:cuda-standin")
         took = wait_healthy(name)
-        logs = podman("logs", name, check_rc=False)
-        text = logs.stdout + logs.stderr
+        # Healthy once its models serve; the start line ("serving 2 model(s)") follows it.
+        deadline = time.monotonic() + 60
+        while not re.search(r"serving 2 model\(s\)", text := container_log(name)) and time.monotonic() < deadline:
+            time.sleep(0.5)
         check("device auto: serving on CPU because CUDAExecutionProvider is listed but cannot run here" in text
               and re.search(r"serving 2 model\(s\)", text) is not None,
               f"attnserve:cuda-standin with ATTNSERVE_DEVICE=auto serves both models on CPU, saying why "
