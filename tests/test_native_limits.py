@@ -20,7 +20,6 @@ Skips, saying why, where the extension is not built (`make native`).
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import re
 import time
 import urllib.request
@@ -133,10 +132,10 @@ def test_native_cost_is_request_cost(model_repository):
 
 @pytest.fixture(scope="module")
 def bounded_server(model_repository):
-    proc = ServerProcess(model_repository, "--data-plane", "native", "--native-port", "0",
+    proc = ServerProcess(model_repository, "--data-plane", "native",
                          "--max-message-bytes", str(MESSAGE_BYTES), "--max-typed-bytes", str(TYPED_BYTES),
                          "--memory-limit-bytes", str(BUDGET_BYTES), "--max-receiving-bytes", str(MESSAGE_BYTES))
-    proc.native_port = json.loads(proc.ready_file.read_text())["native_port"]
+    proc.native_port = proc.port
     yield proc
     proc.stop()
 
@@ -250,9 +249,9 @@ def held_cost(model_repository) -> int:
 @pytest.fixture(scope="module")
 def gated(model_repository, held_cost):
     """One HELD call fits the budget, two do not (the waiting room, an eighth, stays free)."""
-    with GatedServer(model_repository, "--data-plane", "native", "--native-port", "0", "--max-batch-size", "1",
+    with GatedServer(model_repository, "--data-plane", "native", "--max-batch-size", "1",
                      "--memory-limit-bytes", str(held_cost * 3 // 2), "--grace-period-s", "120") as proc:
-        proc.native_port = json.loads(proc.ready_file.read_text())["native_port"]
+        proc.native_port = proc.port
         yield proc
 
 
