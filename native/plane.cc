@@ -342,7 +342,10 @@ int Plane::Start(const std::string& address, int max_message_bytes, int max_conc
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, max_concurrent_streams);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, reuse_port_ ? 1 : 0);  // alone, a port in use is an error
   for (const auto& [name, value] : channel_args_) builder.AddChannelArgument(name, value);
-  if (upstream_) builder.RegisterCallbackGenericService(upstream_.get());  // every method not served here
+  // Every method not served here; gRPC refuses a service with generic methods but no generic service.
+  if (!upstream_) no_upstream_ = std::make_unique<grpc::CallbackGenericService>();  // answers UNIMPLEMENTED
+  builder.RegisterCallbackGenericService(upstream_ ? static_cast<grpc::CallbackGenericService*>(upstream_.get())
+                                                   : no_upstream_.get());
   if (receive_quota_bytes_ > 0) {
     // The callback API hands a message over only once it is whole, so bytes being received cannot
     // be counted per call (server.gate's slots): gRPC's own memory quota bounds the transport.

@@ -418,6 +418,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   bool reuse_port_ = false;
   Refusals refusals_;
   std::unique_ptr<Upstream> upstream_;
+  std::unique_ptr<grpc::CallbackGenericService> no_upstream_;  // without upstream_: UNIMPLEMENTED, as gRPC answers
   std::vector<std::pair<std::string, int>> channel_args_;
   bool fallback_all_ = false;
   std::vector<std::string> fallback_keys_;
