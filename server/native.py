@@ -13,12 +13,9 @@ registry serves: sync() pushes the registry's state in the same event-loop turn 
 (a new version gets its queue and runner; a retired one finishes what is queued on it, then its
 runner ends). The rare RPCs (readiness, metadata, config, statistics, the index) are relayed to
 the event loop as bytes and answered by the same RequestPath as the Python port: one source of
-truth. Every other method (load/unload, shared memory, health, reflection), and the ModelInfer
-requests it does not carry itself (shared memory; every request while calls are recorded), it
-relays byte for byte to the Python gRPC server on a private Unix socket (native/relay.h).
-Metrics: each batch's figures go to the event loop once per batch (server.metrics'
-histograms and Triton statistics); the calls' final statuses are counted in C++ by model name
-and read into attnserve_requests at scrape time.
+truth. The rest, and ModelInfer requests it does not carry (shared memory; recorded calls), go
+byte for byte to the Python gRPC server on a private Unix socket (native/relay.h). Metrics: each
+batch's figures go to the event loop once per batch; final statuses are counted in C++ by name.
 Request control, with the Python plane's semantics: each model's schedule policy (its
 QueuePolicy) and --priority-aging-batches are handed to C++, which reads `priority`/`timeout`,
 orders and expires its queue; a cancelled call leaves it at once, and a batch whose calls are
