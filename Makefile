@@ -10,7 +10,7 @@ PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
 PRESETS := self_attention cross_attention
 
-.PHONY: native native-deps native-if-possible test-native-asan fuzz-native fuzz-deps install test test-fast docs lint test-ray test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-goals bench-peers bench-sweep bench-shm bench-ort-c bench-tools clean nginx
+.PHONY: native native-deps native-if-possible test-native-asan fuzz-native fuzz-deps install test test-fast test-native-plane docs lint test-ray test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-goals bench-peers bench-sweep bench-shm bench-ort-c bench-tools clean nginx
 
 install: $(STAMP)
 
@@ -30,6 +30,13 @@ test: $(STAMP) nginx native-if-possible
 # The tests that start no server, subprocess or container (marker `e2e`: tests/conftest.py).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not e2e" tests --ignore=tests/ray
+
+# The server's tests (the e2e tier) with every test server on the native data plane: tests/server_process.py
+# adds --data-plane native unless a test chooses its plane (docs/testing.md). NATIVE_PLANE_TESTS narrows it.
+NATIVE_PLANE_TESTS ?= -m e2e tests --ignore=tests/ray --ignore=tests/containers
+test-native-plane: $(STAMP) native
+	ATTNSERVE_TEST_DATA_PLANE=native ATTNSERVE_TEST_NO_SKIP=$${ATTNSERVE_TEST_NO_SKIP:-$${CI:-}} \
+	  $(PY) -m pytest -q $(NATIVE_PLANE_TESTS)
 
 # The documentation site (mkdocs.yml, docs/) into build/site; strict: a broken link or reference fails.
 DOCS_STAMP := $(VENV)/.docs-installed

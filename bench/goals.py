@@ -11,7 +11,7 @@ round each round, so every side sees the machine's drift), at concurrency 1 and 
     native_floor  bench.native_floor: gRPC's C++ core answering zeros (the plane, zeros switch on)
     aio_floor     bench.aio_floor: a bare grpc.aio servicer answering zeros
     python        `attnserve serve --data-plane python`, its gRPC port
-    native        `attnserve serve --data-plane native`, its native port
+    native        `attnserve serve --data-plane native`, its gRPC port (the native plane)
     rest_binary   the python server's REST port, binary tensor data (perf_analyzer -i http)
     rest_binary_aiohttp, rest_json   the same port driven by bench.rest_loadgen, binary and JSON
     aiohttp_floor bench.aiohttp_floor: bare aiohttp answering zeros (binary), by bench.rest_loadgen
@@ -141,16 +141,16 @@ def pytriton_command(repository: Path, models: list[str]) -> list[str]:
 
 def start(name: str, repository: Path, workdir: Path, models: list[str]) -> Process:
     if name == "native_floor":
-        return Process(name, _server_command("bench.native_floor", repository, "--data-plane", "native",
-                                             "--native-port", "0"), workdir, "native_port")
+        return Process(name, _server_command("bench.native_floor", repository, "--data-plane", "native"),
+                                             workdir, "grpc_port")
     if name == "aio_floor":
         return Process(name, _server_command("bench.aio_floor", repository), workdir, "grpc_port")
     if name == "python":
         return Process(name, _server_command("attnserve.server", repository, "--data-plane", "python",
                                              "--http-port", "0"), workdir, "grpc_port")
     if name == "native":
-        return Process(name, _server_command("attnserve.server", repository, "--data-plane", "native",
-                                             "--native-port", "0"), workdir, "native_port")
+        return Process(name, _server_command("attnserve.server", repository, "--data-plane", "native"),
+                                             workdir, "grpc_port")
     if name == "aiohttp_floor":
         return Process(name, [sys.executable, "-m", "bench.aiohttp_floor", "--model-repository", str(repository)],
                        workdir, "http_port")

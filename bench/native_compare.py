@@ -3,7 +3,7 @@
 Three processes, measured in alternating rounds (A/B/C/A/B/C) with perf_analyzer (or
 bench.loadgen where it cannot run), one ModelInfer call per request:
     python  `attnserve serve`, today's server (its Python gRPC port);
-    native  `attnserve serve --data-plane native`, the prototype (its native port);
+    native  `attnserve serve --data-plane native`, the prototype (its gRPC port, the native plane);
     floor   `python -m bench.native_floor`, a C++ gRPC server answering zeros.
 At each concurrency: requests/s, p50 and the CPU milliseconds the serving process spent per
 request. Then the verdict as the issue states it: go if native's c=32 throughput is at least 2x
@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="native-compare-"))
     sides = {
         "python": ("attnserve.server", ["--data-plane", "python"], "grpc_port"),
-        "native": ("attnserve.server", ["--data-plane", "native", "--native-port", "0"], "native_port"),
-        "floor": ("bench.native_floor", ["--data-plane", "native", "--native-port", "0"], "native_port"),
+        "native": ("attnserve.server", ["--data-plane", "native"], "grpc_port"),
+        "floor": ("bench.native_floor", ["--data-plane", "native"], "grpc_port"),
     }
     chosen = args.sides.split(",")
     procs = {name: _Process(name, *sides[name][:2], args.repository, workdir, sides[name][2]) for name in chosen}

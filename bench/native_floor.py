@@ -40,7 +40,7 @@ async def serve(config) -> int:
     plane = NativePlane(config, registry, RequestPath(registry, metrics, Draining()), zeros=True)
     port = plane.start()
     if config.ready_file is not None:
-        write_json_atomic(config.ready_file, {"grpc_port": port, "native_port": port})
+        write_json_atomic(config.ready_file, {"grpc_port": port})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -170,6 +170,12 @@ PYBIND11_MODULE(_native, m) {
       }, py::arg("cert_chain"), py::arg("private_key"), py::arg("client_ca"), py::arg("token"), py::arg("refusal"),
          "TLS (PEM; empty: plaintext), mutual TLS (client_ca), the bearer token (empty: none) and its refusal; before start")
       .def("set_reuse_port", &Plane::SetReusePort, "worker processes share the port (SO_REUSEPORT); before start")
+      .def("set_open_prefixes", &Plane::SetOpenPrefixes, "methods that need no token (after set_security)")
+      .def("set_upstream", &Plane::SetUpstream, py::arg("target"),
+           "relay every method not served here to the Python server at target (unix:PATH); before start")
+      .def("set_channel_args", &Plane::SetChannelArgs, "the Python server's gRPC arguments [(name, int)]; before start")
+      .def("set_fallback", &Plane::SetFallback, py::arg("all"), py::arg("keys"),
+           "ModelInfer requests relayed to Python as they are: all, or those with one of these parameters")
       .def("token_refusals", &Plane::TokenRefusals, "calls refused for their token so far, and the latest's method")
       .def("start", &Plane::Start, py::call_guard<py::gil_scoped_release>())
       .def("next_batch", &Plane::NextBatch, py::call_guard<py::gil_scoped_release>(),

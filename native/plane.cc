@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <numeric>
+#include <set>
 #include <sstream>
 
 #include <grpc/support/time.h>
@@ -340,6 +341,11 @@ int Plane::Start(const std::string& address, int max_message_bytes, int max_conc
   builder.SetMaxSendMessageSize(max_message_bytes);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, max_concurrent_streams);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, reuse_port_ ? 1 : 0);  // alone, a port in use is an error
+  for (const auto& [name, value] : channel_args_) builder.AddChannelArgument(name, value);
+  // Every method not served here; gRPC refuses a service with generic methods but no generic service.
+  if (!upstream_) no_upstream_ = std::make_unique<grpc::CallbackGenericService>();  // answers UNIMPLEMENTED
+  builder.RegisterCallbackGenericService(upstream_ ? static_cast<grpc::CallbackGenericService*>(upstream_.get())
+                                                   : no_upstream_.get());
   if (receive_quota_bytes_ > 0) {
     // The callback API hands a message over only once it is whole, so bytes being received cannot
     // be counted per call (server.gate's slots): gRPC's own memory quota bounds the transport.
@@ -634,6 +640,22 @@ void Plane::AnswerZeros(Pending& p, Queue& queue) {
 
 namespace {
 
+// The methods this service serves itself (natively, or through the rare RPCs' relay to the event loop).
+const std::set<std::string> kServedHere = {"ServerLive",      "ServerReady",    "ModelReady",      "ServerMetadata",
+                                           "ModelMetadata",   "ModelConfig",    "ModelStatistics", "RepositoryIndex",
+                                           "ModelInfer",      "ModelStreamInfer"};
+const std::string kModelInferMethod = "/inference.GRPCInferenceService/ModelInfer";
+
+// The Python server's answer to a relayed ModelInfer request, into the call's typed response.
+Status ReadAnswer(const grpc::ByteBuffer& answer, inference::ModelInferResponse* response) {
+  grpc::ByteBuffer copy(answer);  // shares the slices; the reader takes a mutable buffer
+  grpc::ProtoBufferReader reader(&copy);
+  if (!reader.status().ok() || !response->ParseFromZeroCopyStream(&reader)) {
+    return Status(StatusCode::INTERNAL, "the Python server's answer does not parse as a ModelInferResponse");
+  }
+  return Status::OK;
+}
+
 // A ModelInfer call whose request the plane parses itself (gRPC's generated handler answers bytes
 // that do not parse UNIMPLEMENTED, without a message); it owns the parsed request until gRPC is done.
 class InferCall final : public grpc::ServerUnaryReactor {
@@ -642,7 +664,14 @@ class InferCall final : public grpc::ServerUnaryReactor {
   inference::ModelInferRequest request;
   SharedBudget* budget = nullptr;
   int64_t reserved = 0;  // its budget reservation: given back once the answer is sent (or the call is gone)
-  void OnCancel() override { plane_->Cancel(this, nullptr, deadline_); }  // after the handler returned
+  std::shared_ptr<UnaryRelay> relayed;  // handed to the Python server (Plane::ToPython)
+  void OnCancel() override {  // after the handler returned
+    if (relayed) {
+      relayed->Cancel();
+    } else {
+      plane_->Cancel(this, nullptr, deadline_);
+    }
+  }
   void OnDone() override {
     if (reserved > 0) budget->Give(reserved);
     delete this;
@@ -656,6 +685,12 @@ class InferCall final : public grpc::ServerUnaryReactor {
 }  // namespace
 
 Plane::Plane(Contract contract) : contract_(std::move(contract)) {
+  // Methods served neither here nor through the rare RPCs' relay go to the generic service, which
+  // hands them to the Python server (native/relay.h); without one gRPC answers them UNIMPLEMENTED.
+  const auto* service = inference::ModelInferRequest::descriptor()->file()->FindServiceByName("GRPCInferenceService");
+  for (int i = 0; i < service->method_count(); ++i) {
+    if (kServedHere.count(service->method(i)->name()) == 0) MarkMethodGeneric(i);
+  }
   // ModelInfer's request as raw bytes (the response stays typed), by the method's index in the proto.
   const int method = inference::ModelInferRequest::descriptor()
                          ->file()
@@ -673,6 +708,11 @@ Plane::Plane(Contract contract) : contract_(std::move(contract)) {
                       counters_.requests++;
                       counters_.refused++;
                       Answer(call, nullptr, Invalid(why));
+                    } else if (upstream_ && ToPython(call->request)) {  // its message, as it came
+                      call->relayed = upstream_->Unary(*context, kModelInferMethod, *bytes);
+                      call->relayed->Start([call, response](const Status& status, const grpc::ByteBuffer& answer) {
+                        call->Finish(status.ok() ? ReadAnswer(answer, response) : status);
+                      });
                     } else {
                       call->budget = budget_.get();
                       Admit(call, &call->request, response, deadline, budget_ ? &call->reserved : nullptr);
@@ -687,7 +727,7 @@ Plane::Plane(Contract contract) : contract_(std::move(contract)) {
                                 ->index();
   MarkMethodCallback(stream_method,
                      new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, inference::ModelStreamInferResponse>(
-                         [this](grpc::CallbackServerContext* context) { return new StreamCall(this, CallDeadline(context)); }));
+                         [this](grpc::CallbackServerContext* context) { return new StreamCall(this, CallDeadline(context), context); }));
 }
 
 bool Plane::Parse(const grpc::ByteBuffer& bytes, inference::ModelInferRequest* request, std::string* why) {
@@ -698,6 +738,19 @@ bool Plane::Parse(const grpc::ByteBuffer& bytes, inference::ModelInferRequest* r
     return false;
   }
   return true;
+}
+
+// The one predicate for what the Python request path serves instead (docs/native-data-plane.md,
+// "Per-request fallback"): shared memory, and every request while Python records calls.
+bool Plane::ToPython(const inference::ModelInferRequest& request) const {
+  if (fallback_all_) return true;
+  for (const std::string& key : fallback_keys_) {
+    for (const auto& input : request.inputs())
+      if (input.parameters().count(key) != 0) return true;
+    for (const auto& output : request.outputs())
+      if (output.parameters().count(key) != 0) return true;
+  }
+  return false;
 }
 
 void Plane::Admit(grpc::ServerUnaryReactor* reactor, const inference::ModelInferRequest* request,
@@ -818,15 +871,19 @@ const char* CodeName(StatusCode code) {
 
 }  // namespace
 
-StreamCall::StreamCall(Plane* plane, TimePoint call_deadline) : plane_(plane), deadline_(call_deadline) {
+StreamCall::StreamCall(Plane* plane, TimePoint call_deadline, grpc::CallbackServerContext* context)
+    : plane_(plane), context_(context), deadline_(call_deadline) {
   StartRead(&incoming_);
 }
 
 void StreamCall::OnCancel() {
+  std::map<uint64_t, std::shared_ptr<UnaryRelay>> relayed;
   {
     std::lock_guard<std::mutex> lock(mu_);
     broken_ = true;  // nobody reads the answers: those still owed are dropped as they come
+    relayed = relayed_;
   }
+  for (auto& [seq, relay] : relayed) relay->Cancel();
   plane_->Cancel(nullptr, this, deadline_);
   Next next;
   {
@@ -851,7 +908,8 @@ void StreamCall::OnReadDone(bool ok) {
   auto request = std::make_unique<inference::ModelInferRequest>();
   std::string why;
   const bool parsed = Plane::Parse(incoming_, request.get(), &why);
-  incoming_.Clear();
+  grpc::ByteBuffer message;
+  message.Swap(&incoming_);  // kept for the Python server, if the request goes there
   if (!parsed) {  // the stream ends after the answers before it, as the Python plane's does
     plane_->counters_.requests++;
     plane_->counters_.refused++;
@@ -884,13 +942,33 @@ void StreamCall::OnReadDone(bool ok) {
     hold_in_flight_++;
     reading_ = false;
   }
-  plane_->Admit(std::move(p));  // may answer at once (Answered takes mu_)
+  if (context_ != nullptr && plane_->upstream_ && plane_->ToPython(*p.request)) {
+    ToPython(p.seq, message, p.response);
+  } else {
+    plane_->Admit(std::move(p));  // may answer at once (Answered takes mu_)
+  }
   Next next;
   {
     std::lock_guard<std::mutex> lock(mu_);
     next = Step();
   }
   Run(next);
+}
+
+void StreamCall::ToPython(uint64_t seq, const grpc::ByteBuffer& message, inference::ModelInferResponse* response) {
+  auto relay = plane_->upstream_->Unary(*context_, kModelInferMethod, message);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    relayed_[seq] = relay;
+  }
+  // The stream ends only once every request is answered, so it outlives the relay.
+  relay->Start([this, seq, response](const Status& status, const grpc::ByteBuffer& answer) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      relayed_.erase(seq);
+    }
+    Answered(seq, Bounded(status.ok() ? ReadAnswer(answer, response) : status));
+  });
 }
 
 void StreamCall::Answered(uint64_t seq, const Status& status) {

@@ -24,6 +24,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "inference.grpc.pb.h"
+#include "relay.h"
 
 namespace attnserve {
 
@@ -102,6 +103,7 @@ struct Security {
   std::string client_ca;                // PEM roots; set: client certificates required (mutual TLS)
   std::string token;                    // set: every call needs `authorization: Bearer <token>`
   std::string refusal;                  // what a refused caller is told, with UNAUTHENTICATED
+  std::vector<std::string> open_prefixes;  // methods that need no token (health, reflection: server.security.OPEN)
 };
 
 // Calls refused for their token, read by Python to log them as the Python plane does.
@@ -232,6 +234,20 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   // Requests of one ModelStreamInfer stream in the plane at once; reading pauses beyond it.
   void SetStreamWindow(int64_t window) { stream_window_ = window > 0 ? window : 1; }
   void SetSecurity(Security security) { security_ = std::move(security); }  // before Start
+  void SetOpenPrefixes(std::vector<std::string> prefixes) { security_.open_prefixes = std::move(prefixes); }
+  // One port (native/relay.h): every other method, and the requests ToPython picks, go to the
+  // Python server listening on `target` (a private Unix socket); set before Start.
+  void SetUpstream(const std::string& target) { upstream_ = std::make_unique<Upstream>(target); }
+  // The Python server's own channel arguments (keepalive, connection age, pings), before Start.
+  void SetChannelArgs(std::vector<std::pair<std::string, int>> args) { channel_args_ = std::move(args); }
+  // Which ModelInfer requests go to the Python request path as they are: every one (`all`: calls are
+  // recorded there), or those with a parameter named in `keys` on an input or output (shared memory).
+  void SetFallback(bool all, std::vector<std::string> keys) {
+    fallback_all_ = all;
+    fallback_keys_ = std::move(keys);
+  }
+  bool ToPython(const inference::ModelInferRequest& request) const;
+  Upstream* upstream() const { return upstream_.get(); }
   // Worker processes share the port (SO_REUSEPORT); alone, a port in use is an error.
   void SetReusePort(bool reuse) { reuse_port_ = reuse; }
   std::pair<uint64_t, std::string> TokenRefusals() { return refusals_.Read(); }
@@ -401,6 +417,11 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   Security security_;
   bool reuse_port_ = false;
   Refusals refusals_;
+  std::unique_ptr<Upstream> upstream_;
+  std::unique_ptr<grpc::CallbackGenericService> no_upstream_;  // without upstream_: UNIMPLEMENTED, as gRPC answers
+  std::vector<std::pair<std::string, int>> channel_args_;
+  bool fallback_all_ = false;
+  std::vector<std::string> fallback_keys_;
 };
 
 // One ModelStreamInfer stream: reads requests as they come (up to the plane's stream window in
@@ -413,7 +434,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
 class StreamCall final
     : public grpc::ServerBidiReactor<grpc::ByteBuffer, inference::ModelStreamInferResponse> {
  public:
-  StreamCall(Plane* plane, TimePoint call_deadline);
+  StreamCall(Plane* plane, TimePoint call_deadline, grpc::CallbackServerContext* context = nullptr);
   void OnReadDone(bool ok) override;
   void OnCancel() override;  // every request of it leaves the plane (Plane::Cancel)
   void OnWriteDone(bool ok) override;
@@ -438,7 +459,13 @@ class StreamCall final
   bool Full() const;  // with mu_ held: this stream's answers hold its share of the budget
   void GiveBack(int64_t reserved);  // with mu_ held: a reservation whose answer is written or dropped
 
+  // Request `seq` handed to the Python server as a ModelInfer call (Plane::ToPython); its answer
+  // takes its place in the stream's order.
+  void ToPython(uint64_t seq, const grpc::ByteBuffer& message, inference::ModelInferResponse* response);
+
   Plane* plane_;
+  grpc::CallbackServerContext* context_;
+  std::map<uint64_t, std::shared_ptr<UnaryRelay>> relayed_;  // by seq, until answered (cancelled with the stream)
   TimePoint deadline_;  // the stream's gRPC deadline: each request's
   std::mutex mu_;
   grpc::ByteBuffer incoming_;

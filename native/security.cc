@@ -75,17 +75,21 @@ bool Authorized(const grpc_metadata* md, size_t count, const std::string& token)
 struct TokenProcessor {
   std::string token, refusal;
   Refusals* refusals;
+  std::vector<std::string> open_prefixes;
 
   static void Process(void* state, grpc_auth_context*, const grpc_metadata* md, size_t count,
                       grpc_process_auth_metadata_done_cb done, void* user_data) {
     auto* self = static_cast<TokenProcessor*>(state);
-    if (Authorized(md, count, self->token)) {
-      done(user_data, nullptr, 0, nullptr, 0, GRPC_STATUS_OK, nullptr);
-      return;
-    }
     std::string_view path;
     for (size_t i = 0; i < count; ++i)
       if (View(md[i].key) == ":path") path = View(md[i].value);
+    // Probes and reflection stay open, as on the Python plane (server.security.OPEN).
+    bool open = false;
+    for (const std::string& prefix : self->open_prefixes) open = open || path.rfind(prefix, 0) == 0;
+    if (open || Authorized(md, count, self->token)) {
+      done(user_data, nullptr, 0, nullptr, 0, GRPC_STATUS_OK, nullptr);
+      return;
+    }
     self->refusals->Note(path);
     done(user_data, nullptr, 0, nullptr, 0, GRPC_STATUS_UNAUTHENTICATED, self->refusal.c_str());
   }
@@ -120,7 +124,7 @@ std::shared_ptr<grpc::ServerCredentials> Plane::Credentials() {
   }
   if (creds == nullptr) return nullptr;
   if (!s.token.empty()) {
-    auto* processor = new TokenProcessor{s.token, s.refusal, &refusals_};
+    auto* processor = new TokenProcessor{s.token, s.refusal, &refusals_, s.open_prefixes};
     grpc_server_credentials_set_auth_metadata_processor(
         creds, {&TokenProcessor::Process, &TokenProcessor::Destroy, processor});
   }

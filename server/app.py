@@ -15,6 +15,8 @@ import asyncio
 import functools
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -149,8 +151,8 @@ class Server:
         self.port: int | None = None
         self.http_port: int | None = None
         self.metrics_port: int | None = None
-        self.native_port: int | None = None  # --data-plane native (server.native)
-        self._native = None
+        self._native = None  # --data-plane native (server.native): it serves `port`, Python behind it
+        self._private_dir: Path | None = None  # the Python server's socket behind the native plane
         self._rest: RestPort | None = None
         self.metrics = Metrics(worker.directory if worker is not None else None)
         self._metrics_endpoint = MetricsEndpoint(self.metrics.registry, refresh=self.metrics.refresh)
@@ -216,7 +218,8 @@ class Server:
         request_path = RequestPath(self.registry, self.metrics, self._draining, Calls(self.tracing, cfg.access_log),
                                    shared_memory=self._shared_memory, data_plane=cfg.data_plane,
                                    why_no_cuda_shm=shm.why_no_cuda(device.providers[0] == CUDA, device.why_not_cuda))
-        servicer = InferenceServicer(request_path, self.budget)
+        native = cfg.data_plane == "native"
+        servicer = InferenceServicer(request_path, self.budget, relayed=native)
 
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -239,18 +242,27 @@ class Server:
         # Every method is served through the gate (token, draining, parsing; see server.gate).
         gate = CallGate(method_handlers(servicer, self._health, cfg.max_typed_bytes), self._admission,
                         self._draining, _INFER_METHODS, token, cfg.access_log, receive_slots=slots,
-                        on_receive_idle=reclaimer.on_idle)
+                        on_receive_idle=reclaimer.on_idle, relayed=native)
         self._gate = gate
         self.metrics.watch_receiving(gate.receive)
         servers_before = CoreCalls.server_ids()
         self._grpc = grpc.aio.server(options=options)
         self._core_calls = CoreCalls.of_new_server(servers_before)
         self._grpc.add_generic_rpc_handlers((gate,))
-        self.port = bind(self._grpc, cfg.host, cfg.port, credentials)
+        if native:  # the plane serves the port and relays the rest here: a socket only this process reaches
+            self._private_dir = Path(tempfile.mkdtemp(prefix="attnserve-grpc-"))  # mode 0700
+            upstream = f"unix:{self._private_dir / 'grpc.sock'}"
+            if self._grpc.add_insecure_port(upstream) == 0:
+                raise OSError(f"cannot listen on {upstream}")
+        else:
+            self.port = bind(self._grpc, cfg.host, cfg.port, credentials)
         await self._grpc.start()
 
         for name in self.registry.known_names():
             await self._model_changed(name, self.registry.ready(name))
+        if native:  # listening while the models warm, as the Python port does (warming versions are refused)
+            self.port = self._start_native(request_path, token, upstream, [
+                ("grpc.http2.bdp_probe", 0), *grpc_connection_options(cfg)])
         if cfg.http_port >= 0:
             self._rest = RestPort(request_path, self._admission, self._draining, token, cfg.max_message_bytes,
                                   cfg.access_log, cfg.max_json_bytes, budget=self.budget,
@@ -273,13 +285,11 @@ class Server:
         # Readiness stays false (index: WARMING) until each model's graphs have run (server.warmup);
         # the ready file is written after, so it still means ready.
         await self.registry.warm_up_at_start()
-        if cfg.data_plane == "native":  # it serves the models ready now: warmed
-            self.native_port = self._start_native(request_path, token)
         # Said once the models are warm and every listener is up, the native one included.
         logger.info("serving %d model(s) %s on %s:%d (data plane %s, REST %s, metrics %s, max message %d bytes, "
                     "model control %s, memory budget %d bytes, %d message(s) received at once)%s",
                     len(self.registry.loaded), sorted(self.registry.loaded), cfg.host, self.port,
-                    "python" if self._native is None else f"native on port {self.native_port}, python on {self.port}",
+                    "python" if self._native is None else f"native, python behind it on {upstream}",
                     f"http{'s' if ssl_context else ''}://{cfg.host}:{self.http_port}/v2" if self.http_port else "off",
                     f"http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "off",
                     cfg.max_message_bytes, cfg.model_control_mode, limit, slots,
@@ -311,9 +321,11 @@ class Server:
         await self._health.set("", overall)
         await self._health.set(SERVICE_NAME, overall)
 
-    def _start_native(self, request_path: RequestPath, token: BearerToken | None) -> int:
-        """The native data plane's listener (server.native), with the Python port's TLS and token;
-        workers share its port as they share the others. RuntimeError saying why it cannot start."""
+    def _start_native(self, request_path: RequestPath, token: BearerToken | None, upstream: str,
+                      channel_args: list[tuple[str, int]]) -> int:
+        """The native data plane's listener on --port (server.native), with the Python port's TLS, token
+        and connection arguments, relaying what it does not serve to `upstream`; workers share its port.
+        RuntimeError saying why it cannot start."""
         from attnserve.server.native import NativePlane, why_unavailable
 
         why = why_unavailable()
@@ -322,7 +334,7 @@ class Server:
         self._native = NativePlane(self.config, self.registry, request_path, self.metrics, asyncio.get_running_loop(),
                                    budget_counter=self._budget_counter, receiving_bytes=self._receiving_bytes,
                                    token=token, shared_port=self.worker is not None)
-        return self._native.start()
+        return self._native.start(upstream, channel_args)
 
     async def _native_idle(self, deadline: float) -> bool:
         """Whether the native plane's queued and computing calls all finished by `deadline`
@@ -337,7 +349,7 @@ class Server:
 
     def _write_ready_file(self, path: Path) -> None:
         write_json_atomic(path, {"grpc_port": self.port, "http_port": self.http_port, "metrics_port": self.metrics_port,
-                                 "native_port": self.native_port, "pid": os.getpid()})
+                                 "pid": os.getpid()})
 
     def hurry(self) -> None:
         """A second signal: end the drain delay and the grace period now; what has not started
@@ -382,10 +394,13 @@ class Server:
                            "second signal" if self._draining.hurried.is_set() else f"grace period {grace_s:.1f}s over",
                            self._admission.in_flight + (self._native.in_flight() if self._native is not None else 0))
         if self._native is not None:  # what is still queued refused; GOAWAY; running batches finish
+            # Watch streams, relayed through the plane, end first: its stop waits for its calls.
+            watches = await self._gate.end_watches() if self._gate is not None else 0
             await asyncio.to_thread(self._native.stop, _RUNNING_MARGIN_S)
         if self.registry is not None:
             await self.registry.close(abandon_queued=not finished)
-        watches = await self._gate.end_watches() if self._gate is not None else 0
+        if self._native is None:
+            watches = await self._gate.end_watches() if self._gate is not None else 0
         if self._grpc is not None:
             if self._gate is not None and not self._draining.hurried.is_set():
                 await self._gate.quiet(refused_at, _QUIET_S, _QUIET_BOUND_S)
@@ -407,6 +422,8 @@ class Server:
             self.tracing = None
         if self._shared_memory is not None:
             self._shared_memory.close()
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
         logger.info("stopped after %.2fs (%d call(s) in flight when new calls were refused, %d watch stream(s) "
                     "ended)", time.monotonic() - started, in_flight, watches)
 

@@ -114,10 +114,9 @@ class ServerConfig:
     tls_key: Path | None = None  # PEM private key of the server
     tls_client_ca: Path | None = None  # PEM roots that client certificates must chain to
     auth_token_file: Path | None = None  # file holding the bearer token clients must send
-    # native: ModelInfer also served by the C++ data plane (server.native) on native_port, a
-    # prototype beside the Python gRPC server, which keeps every other RPC.
+    # native: the C++ data plane (server.native) listens on `port`, serves ModelInfer and
+    # ModelStreamInfer itself and relays every other call to the Python gRPC server on a private socket.
     data_plane: str = "python"
-    native_port: int = 8003  # 0 = any free port
     # graphs: each graph runs at a short and a crossover length, on every session kind, before its
     # model reports ready (server.warmup); none: ready as soon as its sessions load.
     warmup: str = "graphs"
@@ -203,8 +202,6 @@ class ServerConfig:
         for name in ("grpc_keepalive_time_s", "grpc_keepalive_timeout_s", "grpc_keepalive_min_ping_interval_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.native_port <= 65535:
-            raise ValueError(f"native_port must be in 0..65535, got {self.native_port}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key, got only "
                              + ("--tls-cert" if self.tls_key is None else "--tls-key"))
@@ -276,9 +273,8 @@ _HELP: dict[str, str] = {
     "tls_key": "PEM private key of --tls-cert",
     "tls_client_ca": "PEM roots: require client certificates signed by them (mutual TLS)",
     "auth_token_file": "file holding a bearer token every call must send (health stays open)",
-    "data_plane": "python, or native: ModelInfer also served by the C++ data plane on --native-port (prototype; "
-                  "`make native` builds it)",
-    "native_port": "the native data plane's gRPC port with --data-plane native (0 = any free port)",
+    "data_plane": "python, or native: the C++ data plane serves --port (ModelInfer and ModelStreamInfer in C++, "
+                  "every other call relayed to the Python server; `make native` builds it)",
     "warmup": "graphs: before a model reports ready, run each of its graphs at a short and at the crossover "
               "length on every session kind (readiness false, index state WARMING meanwhile); none: ready at once",
     "grpc_max_connection_age_s": "close each gRPC connection (GOAWAY) after this many seconds, so that clients "

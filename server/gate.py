@@ -38,21 +38,22 @@ from attnserve.server.errors import MalformedMessage, ShuttingDown, Unauthentica
 from attnserve.server.handover import CoreCalls
 from attnserve.server.lifecycle import Admission, Draining
 from attnserve.server.parsing import bounded_infer_request, tolerant_handler
-from attnserve.server.security import REFUSAL, BearerToken
+from attnserve.server.security import REFUSAL, BearerToken, call_peer
 from attnserve.server.tracing import Calls
 from grpc_health.v1 import health_pb2
 
 logger = logging.getLogger(__name__)
 
 
-def _refusal(error: Exception, on_call: Callable[[str], None] | None = None) -> grpc.RpcMethodHandler:
+def _refusal(error: Exception, on_call: Callable[[str], None] | None = None, relayed: bool = False
+             ) -> grpc.RpcMethodHandler:
     """A handler that ends its call with `error` (on_call is given the peer first).
     Request-streaming, with no deserializer: it runs as soon as the headers arrive and never
     reads or parses the message, however large."""
 
     async def refuse(request_iterator, context):
         if on_call is not None:
-            on_call(context.peer())
+            on_call(call_peer(context, relayed))
         await abort(context, error)
 
     return grpc.stream_unary_rpc_method_handler(refuse)
@@ -152,12 +153,14 @@ class CallGate(grpc.GenericRpcHandler):
     def __init__(self, method_handlers: Mapping[str, grpc.RpcMethodHandler], admission: Admission,
                  draining: Draining, counted_methods: frozenset[str], token: BearerToken | None = None,
                  access_log: bool = False, receive_slots: int | None = None,
-                 on_receive_idle: Callable[[], None] | None = None) -> None:
+                 on_receive_idle: Callable[[], None] | None = None, relayed: bool = False) -> None:
         """method_handlers: "/package.Service/Method" -> handler, for every method served (a kind
         server.parsing does not wrap is a TypeError here, at startup).
         counted_methods: the inference methods Admission counts (and draining refuses).
         receive_slots: unary inference messages received at once (ReceiveSlots); None: any.
-        on_receive_idle: ReceiveSlots' on_idle."""
+        on_receive_idle: ReceiveSlots' on_idle.
+        relayed: calls come from the native data plane's relay (server.security.call_peer)."""
+        self._relayed = relayed
         self.receive = ReceiveSlots(receive_slots, on_receive_idle)
         # The inference methods' messages have their `parameters` bounded before they are parsed.
         self._handlers = {
@@ -187,7 +190,7 @@ class CallGate(grpc.GenericRpcHandler):
                 also(peer)
             refusals.begin("grpc", method.rsplit("/", 1)[-1], peer, None).finish(status_for(error))
 
-        return _refusal(error, on_call)
+        return _refusal(error, on_call, self._relayed)
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         self.calls_seen += 1
@@ -198,7 +201,7 @@ class CallGate(grpc.GenericRpcHandler):
             token = self._token
             if self._refusals is not None:
                 return self._refused(Unauthenticated(REFUSAL), method, lambda peer: token.note_refusal(method, peer))
-            return _refusal(Unauthenticated(REFUSAL), lambda peer: token.note_refusal(method, peer))
+            return _refusal(Unauthenticated(REFUSAL), lambda peer: token.note_refusal(method, peer), self._relayed)
         handler = self._handlers.get(method)
         if handler is None:
             return None  # gRPC answers UNIMPLEMENTED

@@ -3,7 +3,7 @@
     plane = NativePlane(config, registry, request_path, metrics, loop); port = plane.start()
     plane.begin_drain(); plane.refuse(); plane.wait_idle(timeout_s); plane.stop(grace_s)
 
-attnserve.server._native (native/, built by `make native`) listens on --native-port: it parses
+attnserve.server._native (native/, built by `make native`) listens on --port: it parses
 each ModelInfer request, checks it against the contract (the names and datatypes below are
 attnserve.contract's, the numbers each model's ModelSpec), queues it per model and forms padded
 batches with their masks. One thread per model here takes each batch as numpy views of the
@@ -13,9 +13,9 @@ registry serves: sync() pushes the registry's state in the same event-loop turn 
 (a new version gets its queue and runner; a retired one finishes what is queued on it, then its
 runner ends). The rare RPCs (readiness, metadata, config, statistics, the index) are relayed to
 the event loop as bytes and answered by the same RequestPath as the Python port: one source of
-truth. Metrics: each batch's figures go to the event loop once per batch (server.metrics'
-histograms and Triton statistics); the calls' final statuses are counted in C++ by model name
-and read into attnserve_requests at scrape time.
+truth. The rest, and ModelInfer requests it does not carry (shared memory; recorded calls), go
+byte for byte to the Python gRPC server on a private Unix socket (native/relay.h). Metrics: each
+batch's figures go to the event loop once per batch; final statuses are counted in C++ by name.
 Request control, with the Python plane's semantics: each model's schedule policy (its
 QueuePolicy) and --priority-aging-batches are handed to C++, which reads `priority`/`timeout`,
 orders and expires its queue; a cancelled call leaves it at once, and a batch whose calls are
@@ -45,7 +45,8 @@ from attnserve.server.memory.costs import native_cost_terms
 from attnserve.server.metrics import SYNC_PERIOD_S
 from attnserve.server.models import ModelUnavailable
 from attnserve.server.request_path import CLIENT, DEADLINE
-from attnserve.server.security import REFUSAL, read_tls_files, read_token
+from attnserve.server.security import OPEN_METHOD_PREFIXES, REFUSAL, read_tls_files, read_token
+from attnserve.server.shm import BYTE_SIZE, OFFSET, REGION
 from attnserve.server.tensors import RunStop
 
 from attnserve import contract
@@ -81,6 +82,17 @@ RELAYED = {
     "ModelStatistics": (pb.ModelStatisticsRequest, lambda rp, r: rp.model_statistics(r.name, r.version)),
     "RepositoryIndex": (pb.RepositoryIndexRequest, lambda rp, r: rp.repository_index(r.repository_name, r.ready)),
 }
+
+
+# A ModelInfer request with one of these parameters on an input or output goes to the Python request
+# path as it is (Triton's system and CUDA shared memory: server.shm).
+SHARED_MEMORY_PARAMETERS = (REGION, OFFSET, BYTE_SIZE)
+
+
+def python_serves_all(request_path) -> bool:
+    """Whether every ModelInfer request goes to the Python request path: while it records calls
+    (--access-log, traces), which native calls do not write yet."""
+    return request_path.calls is not None
 
 
 # Left by `pip install .` (setup.py) where the extension could not be built: what was missing.
@@ -152,7 +164,7 @@ class NativePlane:
         memory budget's shared counter (share_budget; None: native calls reserve nothing).
         receiving_bytes: --max-receiving-bytes, gRPC's memory quota for the native port (0: none).
         token: server.security.BearerToken (None: no token asked for), whose refusals on the native
-        port it counts and logs. shared_port: worker processes share --native-port (SO_REUSEPORT;
+        port it counts and logs. shared_port: worker processes share --port (SO_REUSEPORT;
         server.workers)."""
         self._config = config
         self._receiving_bytes = receiving_bytes
@@ -271,18 +283,25 @@ class NativePlane:
             return
         reply(0, "", response.SerializeToString())
 
-    def start(self) -> int:
-        """Bind --native-port and start a runner thread per model; the bound port."""
+    def start(self, upstream: str | None = None, channel_args: list[tuple[str, int]] = ()) -> int:
+        """Bind --port and start a runner thread per model; the bound port. upstream: the Python
+        server's private socket ("unix:PATH"), where every call the plane does not serve goes
+        (None: answered UNIMPLEMENTED); channel_args: the Python server's gRPC arguments."""
         cfg = self._config
-        target = address(cfg.host, cfg.native_port)
+        target = address(cfg.host, cfg.port)
         self._plane.set_receive_quota(self._receiving_bytes)
         cert, key, client_ca = read_tls_files(cfg)
         token = read_token(cfg.auth_token_file) if cfg.auth_token_file is not None else b""
         self._plane.set_security(cert, key, client_ca, token, REFUSAL)
+        self._plane.set_open_prefixes(list(OPEN_METHOD_PREFIXES))
         self._plane.set_reuse_port(self._shared_port)
+        self._plane.set_channel_args(list(channel_args))
+        if upstream is not None:
+            self._plane.set_upstream(upstream)
+            self._plane.set_fallback(python_serves_all(self._request_path), list(SHARED_MEMORY_PARAMETERS))
         port = self._plane.start(target, cfg.max_message_bytes, cfg.max_concurrent_streams)
         if port == 0:
-            raise OSError(f"native data plane: cannot listen on {target} (--native-port)")
+            raise OSError(f"native data plane: cannot listen on {target} (--port)")
         if not self._zeros:
             self._started = True
             for index in sorted(self._lanes.values()):

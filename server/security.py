@@ -41,6 +41,9 @@ OPEN_METHOD_PREFIXES = (
 # On the REST port: the probes' paths, the server's liveness and readiness.
 OPEN_PATH_PREFIXES = ("/v2/health/",)
 _REFUSAL_LOG_EVERY_S = 10.0  # refusals are counted; the log gets one line per interval at most
+# The native data plane names the real caller in this header on every call it relays (native/relay.h)
+# and drops a client's own: trusted only on the private socket it relays to, which no client reaches.
+PEER_HEADER = "x-attnserve-peer"
 # What a refused caller is told (with UNAUTHENTICATED).
 REFUSAL = "missing or invalid bearer token: send metadata 'authorization: Bearer <token>'"
 
@@ -198,3 +201,12 @@ class BearerToken:
                            self._refused_unlogged, method, peer)
             self._refused_unlogged = 0
             self._last_log = now
+
+
+def call_peer(context, relayed: bool) -> str:
+    """The caller's address: gRPC's peer(), or behind the native data plane (relayed) the one it names."""
+    if relayed:
+        for key, value in context.invocation_metadata() or ():
+            if key == PEER_HEADER:
+                return value
+    return context.peer()

@@ -17,6 +17,7 @@ from attnserve.server import codec
 from attnserve.server.errors import CANCELLED, Status, abort
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.request_path import RequestPath
+from attnserve.server.security import call_peer
 from attnserve.server.tracing import Call, carrier_of
 
 # Requests of one ModelStreamInfer stream in the server at once; reading pauses beyond it.
@@ -40,10 +41,12 @@ def _mapped_errors(rpc):
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, request_path: RequestPath, budget: MemoryBudget | None = None) -> None:
+    def __init__(self, request_path: RequestPath, budget: MemoryBudget | None = None, relayed: bool = False) -> None:
         """request_path: the request path both transports share (server.request_path).
-        budget: the server's memory budget; a stream's share of it is bounded here."""
+        budget: the server's memory budget; a stream's share of it is bounded here.
+        relayed: calls come from the native data plane's relay (server.security.call_peer)."""
         self._request_path = request_path
+        self._relayed = relayed
         self._stream_share = None if budget is None else int(budget.limit_bytes * STREAM_BUDGET_SHARE)
 
     # -- health and metadata -----------------------------------------------------------------
@@ -133,7 +136,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         calls = self._request_path.calls
         if calls is None:
             return None
-        return calls.begin("grpc", method, context.peer(), carrier_of(context.invocation_metadata()),
+        return calls.begin("grpc", method, call_peer(context, self._relayed), carrier_of(context.invocation_metadata()),
                            _request_bytes(request))
 
     async def ModelInfer(self, request, context):

@@ -247,7 +247,7 @@ class Supervisor:
         self._changed = asyncio.Event()
         self._held: list[socket.socket] = []
         self._endpoint = None
-        self.grpc_port = self.http_port = self.metrics_port = self.native_port = None
+        self.grpc_port = self.http_port = self.metrics_port = None
 
     # -- setup --
     def _worker_args(self, worker: _Worker) -> list[str]:
@@ -255,8 +255,6 @@ class Supervisor:
         args = [*self.argv, "--workers", "1", "--port", str(self.grpc_port),
                 "--http-port", str(self.http_port if self.http_port is not None else -1),
                 "--metrics-port", "-1", "--ready-file", str(self._ready_path(worker))]
-        if self.native_port is not None:
-            args += ["--native-port", str(self.native_port)]
         if cfg.intra_op_threads == 0:
             args += ["--intra-op-threads", str(max(1, available_cpus() // self.count))]
         if cfg.memory_limit_bytes is not None:
@@ -290,12 +288,6 @@ class Supervisor:
                 self.http_port, held = reserve_port(cfg.host, cfg.http_port)
             except OSError as err:
                 raise OSError(f"HTTP/REST port: {err}") from None
-            self._held += held
-        if cfg.data_plane == "native":  # each worker's native listener on the one port, as gRPC's
-            try:
-                self.native_port, held = reserve_port(cfg.host, cfg.native_port)
-            except OSError as err:
-                raise OSError(f"native data plane port (--native-port): {err}") from None
             self._held += held
         self._setup_metrics()
         if cfg.metrics_port >= 0:
@@ -350,7 +342,7 @@ class Supervisor:
 
         write_json_atomic(self.config.ready_file, {
             "grpc_port": self.grpc_port, "http_port": self.http_port, "metrics_port": self.metrics_port,
-            "native_port": self.native_port, "pid": os.getpid(),
+            "pid": os.getpid(),
             "workers": [w.proc.pid for w in self.workers if w.proc is not None],
             "workers_dir": str(self.directory)})  # each worker's statistics file (shared_stats.gather_by_pid)
 
@@ -482,9 +474,8 @@ class Supervisor:
             return 0
         if not self.draining:
             self._write_ready_file()
-            logger.info("serving with %d workers (pids %s) on %s:%d (%sREST %s, metrics %s)", self.count,
-                        [w.proc.pid for w in self.workers], self.config.host, self.grpc_port,
-                        f"native data plane on port {self.native_port}, " if self.native_port is not None else "",
+            logger.info("serving with %d workers (pids %s) on %s:%d (data plane %s, REST %s, metrics %s)", self.count,
+                        [w.proc.pid for w in self.workers], self.config.host, self.grpc_port, self.config.data_plane,
                         self.http_port or "off", self.metrics_port or "off")
         codes = await asyncio.gather(*(self._keep(w) for w in self.workers))
         logger.info("every worker stopped (exit statuses %s)", codes)

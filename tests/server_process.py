@@ -16,6 +16,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 60.0
+# Which data plane a test's server runs on unless the test passes --data-plane itself: python
+# (default) or native (`make test-native-plane`; docs/testing.md).
+DATA_PLANE_ENV = "ATTNSERVE_TEST_DATA_PLANE"
+
+
+def data_plane_args(extra_args: tuple[str, ...]) -> list[str]:
+    """["--data-plane", X] from $ATTNSERVE_TEST_DATA_PLANE, or nothing when the test chose its own."""
+    plane = os.environ.get(DATA_PLANE_ENV, "python")
+    if plane not in ("python", "native"):
+        raise ValueError(f"${DATA_PLANE_ENV} must be python or native, got {plane!r}")
+    if any(arg == "--data-plane" or arg.startswith("--data-plane=") for arg in extra_args):
+        return []
+    return ["--data-plane", plane] if plane != "python" else []
 
 
 class ServerProcess:
@@ -42,6 +55,7 @@ class ServerProcess:
             "--drain-delay-s", "0",
             # One process unless a test asks for more: the default follows the machine's CPUs.
             "--workers", "1",
+            *data_plane_args(extra_args),
             *extra_args,
         ]
         self._log = open(self.log_path, "wb")

@@ -125,9 +125,9 @@ def _repository(root: Path, model_repository: Path) -> Path:
 def gated(model_repository, tmp_path_factory):
     """One batch at a time, aging by 2 batches; CONFIGURED with its own schedule policy."""
     repository = _repository(tmp_path_factory.mktemp("control") / "models", model_repository)
-    with GatedServer(repository, "--data-plane", "native", "--native-port", "0", "--max-batch-size", "1",
+    with GatedServer(repository, "--data-plane", "native", "--max-batch-size", "1",
                      "--priority-aging-batches", "2") as proc:
-        proc.native_port = json.loads(proc.ready_file.read_text())["native_port"]
+        proc.native_port = proc.port
         with grpc.insecure_channel(f"127.0.0.1:{proc.native_port}") as ch:
             proc.native = pb_grpc.GRPCInferenceServiceStub(ch)
             yield proc
@@ -318,9 +318,9 @@ def _cpu_over(pid: int, seconds: float) -> float:
 def test_cancelled_runs_stop_and_a_batch_with_a_live_call_computes_it_exactly(model_repository):
     rng = np.random.default_rng(28)
     a, b, blocker = (rng.standard_normal((1, 16, 512), dtype=np.float32) for _ in range(3))
-    with GatedServer(model_repository, "--data-plane", "native", "--native-port", "0", "--max-batch-size", "2",
+    with GatedServer(model_repository, "--data-plane", "native", "--max-batch-size", "2",
                      "--intra-op-threads", "2") as proc:
-        port = json.loads(proc.ready_file.read_text())["native_port"]
+        port = proc.port
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
             stub = pb_grpc.GRPCInferenceServiceStub(ch)
 

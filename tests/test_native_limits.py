@@ -20,7 +20,6 @@ Skips, saying why, where the extension is not built (`make native`).
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import re
 import time
 import urllib.request
@@ -131,12 +130,22 @@ def test_native_cost_is_request_cost(model_repository):
 # -- one server with small bounds ------------------------------------------------------------------
 
 
+BOUNDS = ("--max-message-bytes", str(MESSAGE_BYTES), "--max-typed-bytes", str(TYPED_BYTES),
+          "--memory-limit-bytes", str(BUDGET_BYTES), "--max-receiving-bytes", str(MESSAGE_BYTES))
+
+
 @pytest.fixture(scope="module")
 def bounded_server(model_repository):
-    proc = ServerProcess(model_repository, "--data-plane", "native", "--native-port", "0",
-                         "--max-message-bytes", str(MESSAGE_BYTES), "--max-typed-bytes", str(TYPED_BYTES),
-                         "--memory-limit-bytes", str(BUDGET_BYTES), "--max-receiving-bytes", str(MESSAGE_BYTES))
-    proc.native_port = json.loads(proc.ready_file.read_text())["native_port"]
+    proc = ServerProcess(model_repository, "--data-plane", "native", *BOUNDS)
+    proc.native_port = proc.port
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def python_bounded_server(model_repository):
+    """The same bounds on the Python plane: the words the native plane's refusals must equal."""
+    proc = ServerProcess(model_repository, "--data-plane", "python", *BOUNDS)
     yield proc
     proc.stop()
 
@@ -161,10 +170,10 @@ def _bounded_cases() -> dict[str, tuple[pb.ModelInferRequest, str]]:
 
 
 @pytest.mark.parametrize("case", sorted(_bounded_cases()))
-def test_a_bound_is_refused_with_the_python_planes_words(bounded_server, case):
+def test_a_bound_is_refused_with_the_python_planes_words(bounded_server, python_bounded_server, case):
     request, words = _bounded_cases()[case]
     before_kib = bounded_server.memory_kib("VmHWM")
-    with _native_channel(bounded_server) as ch, bounded_server.channel() as python_ch:
+    with _native_channel(bounded_server) as ch, python_bounded_server.channel() as python_ch:
         stub = pb_grpc.GRPCInferenceServiceStub(ch)
         got = _refusal(stub, request)
         want = _refusal(pb_grpc.GRPCInferenceServiceStub(python_ch), request)
@@ -250,9 +259,9 @@ def held_cost(model_repository) -> int:
 @pytest.fixture(scope="module")
 def gated(model_repository, held_cost):
     """One HELD call fits the budget, two do not (the waiting room, an eighth, stays free)."""
-    with GatedServer(model_repository, "--data-plane", "native", "--native-port", "0", "--max-batch-size", "1",
+    with GatedServer(model_repository, "--data-plane", "native", "--max-batch-size", "1",
                      "--memory-limit-bytes", str(held_cost * 3 // 2), "--grace-period-s", "120") as proc:
-        proc.native_port = json.loads(proc.ready_file.read_text())["native_port"]
+        proc.native_port = proc.port
         yield proc
 
 

@@ -14,7 +14,6 @@ held gate or warm-up), each with a generous deadline.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import shutil
 import time
 import urllib.request
@@ -43,12 +42,12 @@ from tests.warmup_held_server import HeldWarmUpServer
 WHY_NOT = native.why_unavailable()
 pytestmark = [pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT)), pytest.mark.e2e]
 
-NATIVE = ("--data-plane", "native", "--native-port", "0")
+NATIVE = ("--data-plane", "native")
 WAIT_S = 60.0  # a bound on waiting for an observable, not a guess of speed
 
 
 def _native_port(proc: ServerProcess) -> int:
-    return json.loads(proc.ready_file.read_text())["native_port"]
+    return proc.port
 
 
 def _channel(port: int) -> grpc.Channel:

@@ -14,7 +14,6 @@ hands the outputs back. Skips, saying why, where the extension is not built (`ma
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import re
 import signal
 import subprocess
@@ -49,8 +48,8 @@ QUEUED_WITHIN_S = 30.0  # a bound on waiting for the calls to reach the queue, n
 
 @pytest.fixture(scope="module")
 def native_server(model_repository):
-    proc = ServerProcess(model_repository, "--data-plane", "native", "--native-port", "0")
-    proc.native_port = json.loads(proc.ready_file.read_text())["native_port"]
+    proc = ServerProcess(model_repository, "--data-plane", "native")
+    proc.native_port = proc.port
     yield proc
     proc.stop()
 
@@ -344,7 +343,7 @@ def test_the_flag_is_checked():
 # -- which plane serves ----------------------------------------------------------------------------
 
 def test_the_log_and_server_metadata_say_the_native_plane_serves(native_server, stub, server):
-    assert f"data plane native on port {native_server.native_port}" in native_server.log()
+    assert "data plane native, python behind it on unix:" in native_server.log()
     with native_server.channel() as ch:
         python_port = pb_grpc.GRPCInferenceServiceStub(ch).ServerMetadata(pb.ServerMetadataRequest(), timeout=30)
     assert "native_data_plane" in stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=30).extensions
@@ -468,9 +467,9 @@ def test_a_drain_finishes_admitted_native_calls_and_refuses_new_ones(model_repos
     The gated engine has no head-mask graphs: such a mask is refused as the Python port does."""
     rng = np.random.default_rng(31)
     cases = [inputs("self_attention", rng, 1, 4, 5, None) for _ in range(6)]
-    with GatedServer(model_repository, "--data-plane", "native", "--native-port", "0", "--max-batch-size", "1",
+    with GatedServer(model_repository, "--data-plane", "native", "--max-batch-size", "1",
                      "--grace-period-s", "120") as proc, concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
-        port = json.loads(proc.ready_file.read_text())["native_port"]
+        port = proc.port
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch, proc.channel() as python_ch:
             stub = pb_grpc.GRPCInferenceServiceStub(ch)
             differ = infer_request("self_attention", **inputs("self_attention", rng, 1, 3, 4, "b_h_q_k"))
@@ -543,9 +542,9 @@ def test_a_drain_answers_a_streams_admitted_requests_and_refuses_later_ones_in_t
         while (request := outgoing.get()) is not None:
             yield request
 
-    with GatedServer(model_repository, "--data-plane", "native", "--native-port", "0", "--max-batch-size", "1",
+    with GatedServer(model_repository, "--data-plane", "native", "--max-batch-size", "1",
                      "--grace-period-s", "120") as proc, concurrent.futures.ThreadPoolExecutor(1) as pool:
-        port = json.loads(proc.ready_file.read_text())["native_port"]
+        port = proc.port
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stream = pb_grpc.GRPCInferenceServiceStub(ch).ModelStreamInfer(requests(), timeout=120)
             answers = pool.submit(list, stream)

@@ -58,13 +58,13 @@ def token_file(tmp_path_factory) -> Path:
 
 
 def _native_port(proc: ServerProcess) -> int:
-    return json.loads(Path(proc.ready_file).read_text())["native_port"]
+    return proc.port
 
 
 @pytest.fixture(scope="module")
 def tls_server(model_repository, pki, token_file):
     """TLS and a token, logging all it can: the token must never show."""
-    proc = ServerProcess(model_repository, "--data-plane", "native", "--native-port", "0",
+    proc = ServerProcess(model_repository, "--data-plane", "native",
                          "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
                          "--auth-token-file", str(token_file), "--log-level", "DEBUG", "--access-log", "true",
                          credentials=grpc.ssl_channel_credentials(pki.ca.read_bytes()))
@@ -76,7 +76,7 @@ def tls_server(model_repository, pki, token_file):
 
 @pytest.fixture(scope="module")
 def mtls_server(model_repository, pki):
-    proc = ServerProcess(model_repository, "--data-plane", "native", "--native-port", "0",
+    proc = ServerProcess(model_repository, "--data-plane", "native",
                          "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
                          "--tls-client-ca", str(pki.ca),
                          credentials=grpc.ssl_channel_credentials(pki.ca.read_bytes(), pki.client_key.read_bytes(),
@@ -224,13 +224,13 @@ def test_workers_share_the_native_port_a_pool_reaches_both_and_the_counts_are_th
     ModelStatistics (through the Python port) and /metrics count every native call of both, and
     both workers drain (exit 0)."""
     rng = np.random.default_rng(29)
-    with GatedServer(model_repository, "--workers", "2", "--data-plane", "native", "--native-port", "0",
+    with GatedServer(model_repository, "--workers", "2", "--data-plane", "native",
                      "--max-batch-size", "1", "--auth-token-file", str(token_file), "--grace-period-s", "120",
                      "--warmup", "none") as proc:  # no warm-up: two workers start in half the time
         ready = json.loads(Path(proc.ready_file).read_text())
-        workers, port = set(ready["workers"]), ready["native_port"]
+        workers, port = set(ready["workers"]), ready["grpc_port"]
         assert len(workers) == 2 and port
-        proc.wait_for_log(f"native data plane on port {port}")
+        proc.wait_for_log("data plane native")
         with _channel(port) as plaintext:
             error = _refusal(pb_grpc.GRPCInferenceServiceStub(plaintext).ModelInfer,
                              infer_request("self_attention", **random_inputs(rng, 1, 4, 3, 512, 512)),
@@ -274,12 +274,12 @@ def test_a_stopped_native_worker_is_replaced_on_the_shared_port_and_the_server_d
     """SIGSTOP one of two workers: the watchdog (heartbeats answered by each worker's event loop)
     kills and replaces it; the replacement binds the shared native port again (else it could not
     start), every new connection to that port is served, and SIGTERM drains both (exit 0)."""
-    proc = ServerProcess(model_repository, "--workers", "2", "--data-plane", "native", "--native-port", "0",
+    proc = ServerProcess(model_repository, "--workers", "2", "--data-plane", "native",
                          "--worker-heartbeat-s", "0.2", "--worker-heartbeat-timeout-s", "10", "--warmup", "none")
     victim = None
     try:
         ready = json.loads(Path(proc.ready_file).read_text())
-        port, victim = ready["native_port"], ready["workers"][0]
+        port, victim = ready["grpc_port"], ready["workers"][0]
         listening = f"on 127.0.0.1:{port}, shared by the workers"
         proc.wait_for_log(listening, count=2)
         os.kill(victim, signal.SIGSTOP)

@@ -648,7 +648,13 @@ def test_a_merged_batch_copies_each_request_s_rows_into_its_region(model_reposit
                                    (f"out{i}", sum(sizes.values()))):
                     made[name] = regions(f"merged-{name}", size)
                     clients[0].register_system_shared_memory(name, made[name]._shm_key, size)
-            held = threading.Thread(target=lambda: _infer_placed(clients[0], "self_attention", xs[0], None, {}, {}))
+            # Its inputs in a region too: with the native data plane, requests with shared memory go to
+            # the Python request path, so the held one must queue where the two others will.
+            size = sum(a.nbytes for a in xs[0].values() if a is not None)
+            made["held"] = regions("merged-held", size)
+            clients[0].register_system_shared_memory("held", made["held"]._shm_key, size)
+            held = threading.Thread(target=lambda: _infer_placed(clients[0], "self_attention", xs[0], ("held", 0), {},
+                                                                 made))
             held.start()
             assert proc.gate.wait_started() == 1  # a plain request's batch, held
             before = _metric(proc, _COPIED)
