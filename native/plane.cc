@@ -1374,12 +1374,12 @@ void Plane::StopTimer() {
   if (timer_.joinable() && timer_.get_id() != std::this_thread::get_id()) timer_.join();
 }
 
-static size_t CancelReason(TimePoint call_deadline) {
+static size_t ReasonOf(TimePoint call_deadline) {
   return call_deadline != kNever && Clock::now() >= call_deadline - kDeadlineSlack ? kDeadline : kClient;
 }
 
 bool Plane::Cancel(grpc::ServerUnaryReactor* reactor, StreamCall* stream, TimePoint call_deadline) {
-  const size_t reason = CancelReason(call_deadline);
+  const size_t reason = ReasonOf(call_deadline);
   auto mine = [&](const Pending& p) { return reactor != nullptr ? p.reactor == reactor : p.stream == stream; };
   std::vector<std::pair<int64_t, Parked>> waiting;  // waiting for memory: they leave the budget's queue
   std::vector<std::pair<Queue*, std::vector<Pending>>> left;
@@ -1454,7 +1454,7 @@ bool Plane::Cancel(grpc::ServerUnaryReactor* reactor, StreamCall* stream, TimePo
 }
 
 void Plane::CancelAnswered(size_t index, TimePoint call_deadline) {
-  models_.at(index)->cancels[CancelReason(call_deadline) * kCancelStages + kAnswered]++;
+  models_.at(index)->cancels[ReasonOf(call_deadline) * kCancelStages + kAnswered]++;
 }
 
 void Plane::OnStop(Batch& batch, std::function<void()> stop) {

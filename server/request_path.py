@@ -244,12 +244,6 @@ class RequestPath:
         finally:
             self.request_done(request.model_name, status, started, call if status is not OK else None)
 
-    def answer_unsent(self, model_name: str, time_remaining: float | None) -> None:
-        """An answered call whose client went before its answer was sent: cancelled at the ANSWERED
-        stage (its status was counted when it was answered). time_remaining: the call's when answered."""
-        near = time_remaining is not None and time_remaining <= _DEADLINE_SLACK_S
-        self._metrics.request_cancelled(self._metric_label(model_name), DEADLINE if near else CLIENT, ANSWERED)
-
     def request_done(self, model_name: str, status: Status, started: float, call: Call | None = None) -> None:
         """Count one inference request's outcome (also a REST one refused before it parsed);
         `call`, if given, is over: finished with this status."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
 
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
@@ -149,18 +148,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(status.code, status.details)
         # The answer stays counted in the memory budget until the call is over: sent (a client
         # that does not read holds it until its deadline or its connection ends), or cancelled.
-        size = _response_bytes(response) if call is not None else 0
-        model_name, time_remaining, answered_at = request.model_name, context.time_remaining(), time.monotonic()
+        if call is None:
+            context.add_done_callback(lambda _context: response.release())
+        else:
+            size = _response_bytes(response)
 
-        def done(context) -> None:
-            response.release()
-            if context.cancelled():  # computed, the client gone before its answer was sent
-                left = None if time_remaining is None else time_remaining - (time.monotonic() - answered_at)
-                self._request_path.answer_unsent(model_name, left)
-            if call is not None:
+            def done(context) -> None:
+                response.release()
                 call.finish(CANCELLED if context.cancelled() else status, size)
 
-        context.add_done_callback(done)
+            context.add_done_callback(done)
         return response
 
     async def ModelStreamInfer(self, request_iterator, context):
