@@ -1884,9 +1884,10 @@ void Plane::Granted(int64_t ticket) {
 
 Status Plane::QueueBounds(const Queue& queue, const Pending& p) const {
   const ModelLimits& m = queue.limits;
-  if (static_cast<int64_t>(queue.pending.size()) >= m.max_queue_size) {
-    return Status(StatusCode::RESOURCE_EXHAUSTED, "model " + m.name + "'s queue is full (" +
-                                                      std::to_string(m.max_queue_size) + " requests, --max-queue-size)");
+  if (static_cast<int64_t>(queue.pending.size()) >= m.max_queue_size) {  // server.batcher's words
+    return Status(StatusCode::RESOURCE_EXHAUSTED, "model " + m.name + ": " + std::to_string(queue.pending.size()) +
+                                                      " requests queued (max_queue_size " +
+                                                      std::to_string(m.max_queue_size) + "); retry later");
   }
   const int64_t most = queue.bounds.max_queued_bytes;
   if (most > 0 && !queue.pending.empty() && queue.queued_bytes + p.input_bytes > most) {  // server.batcher's words

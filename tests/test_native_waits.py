@@ -274,11 +274,21 @@ def test_a_cancelled_waiting_call_leaves_the_queue_at_once(waiting_server):
 SMALL = (1, 16, 16)  # 98,304 input bytes
 
 
-def test_max_queued_bytes_refuses_as_on_the_python_port(model_repository):
-    """With a batch held on each plane and one call queued behind it, a call whose input bytes
-    would pass --max-queued-bytes is refused RESOURCE_EXHAUSTED with the batcher's words on both."""
+QUEUE_BOUNDS = {
+    "--max-queued-bytes": ("150000", f"model {MODEL}: 98,304 input bytes queued; this request's 98,304 would pass "
+                                     "max_queued_bytes 150,000; retry later"),
+    "--max-queue-size": ("1", f"model {MODEL}: 1 requests queued (max_queue_size 1); retry later"),
+}
+
+
+@pytest.mark.parametrize("flag", sorted(QUEUE_BOUNDS))
+def test_the_queue_bounds_refuse_as_on_the_python_port(model_repository, flag):
+    """With a batch held on each plane and one call queued behind it, a call that would pass
+    --max-queued-bytes (or --max-queue-size) is refused RESOURCE_EXHAUSTED with the batcher's
+    words on both ports."""
+    value, words = QUEUE_BOUNDS[flag]
     with GatedServer(model_repository, "--data-plane", "native", "--native-port", "0", "--max-batch-size", "1",
-                     "--max-queued-bytes", "150000", "--grace-period-s", "120") as proc:
+                     flag, value, "--grace-period-s", "120") as proc:
         stubs, channels = _stubs(proc)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             calls = []
@@ -295,9 +305,7 @@ def test_max_queued_bytes_refuses_as_on_the_python_port(model_repository):
             assert all(c.result(timeout=CALL_TIMEOUT_S).outputs for c in calls)
         for channel in channels:
             channel.close()
-    assert refusals["native"] == refusals["python"] == (
-        grpc.StatusCode.RESOURCE_EXHAUSTED, f"model {MODEL}: 98,304 input bytes queued; this request's 98,304 "
-                                            "would pass max_queued_bytes 150,000; retry later"), refusals
+    assert refusals["native"] == refusals["python"] == (grpc.StatusCode.RESOURCE_EXHAUSTED, words), refusals
 
 
 # -- the answered stage ------------------------------------------------------------------------------
