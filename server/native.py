@@ -21,6 +21,9 @@ QueuePolicy) and --priority-aging-batches are handed to C++, which reads `priori
 orders and expires its queue; a cancelled call leaves it at once, and a batch whose calls are
 all cancelled is stopped through the RunStop its runner registers (plane.on_stop); cancellations
 are counted in C++ and read into attnserve_cancelled_requests at scrape time.
+Memory: a native call reserves its cost from the process's one budget and, with a deadline, waits
+within it in the budget's one queue of waiters (both planes', in C++: share_budget), as the
+batcher's requests do; each model's queue is bounded by --max-queue-size and --max-queued-bytes.
 With workers, the final statuses are also read once a second (the supervisor's /metrics reads
 the multiprocess files). The port serves the Python port's TLS and bearer token
 (native/security.cc) and, with --workers, is shared by every worker (SO_REUSEPORT).
