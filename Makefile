@@ -129,7 +129,8 @@ native: $(STAMP) native-deps
 # models are exported beforehand, outside the sanitizers (torch's export under them outlasts the
 # tests' timeout).
 NATIVE_ASAN_BUILD := build/native-asan
-NATIVE_ASAN_TESTS ?= tests/test_native_plane.py
+NATIVE_ASAN_TESTS ?= tests/test_native_plane.py tests/test_native_control.py tests/test_native_models.py \
+  tests/test_native_limits.py tests/test_native_security.py tests/test_native_waits.py
 # libstdc++ preloaded too: else ASan, starting before anything loads it, cannot intercept
 # __cxa_throw and aborts at the first C++ exception (onnx's, at import).
 NATIVE_ASAN_ENV = LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libstdc++.so)" \

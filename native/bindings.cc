@@ -55,16 +55,24 @@ PYBIND11_MODULE(_native, m) {
   py::class_<SharedBudget, std::shared_ptr<SharedBudget>>(
       m, "Budget", "The process's one memory budget counter, shared by both planes (server.memory.budget)")
       .def(py::init<int64_t, int64_t>(), py::arg("limit_bytes"), py::arg("room_bytes"))
-      .def("try_take", &SharedBudget::TryTake, py::arg("nbytes"), py::arg("waiting"),
-           "take nbytes if they fit (under limit - room, or alone under limit); whether taken")
-      .def("give", &SharedBudget::Give, py::arg("nbytes"))
+      .def("take", [](SharedBudget& b, int64_t nbytes, int64_t first, bool wait) {
+        return b.Take(nbytes, first, wait, false);
+      }, py::arg("nbytes"), py::arg("first"), py::arg("wait"), py::call_guard<py::gil_scoped_release>(),
+         "0: taken now; > 0: a ticket, waiting in the one arrival order of both planes; -1: refused")
+      .def("leave", &SharedBudget::Leave, py::arg("ticket"), py::call_guard<py::gil_scoped_release>(),
+           "a waiter gives up: True if it left the queue, False if it was granted first (give its bytes back)")
+      .def("give", &SharedBudget::Give, py::arg("nbytes"), py::call_guard<py::gil_scoped_release>(),
+           "bytes back; the waiters it makes room for are granted in order")
+      .def("granted", &SharedBudget::Granted, "tickets of Python's waiters granted since the last call")
       .def("reserved", &SharedBudget::reserved, "bytes reserved now, both planes")
-      .def("set_waiting", &SharedBudget::SetWaiting, py::arg("nbytes"), py::arg("waiters"),
-           "Python's waiters now: native calls do not jump ahead of them")
-      .def("wake_fd", &SharedBudget::wake_fd, "readable after a native release while Python's waiters wait")
+      .def("waiting_bytes", &SharedBudget::waiting, "inputs of the waiters now, both planes")
+      .def("waiters", &SharedBudget::waiters, "waiters now, both planes")
+      .def("wake_fd", &SharedBudget::wake_fd, "readable once one of Python's waiters is granted")
       .def("drain", &SharedBudget::Drain)
       .def("native_shed", [](const SharedBudget& b) { return b.native_shed.load(); })
-      .def("native_too_large", [](const SharedBudget& b) { return b.native_too_large.load(); });
+      .def("native_too_large", [](const SharedBudget& b) { return b.native_too_large.load(); })
+      .def("native_waits", [](const SharedBudget& b) { return b.native_waits.load(); })
+      .def("native_wait_timeouts", [](const SharedBudget& b) { return b.native_wait_timeouts.load(); });
 
   py::class_<Plane>(m, "Plane")
       .def(py::init([](py::dict names) {
@@ -148,11 +156,13 @@ PYBIND11_MODULE(_native, m) {
       }, py::arg("budget"), py::arg("terms"), py::arg("stream_share"),
          "the shared budget, server.memory.costs' figures (native_cost_terms) and a stream's share of the budget")
       .def("set_model_bounds", [](Plane& p, size_t index, int64_t d_model, int64_t max_response_bytes,
-                                  int64_t max_typed_bytes, int64_t response_overhead_bytes) {
+                                  int64_t max_typed_bytes, int64_t response_overhead_bytes, int64_t max_queued_bytes) {
         if (index >= p.Models()) throw py::index_error("no such model");
-        p.SetModelBounds(index, ModelBounds{d_model, max_response_bytes, max_typed_bytes, response_overhead_bytes});
+        p.SetModelBounds(index, ModelBounds{d_model, max_response_bytes, max_typed_bytes, response_overhead_bytes,
+                                            max_queued_bytes});
       }, py::arg("index"), py::arg("d_model"), py::arg("max_response_bytes"), py::arg("max_typed_bytes"),
-         py::arg("response_overhead_bytes"), "answer and typed-contents bounds of model `index` (0: none)")
+         py::arg("response_overhead_bytes"), py::arg("max_queued_bytes") = 0,
+         "answer, typed-contents and queued-bytes bounds of model `index` (0: none)")
       .def("cost", [](const Plane& p, size_t index, int64_t rows, int64_t q_len, int64_t k_len, int64_t input_bytes,
                       bool want_probs, bool heads_differ) {
         if (index >= p.Models()) throw py::index_error("no such model");
@@ -239,7 +249,7 @@ PYBIND11_MODULE(_native, m) {
         if (index >= p.Models()) throw py::index_error("no such model");
         auto counts = p.Cancellations(index);
         return std::vector<uint64_t>(counts.begin(), counts.end());
-      }, "cancelled calls of model `index`: (client, deadline) x (queued, running, terminated), a list of 6")
+      }, "cancelled calls of model `index`: (client, deadline) x (queued, running, terminated, answered), a list of 8")
       .def("counters", [](const Plane& p) {
         const auto& c = p.counters();
         py::dict d;

@@ -30,6 +30,17 @@ uint64_t NanosSince(Clock::time_point start) {
 
 Status Invalid(const std::string& message) { return Status(StatusCode::INVALID_ARGUMENT, message); }
 
+// 1234567 -> "1,234,567", as Python's f"{n:,}" writes the figures of the Python plane's messages.
+std::string Commas(int64_t n) {
+  std::string digits = std::to_string(n < 0 ? -n : n), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return n < 0 ? "-" + out : out;
+}
+
+
 // Client text in a status travels in a grpc-message trailer: a huge one gives the client
 // RESOURCE_EXHAUSTED ("header too large") instead of ours. server/quoting.py's MAX_DETAILS_CHARS.
 constexpr size_t kMaxDetailsChars = 1024;
@@ -76,7 +87,9 @@ constexpr auto kDeadlineSlack = std::chrono::milliseconds(500);
 // Longer timeouts are as good as none, and stay clear of the clock's overflow.
 constexpr uint64_t kMaxTimeoutUs = uint64_t{1} << 50;
 enum CancelReason : size_t { kClient = 0, kDeadline = 1 };
-enum CancelStage : size_t { kQueued = 0, kRunning = 1, kTerminated = 2 };
+enum CancelStage : size_t { kQueued = 0, kRunning = 1, kTerminated = 2, kAnswered = 3 };
+// Batch::cancelled[i]: 0 live, 1 cancelled, 2 settled by Complete (a cancel then is the answered stage).
+constexpr char kLive = 0, kGone = 1, kSettled = 2;
 
 Status Cancelled() { return Status(StatusCode::CANCELLED, "the client went away"); }  // server.errors.CANCELLED
 
@@ -179,6 +192,7 @@ Status ParameterInt(const inference::ModelInferRequest& request, const std::stri
 Plane::~Plane() {
   if (server_ && !stopping_) Stop(0);
   StopTimer();
+  if (budget_) budget_->SetNativeWake(nullptr);  // the budget may outlive the plane (Python holds it)
 }
 
 size_t Plane::AddModel(const ModelLimits& limits) {
@@ -422,11 +436,22 @@ void Plane::Stop(double grace_s) {
     {
       std::lock_guard<std::mutex> lock(queue->mu);
       refused.swap(queue->pending);
+      queue->queued_bytes = 0;
     }
     queue->arrived.notify_all();
     for (auto& p : refused) Settle(p, queue, Status(StatusCode::UNAVAILABLE, "the server is stopping; not computed"));
     if (!refused.empty()) Left(static_cast<int64_t>(refused.size()));
   }
+  std::map<int64_t, Parked> waiting;  // calls waiting for memory: refused the same way
+  {
+    std::lock_guard<std::mutex> lock(parked_mu_);
+    waiting.swap(parked_);
+  }
+  for (auto& [ticket, parked] : waiting) {
+    if (!budget_->Leave(ticket)) budget_->Give(parked.total);
+    Settle(parked.p, parked.queue, Status(StatusCode::UNAVAILABLE, "the server is stopping; not computed"));
+  }
+  if (!waiting.empty()) Left(static_cast<int64_t>(waiting.size()));
   if (server_) {
     // Batches being computed finish meanwhile (their runner threads call Complete).
     server_->Shutdown(std::chrono::system_clock::now() +
@@ -665,11 +690,17 @@ class InferCall final : public grpc::ServerUnaryReactor {
   SharedBudget* budget = nullptr;
   int64_t reserved = 0;  // its budget reservation: given back once the answer is sent (or the call is gone)
   std::shared_ptr<UnaryRelay> relayed;  // handed to the Python server (Plane::ToPython)
+  std::atomic<int64_t> answered_by{-1};  // the model index once its answer is handed to gRPC (Complete)
   void OnCancel() override {  // after the handler returned
     if (relayed) {
       relayed->Cancel();
-    } else {
-      plane_->Cancel(this, nullptr, deadline_);
+      return;
+    }
+    const int64_t answered = answered_by.load();
+    if (answered >= 0) {
+      plane_->CancelAnswered(static_cast<size_t>(answered), deadline_);  // computed, gone before it was sent
+    } else if (!plane_->Cancel(this, nullptr, deadline_) && answered_by.load() >= 0) {
+      plane_->CancelAnswered(static_cast<size_t>(answered_by.load()), deadline_);  // answered meanwhile
     }
   }
   void OnDone() override {
@@ -715,7 +746,8 @@ Plane::Plane(Contract contract) : contract_(std::move(contract)) {
                       });
                     } else {
                       call->budget = budget_.get();
-                      Admit(call, &call->request, response, deadline, budget_ ? &call->reserved : nullptr);
+                      Admit(call, &call->request, response, deadline, budget_ ? &call->reserved : nullptr,
+                            &call->answered_by);
                     }
                     return call;
                   }));
@@ -754,8 +786,10 @@ bool Plane::ToPython(const inference::ModelInferRequest& request) const {
 }
 
 void Plane::Admit(grpc::ServerUnaryReactor* reactor, const inference::ModelInferRequest* request,
-                  inference::ModelInferResponse* response, TimePoint call_deadline, int64_t* held) {
+                  inference::ModelInferResponse* response, TimePoint call_deadline, int64_t* held,
+                  std::atomic<int64_t>* answered_by) {
   Pending p;
+  p.answered_by = answered_by;
   p.deadline = call_deadline;
   p.reactor = reactor;
   p.held = held;
@@ -771,10 +805,10 @@ void Plane::GiveBack(Pending& p) {
   }
 }
 
-void Plane::Admit(Pending p) {
-  const auto started = Clock::now();
+void Plane::Admit(Pending p, bool again) {
+  const auto started = again ? p.started : Clock::now();
   const inference::ModelInferRequest& request = *p.request;
-  counters_.requests++;
+  if (!again) counters_.requests++;
   // A queue retired between the lookup and the queueing (a swap) sends the call to the new one.
   for (int attempt = 0;; ++attempt) {
     Queue* known = nullptr;
@@ -803,59 +837,78 @@ void Plane::Admit(Pending p) {
     fresh.response = p.response;
     fresh.deadline = p.deadline;
     fresh.held = p.held;
+    fresh.answered_by = p.answered_by;
     p = std::move(fresh);
+    p.started = started;
     status = Check(queue, request, p);
     if (status.ok()) status = Bound(queue, request, p);
-    if (status.ok() && !zeros_) status = Reserve(queue, p);
+    if (status.ok() && !zeros_) {  // the queue's bounds before memory, as server.batcher.Batcher.submit
+      std::lock_guard<std::mutex> lock(queue.mu);
+      status = QueueBounds(queue, p);
+    }
+    bool parked = false;
+    if (status.ok() && !zeros_) status = Reserve(queue, p, &parked);
+    if (parked) {  // waits for memory; Granted queues it
+      counters_.check_ns += NanosSince(started);
+      return;
+    }
     if (!status.ok()) {
       counters_.refused++;
       Settle(p, &queue, status);
       return;
     }
-    p.started = started;
-    p.arrived = Clock::now();
     counters_.check_ns += NanosSince(started);
     if (zeros_) {
+      p.arrived = Clock::now();
       AnswerZeros(p, queue);
       return;
     }
-    TimePoint deadline = kNever;
-    {
-      std::unique_lock<std::mutex> lock(queue.mu);
-      if (queue.retired && attempt < 8) {
-        lock.unlock();
-        GiveBack(p);  // the next queue reserves afresh
-        continue;
-      }
-      if (queue.retired || static_cast<int64_t>(queue.pending.size()) >= queue.limits.max_queue_size) {
-        const bool full = !queue.retired;
-        lock.unlock();
-        GiveBack(p);
-        counters_.refused++;
-        Settle(p, &queue, full ? Status(StatusCode::RESOURCE_EXHAUSTED,
-                                        "model " + queue.limits.name + "'s queue is full (" +
-                                            std::to_string(queue.limits.max_queue_size) + " requests, --max-queue-size)")
-                               : Status(StatusCode::UNAVAILABLE, "model " + queue.limits.name +
-                                                                     " is changing versions; retry"));
-        return;
-      }
-      if (p.deadline <= Clock::now()) {  // server.batcher's words
-        lock.unlock();
-        GiveBack(p);
-        counters_.refused++;
-        Settle(p, &queue, Status(StatusCode::DEADLINE_EXCEEDED, "model " + queue.limits.name +
-                                     ": the request's deadline passed before it was queued; not computed"));
-        return;
-      }
-      p.since = queue.formed;
-      deadline = p.deadline;
-      queue.pending.push_back(std::move(p));
-      in_flight_++;
-    }
-    queue.arrived.notify_one();
-    if (deadline != kNever) Arm(deadline);
+    bool retired = false;
+    if (Enqueue(queue, p, false, &retired, &status)) return;
+    GiveBack(p);  // the next queue reserves afresh
+    if (retired && attempt < 8) continue;
+    counters_.refused++;
+    Settle(p, &queue, retired ? Status(StatusCode::UNAVAILABLE, "model " + queue.limits.name +
+                                                                    " is changing versions; retry")
+                              : status);
     return;
   }
+}
+
+bool Plane::Enqueue(Queue& queue, Pending& p, bool granted, bool* retired, Status* refusal) {
+  TimePoint deadline = kNever;
+  {
+    std::lock_guard<std::mutex> lock(queue.mu);
+    if (queue.retired) {
+      *retired = true;
+      return false;
+    }
+    if (stopping_) {  // Stop has refused the queues: nothing takes this one any more
+      *refusal = Status(StatusCode::UNAVAILABLE, "the server is stopping; not computed");
+      return false;
+    }
+    if (!granted) {
+      if (Status bounds = QueueBounds(queue, p); !bounds.ok()) {
+        *refusal = bounds;
+        return false;
+      }
+    }
+    if (p.deadline <= Clock::now()) {  // server.batcher's words
+      *refusal = Status(StatusCode::DEADLINE_EXCEEDED, "model " + queue.limits.name +
+                                                           ": the request's deadline passed before it was queued; "
+                                                           "not computed");
+      return false;
+    }
+    p.arrived = Clock::now();
+    p.since = queue.formed;
+    deadline = p.deadline;
+    queue.queued_bytes += p.input_bytes;
+    queue.pending.push_back(std::move(p));
+    if (!granted) in_flight_++;
+  }
+  queue.arrived.notify_one();
+  if (deadline != kNever) Arm(deadline);
+  return true;
 }
 
 namespace {
@@ -1106,8 +1159,12 @@ std::unique_ptr<Batch> Plane::Form(size_t index, Queue& queue) {
     batch->items.push_back(std::move(p));
   }
   std::deque<Pending> kept;  // in arrival order still
-  for (size_t i = 0; i < n; ++i)
-    if (!taken[i]) kept.push_back(std::move(queue.pending[i]));
+  queue.queued_bytes = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (taken[i]) continue;
+    queue.queued_bytes += queue.pending[i].input_bytes;
+    kept.push_back(std::move(queue.pending[i]));
+  }
   queue.pending.swap(kept);
   if (batch->items.empty()) return batch;  // every one had expired
   batch->padding_ratio = 1.0 - static_cast<double>(useful) / (static_cast<double>(batch->rows) * batch->q_len * batch->k_len);
@@ -1189,18 +1246,21 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
 void Plane::Complete(Batch& batch, const float* output, const float* attn_probs) {
   if (batch.settled) return;
   batch.settled = true;
-  const std::vector<char> cancelled = Unrun(batch);
+  Queue& queue = At(batch.model);
+  {
+    std::lock_guard<std::mutex> lock(queue.mu);
+    batch.answering = true;  // a cancel from here on is the answered stage (Cancel)
+  }
   auto started = Clock::now();
   counters_.python_ns += static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(started - batch.formed).count());
-  Queue& queue = At(batch.model);
   const ModelLimits& m = queue.limits;
   const int64_t lq = batch.q_len, lk = batch.k_len, h = m.num_heads, od = m.out_dim;
   for (size_t i = 0; i < batch.items.size(); ++i) {
     Pending& p = batch.items[i];
     const int64_t r0 = batch.first_row[i];
-    if (cancelled[i]) {  // its client went away while it ran (counted then): nobody reads an answer
-      Settle(p, models_.at(batch.model).get(), Cancelled());
+    if (Gone(batch, i, false)) {  // its client went away (counted then): nobody reads an answer
+      Settle(p, &queue, Cancelled());
       continue;
     }
     if (p.want_probs && attn_probs == nullptr) {
@@ -1229,11 +1289,29 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
     counters_.split_ns += static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(finishing - started).count());
     batch.done_s.push_back(static_cast<double>(NanosSince(p.started)) * 1e-9);
+    if (Gone(batch, i, true)) {  // went while its answer was encoded: the answered stage (Cancel counted it)
+      batch.done_s.pop_back();
+      Settle(p, &queue, Cancelled());
+      continue;
+    }
     Settle(p, &queue, Status::OK);  // gRPC may send the answer on this thread
     counters_.finish_ns += NanosSince(finishing);
     started = Clock::now();
   }
+  Unrun(batch);
   Left(static_cast<int64_t>(batch.items.size()));
+}
+
+bool Plane::Gone(Batch& batch, size_t i, bool settle) {
+  Queue& queue = At(batch.model);
+  std::lock_guard<std::mutex> lock(queue.mu);
+  if (batch.cancelled[i] == kGone) return true;
+  if (settle) {
+    batch.cancelled[i] = kSettled;  // a cancel from here on finds its call answered
+    Pending& p = batch.items[i];
+    if (p.answered_by != nullptr) p.answered_by->store(static_cast<int64_t>(batch.model));
+  }
+  return false;
 }
 
 void Plane::Fail(Batch& batch, StatusCode code, const std::string& message) {
@@ -1315,6 +1393,7 @@ TimePoint Plane::Expire() {
       const auto now = Clock::now();
       for (auto it = queue.pending.begin(); it != queue.pending.end();) {
         if (it->deadline <= now) {
+          queue.queued_bytes -= it->input_bytes;
           expired.push_back(std::move(*it));
           it = queue.pending.erase(it);
         } else {
@@ -1331,6 +1410,34 @@ TimePoint Plane::Expire() {
     }
     if (!expired.empty()) Left(static_cast<int64_t>(expired.size()));
   }
+  // Calls waiting for memory past their deadline leave the budget's queue (server.batcher's words).
+  std::vector<std::pair<int64_t, Parked>> late;
+  {
+    std::lock_guard<std::mutex> lock(parked_mu_);
+    const auto now = Clock::now();
+    for (auto it = parked_.begin(); it != parked_.end();) {
+      if (it->second.p.deadline <= now) {
+        late.emplace_back(it->first, std::move(it->second));
+        it = parked_.erase(it);
+      } else {
+        next = std::min(next, it->second.p.deadline);
+        ++it;
+      }
+    }
+  }
+  for (auto& [ticket, parked] : late) {
+    if (budget_->Leave(ticket)) {
+      budget_->native_wait_timeouts++;
+    } else {
+      budget_->Give(parked.total);  // granted just as it expired
+    }
+    counters_.refused++;
+    Settle(parked.p, parked.queue, Status(StatusCode::DEADLINE_EXCEEDED,
+                                          "model " + parked.queue->limits.name +
+                                              ": deadline passed while waiting for memory (" + Commas(parked.total) +
+                                              " bytes); not computed"));
+  }
+  if (!late.empty()) Left(static_cast<int64_t>(late.size()));
   return next;
 }
 
@@ -1343,18 +1450,37 @@ void Plane::StopTimer() {
   if (timer_.joinable() && timer_.get_id() != std::this_thread::get_id()) timer_.join();
 }
 
-void Plane::Cancel(grpc::ServerUnaryReactor* reactor, StreamCall* stream, TimePoint call_deadline) {
-  const size_t reason = call_deadline != kNever && Clock::now() >= call_deadline - kDeadlineSlack ? kDeadline : kClient;
+static size_t ReasonOf(TimePoint call_deadline) {
+  return call_deadline != kNever && Clock::now() >= call_deadline - kDeadlineSlack ? kDeadline : kClient;
+}
+
+bool Plane::Cancel(grpc::ServerUnaryReactor* reactor, StreamCall* stream, TimePoint call_deadline) {
+  const size_t reason = ReasonOf(call_deadline);
   auto mine = [&](const Pending& p) { return reactor != nullptr ? p.reactor == reactor : p.stream == stream; };
-  for (auto& owned : models_) {
-    Queue& queue = *owned;
-    std::vector<Pending> left;
-    std::vector<std::function<void()>> stops;
-    {
+  std::vector<std::pair<int64_t, Parked>> waiting;  // waiting for memory: they leave the budget's queue
+  std::vector<std::pair<Queue*, std::vector<Pending>>> left;
+  std::vector<std::function<void()>> stops;
+  bool found = false;
+  {
+    // Held while it looks: a parked call that is granted meanwhile moves to its queue under it.
+    std::lock_guard<std::mutex> parked(parked_mu_);
+    for (auto it = parked_.begin(); it != parked_.end();) {
+      if (mine(it->second.p)) {
+        it->second.queue->cancels[reason * kCancelStages + kQueued]++;
+        waiting.emplace_back(it->first, std::move(it->second));
+        it = parked_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto& owned : models_) {
+      Queue& queue = *owned;
+      std::vector<Pending> out;
       std::lock_guard<std::mutex> lock(queue.mu);
       for (auto it = queue.pending.begin(); it != queue.pending.end();) {
         if (mine(*it)) {
-          left.push_back(std::move(*it));
+          queue.queued_bytes -= it->input_bytes;
+          out.push_back(std::move(*it));
           it = queue.pending.erase(it);
         } else {
           ++it;
@@ -1362,8 +1488,19 @@ void Plane::Cancel(grpc::ServerUnaryReactor* reactor, StreamCall* stream, TimePo
       }
       for (Batch* batch : queue.running) {
         for (size_t i = 0; i < batch->items.size(); ++i) {
-          if (!mine(batch->items[i]) || batch->cancelled[i]) continue;
-          batch->cancelled[i] = 1;
+          if (!mine(batch->items[i])) continue;
+          if (batch->cancelled[i] == kSettled && reactor != nullptr) {  // answered, not yet sent
+            queue.cancels[reason * kCancelStages + kAnswered]++;
+            found = true;
+            continue;
+          }
+          if (batch->cancelled[i] != kLive) continue;
+          batch->cancelled[i] = kGone;
+          found = true;
+          if (batch->answering) {  // handed back: its answer is being encoded (Complete settles it CANCELLED)
+            queue.cancels[reason * kCancelStages + kAnswered]++;
+            continue;
+          }
           const bool all = std::all_of(batch->cancelled.begin(), batch->cancelled.end(), [](char c) { return c != 0; });
           // The last one out stops the run (once); until then the batch computes for the others.
           const bool stops_it = all && !batch->stopped;
@@ -1374,12 +1511,26 @@ void Plane::Cancel(grpc::ServerUnaryReactor* reactor, StreamCall* stream, TimePo
           queue.cancels[reason * kCancelStages + (stops_it ? kTerminated : kRunning)]++;
         }
       }
-      queue.cancels[reason * kCancelStages + kQueued] += left.size();
+      queue.cancels[reason * kCancelStages + kQueued] += out.size();
+      if (!out.empty()) left.emplace_back(&queue, std::move(out));
     }
-    for (auto& p : left) Settle(p, &queue, Cancelled());
-    if (!left.empty()) Left(static_cast<int64_t>(left.size()));
-    for (auto& stop : stops) stop();  // no lock held: it may take the GIL
   }
+  for (auto& [ticket, parked] : waiting) {  // no lock held: a leave may grant others
+    if (!budget_->Leave(ticket)) budget_->Give(parked.total);  // granted just as it went
+    Settle(parked.p, parked.queue, Cancelled());
+  }
+  int64_t gone = static_cast<int64_t>(waiting.size());
+  for (auto& [queue, out] : left) {
+    for (auto& p : out) Settle(p, queue, Cancelled());
+    gone += static_cast<int64_t>(out.size());
+  }
+  if (gone > 0) Left(gone);
+  for (auto& stop : stops) stop();  // no lock held: it may take the GIL
+  return found || gone > 0;
+}
+
+void Plane::CancelAnswered(size_t index, TimePoint call_deadline) {
+  models_.at(index)->cancels[ReasonOf(call_deadline) * kCancelStages + kAnswered]++;
 }
 
 void Plane::OnStop(Batch& batch, std::function<void()> stop) {
@@ -1534,20 +1685,6 @@ grpc::ServerUnaryReactor* Plane::RepositoryIndex(grpc::CallbackServerContext* co
 
 // -- Memory bounds (admission): the shared budget, the cost model, answer and typed sizes ---------
 
-namespace {
-
-// 1234567 -> "1,234,567", as Python's f"{n:,}" writes the figures of the Python plane's messages.
-std::string Commas(int64_t n) {
-  std::string digits = std::to_string(n < 0 ? -n : n), out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return n < 0 ? "-" + out : out;
-}
-
-}  // namespace
-
 SharedBudget::SharedBudget(int64_t limit_bytes, int64_t room_bytes)
     : limit_(limit_bytes), room_(room_bytes), wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
 
@@ -1555,29 +1692,124 @@ SharedBudget::~SharedBudget() {
   if (wake_fd_ >= 0) close(wake_fd_);
 }
 
-bool SharedBudget::TryTake(int64_t n, int64_t waiting) {
-  int64_t reserved = reserved_.load();
-  while (true) {
-    // MemoryBudget._admits: under the limit less the waiting room, or alone under the limit.
-    const bool fits = reserved + n <= limit_ - room_ || (reserved == 0 && n + waiting <= limit_);
-    if (!fits) return false;
-    if (reserved_.compare_exchange_weak(reserved, reserved + n)) return true;
+bool SharedBudget::Fits(int64_t n, int64_t waiting) const {
+  // MemoryBudget's rule: under the limit less the waiting room, or alone under the limit.
+  return reserved_ + n <= limit_ - room_ || (reserved_ == 0 && n + waiting <= limit_);
+}
+
+bool SharedBudget::CanWait(int64_t n, int64_t first) const {
+  // MemoryBudget._can_wait: its inputs fit the waiting room and every waiter could be admitted in turn.
+  if (waiting_ + first > room_) return false;
+  int64_t behind = first;  // inputs of the waiters after the one looked at
+  if (n > limit_ - room_ && n > limit_) return false;
+  for (auto it = waiters_.rbegin(); it != waiters_.rend(); ++it) {
+    if (it->total > limit_ - room_ && it->total + behind > limit_) return false;
+    behind += it->first;
+  }
+  return true;
+}
+
+int64_t SharedBudget::Take(int64_t n, int64_t first, bool wait, bool native) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (waiters_.empty() && Fits(n, waiting_)) {  // nobody jumps ahead of a waiter
+    reserved_ += n;
+    return 0;
+  }
+  first = std::min(first, n);
+  if (!wait || !CanWait(n, first)) return -1;
+  const int64_t ticket = next_ticket_++;
+  waiters_.push_back(Waiter{ticket, n, first, native});
+  waiting_ += first;
+  return ticket;
+}
+
+void SharedBudget::Admit(std::vector<int64_t>* native, bool* python) {
+  while (!waiters_.empty()) {
+    const Waiter& head = waiters_.front();
+    if (!Fits(head.total, waiting_ - head.first)) return;
+    reserved_ += head.total;
+    waiting_ -= head.first;
+    if (head.native) {
+      native->push_back(head.ticket);
+    } else {
+      granted_python_.push_back(head.ticket);
+      *python = true;
+    }
+    waiters_.pop_front();
   }
 }
 
-bool SharedBudget::TryTakeNative(int64_t n) {
-  if (waiters_ > 0) return false;  // MemoryBudget.try_reserve: nobody jumps ahead of a waiter
-  return TryTake(n, waiting_);
-}
-
-void SharedBudget::Give(int64_t n) {
-  reserved_ -= n;
-  if (waiters_ > 0 && wake_fd_ >= 0) {
+void SharedBudget::Wake(const std::vector<int64_t>& native, bool python) {
+  if (python && wake_fd_ >= 0) {
     const uint64_t one = 1;
     if (write(wake_fd_, &one, sizeof one) < 0) {
       // EAGAIN: the counter is full, and the event loop is woken anyway.
     }
   }
+  if (native.empty()) return;
+  std::function<void(int64_t)> wake;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    wake = native_wake_;
+  }
+  for (int64_t ticket : native)
+    if (wake) wake(ticket);
+}
+
+bool SharedBudget::Leave(int64_t ticket) {
+  std::vector<int64_t> native;
+  bool python = false, left = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = waiters_.begin(); it != waiters_.end(); ++it) {
+      if (it->ticket != ticket) continue;
+      waiting_ -= it->first;
+      waiters_.erase(it);
+      left = true;
+      Admit(&native, &python);  // the ones behind it may fit now
+      break;
+    }
+  }
+  Wake(native, python);
+  return left;
+}
+
+void SharedBudget::Give(int64_t n) {
+  std::vector<int64_t> native;
+  bool python = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reserved_ -= n;
+    Admit(&native, &python);
+  }
+  Wake(native, python);
+}
+
+std::vector<int64_t> SharedBudget::Granted() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> out;
+  out.swap(granted_python_);
+  return out;
+}
+
+void SharedBudget::SetNativeWake(std::function<void(int64_t)> wake) {
+  std::lock_guard<std::mutex> lock(mu_);
+  native_wake_ = std::move(wake);
+}
+
+int64_t SharedBudget::reserved() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return reserved_;
+}
+
+int64_t SharedBudget::waiting() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return waiting_;
+}
+
+int64_t SharedBudget::waiters() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(waiters_.size());
 }
 
 void SharedBudget::Drain() {
@@ -1587,7 +1819,9 @@ void SharedBudget::Drain() {
 }
 
 void Plane::SetBudget(std::shared_ptr<SharedBudget> budget, const CostTerms& terms, double stream_share) {
+  if (budget_) budget_->SetNativeWake(nullptr);
   budget_ = std::move(budget);
+  if (budget_) budget_->SetNativeWake([this](int64_t ticket) { Granted(ticket); });
   cost_terms_ = terms;
   stream_share_bytes_ = budget_ ? static_cast<int64_t>(static_cast<double>(budget_->limit()) * stream_share) : 0;
 }
@@ -1657,7 +1891,7 @@ Status Plane::Bound(const Queue& queue, const inference::ModelInferRequest& requ
   return Status::OK;
 }
 
-Status Plane::Reserve(const Queue& queue, Pending& p) {
+Status Plane::Reserve(Queue& queue, Pending& p, bool* parked) {
   if (!budget_ || p.held == nullptr) return Status::OK;
   const auto cost = CostOf(queue, p.rows, p.q_len, p.k_len, p.input_bytes, p.want_probs, p.heads_differ);
   const int64_t total = cost[0] + cost[1] + cost[2];
@@ -1671,14 +1905,72 @@ Status Plane::Reserve(const Queue& queue, Pending& p) {
                    Commas(budget.limit()) + " bytes (--memory-limit-bytes); send fewer rows or shorter sequences, " +
                    "or ask for `output` alone");
   }
-  if (!budget.TryTakeNative(total)) {
+  // A call with a deadline waits for room within it, in the one arrival order of both planes' waiters.
+  const bool can_wait = p.deadline != kNever;
+  const TimePoint deadline = p.deadline;
+  int64_t ticket = 0;
+  {
+    std::lock_guard<std::mutex> lock(parked_mu_);  // a grant finds it parked: Granted takes parked_mu_
+    ticket = budget.Take(total, cost[0], can_wait, true);
+    if (ticket > 0) {
+      budget.native_waits++;
+      in_flight_++;
+      parked_.emplace(ticket, Parked{std::move(p), &queue, total});
+    }
+  }
+  if (ticket > 0) {
+    *parked = true;
+    Arm(deadline);
+    return Status::OK;
+  }
+  if (ticket < 0) {
     budget.native_shed++;
     return Status(StatusCode::RESOURCE_EXHAUSTED,
                   "memory budget: " + Commas(budget.reserved() + budget.waiting()) + " of " + Commas(budget.limit()) +
                       " bytes in use (--memory-limit-bytes), " + std::to_string(budget.waiters()) +
-                      " request(s) waiting; " + what + " needs " + Commas(total) + "; retry later");
+                      " request(s) waiting; " + what + " needs " + Commas(total) + "; retry later" +
+                      (can_wait ? "" : " (a request with a deadline waits within it)"));
   }
   *p.held = total;
+  return Status::OK;
+}
+
+void Plane::Granted(int64_t ticket) {
+  Parked parked;
+  bool retired = false;
+  Status refusal;
+  {
+    std::lock_guard<std::mutex> lock(parked_mu_);  // held while it queues: a Cancel finds it parked or queued
+    auto found = parked_.find(ticket);
+    if (found == parked_.end()) return;  // cancelled, expired or stopped: whoever took it gives its bytes back
+    parked = std::move(found->second);
+    parked_.erase(found);
+    *parked.p.held = parked.total;
+    if (Enqueue(*parked.queue, parked.p, true, &retired, &refusal)) return;
+  }
+  GiveBack(parked.p);
+  Left(1);
+  if (retired) {  // a swap while it waited: admitted afresh on the version served now
+    Admit(std::move(parked.p), true);
+    return;
+  }
+  counters_.refused++;
+  Settle(parked.p, parked.queue, refusal);
+}
+
+Status Plane::QueueBounds(const Queue& queue, const Pending& p) const {
+  const ModelLimits& m = queue.limits;
+  if (static_cast<int64_t>(queue.pending.size()) >= m.max_queue_size) {  // server.batcher's words
+    return Status(StatusCode::RESOURCE_EXHAUSTED, "model " + m.name + ": " + std::to_string(queue.pending.size()) +
+                                                      " requests queued (max_queue_size " +
+                                                      std::to_string(m.max_queue_size) + "); retry later");
+  }
+  const int64_t most = queue.bounds.max_queued_bytes;
+  if (most > 0 && !queue.pending.empty() && queue.queued_bytes + p.input_bytes > most) {  // server.batcher's words
+    return Status(StatusCode::RESOURCE_EXHAUSTED, "model " + m.name + ": " + Commas(queue.queued_bytes) +
+                                                      " input bytes queued; this request's " + Commas(p.input_bytes) +
+                                                      " would pass max_queued_bytes " + Commas(most) + "; retry later");
+  }
   return Status::OK;
 }
 

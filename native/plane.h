@@ -67,33 +67,53 @@ struct ModelBounds {
   int64_t max_response_bytes = 0;  // --max-message-bytes: an answer larger is refused before it is built
   int64_t max_typed_bytes = 0;     // --max-typed-bytes: typed inputs or answer larger are refused
   int64_t response_overhead_bytes = 4096;  // codec._RESPONSE_OVERHEAD_BYTES
+  int64_t max_queued_bytes = 0;  // --max-queued-bytes: input bytes queued beyond it are refused (0: none)
 };
 
 // The process's one memory budget counter (--memory-limit-bytes), shared by both planes: Python's
 // server.memory.budget.MemoryBudget takes and gives back through it, native calls too. The rule is
 // MemoryBudget's: a reservation fits under limit - room, or alone (nothing reserved) under limit.
+// Its waiters, of both planes, queue here in one arrival order (nobody jumps ahead): a native one
+// is woken through the plane's hook, Python's through wake_fd (Granted() then names them).
 class SharedBudget {
  public:
   SharedBudget(int64_t limit_bytes, int64_t room_bytes);
   ~SharedBudget();
-  // Takes n if it fits, `waiting` bytes of waiters' inputs staying (Python's own admission).
-  bool TryTake(int64_t n, int64_t waiting);
-  // A native call's: also refused while Python's waiters wait (nobody jumps ahead of them).
-  bool TryTakeNative(int64_t n);
-  void Give(int64_t n);  // wakes Python's waiters (wake_fd) when some wait
-  int64_t reserved() const { return reserved_; }
+  // n bytes, `first` of them its inputs (counted while it waits): 0 taken now; > 0 a ticket, waiting
+  // in arrival order (only if `wait` and there is room to wait, MemoryBudget._can_wait); -1 refused.
+  int64_t Take(int64_t n, int64_t first, bool wait, bool native);
+  bool TryTake(int64_t n) { return Take(n, 0, false, false) == 0; }
+  // A waiter gives up: true when it left the queue, false when it was granted first (its bytes are
+  // reserved: the caller gives them back).
+  bool Leave(int64_t ticket);
+  void Give(int64_t n);  // grants the waiters it makes room for, in order
+  std::vector<int64_t> Granted();  // Python's waiters granted since the last call
+  // Called with each native waiter's ticket once it is granted (no lock held; nullptr: none).
+  void SetNativeWake(std::function<void(int64_t)> wake);
+  int64_t reserved() const;
   int64_t limit() const { return limit_; }
-  // Python's waiters now: their inputs and how many (MemoryBudget keeps them current).
-  void SetWaiting(int64_t bytes, int64_t waiters) { waiting_ = bytes; waiters_ = waiters; }
-  int64_t waiting() const { return waiting_; }
-  int64_t waiters() const { return waiters_; }
-  int wake_fd() const { return wake_fd_; }  // readable after a native release while Python's waiters wait
+  int64_t waiting() const;  // inputs of the waiters, both planes
+  int64_t waiters() const;
+  int wake_fd() const { return wake_fd_; }  // readable once one of Python's waiters is granted
   void Drain();  // reads wake_fd empty
-  std::atomic<uint64_t> native_shed{0}, native_too_large{0};
+  std::atomic<uint64_t> native_shed{0}, native_too_large{0}, native_waits{0}, native_wait_timeouts{0};
 
  private:
+  struct Waiter {
+    int64_t ticket, total, first;
+    bool native;
+  };
+  bool Fits(int64_t n, int64_t waiting) const;     // mu_ held
+  bool CanWait(int64_t n, int64_t first) const;    // mu_ held
+  void Admit(std::vector<int64_t>* native, bool* python);  // mu_ held: grants from the head on
+  void Wake(const std::vector<int64_t>& native, bool python);  // mu_ released
+
   const int64_t limit_, room_;
-  std::atomic<int64_t> reserved_{0}, waiting_{0}, waiters_{0};
+  mutable std::mutex mu_;
+  int64_t reserved_ = 0, waiting_ = 0, next_ticket_ = 1;
+  std::deque<Waiter> waiters_;
+  std::vector<int64_t> granted_python_;
+  std::function<void(int64_t)> native_wake_;
   int wake_fd_ = -1;
 };
 
@@ -123,8 +143,8 @@ constexpr size_t kCodes = 17;
 using Codes = std::array<std::atomic<uint64_t>, kCodes>;
 
 // Cancelled calls by why x where (attnserve_cancelled_requests_total's reason and stage), in this
-// order: (client, deadline) x (queued, running, terminated); Plane::Cancellations reads them.
-constexpr size_t kCancelReasons = 2, kCancelStages = 3;
+// order: (client, deadline) x (queued, running, terminated, answered); Plane::Cancellations reads them.
+constexpr size_t kCancelReasons = 2, kCancelStages = 4;
 using Cancels = std::array<std::atomic<uint64_t>, kCancelReasons * kCancelStages>;
 using TimePoint = std::chrono::steady_clock::time_point;
 constexpr TimePoint kNever = TimePoint::max();
@@ -162,6 +182,7 @@ struct Pending {
   bool exact_k_len = false;       // a query row masks all its keys: never pad its keys
   int64_t input_bytes = 0;        // its tensors' bytes (Work.nbytes): the cost's inputs
   int64_t* held = nullptr;        // where its budget reservation is kept until the answer is sent
+  std::atomic<int64_t>* answered_by = nullptr;  // its call's: the model index once answered OK (the answered stage)
   std::chrono::steady_clock::time_point started, arrived;  // the handler's start; queued
   // The schedule (docs/server.md, "Priorities and queue timeouts"): refused unrun once `deadline`
   // (the earlier of the call's and its `timeout`) passes while queued; served by aged level.
@@ -190,6 +211,7 @@ struct Batch {
   std::vector<char> cancelled;
   bool stopped = false;
   std::function<void()> on_stop;
+  bool answering = false;  // handed back by its run: its answers are being encoded (Complete)
 };
 
 // Counters of where time goes (nanoseconds, counts), read by Python at any time.
@@ -287,7 +309,10 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   void SetPriorityAging(uint64_t batches) { aging_batches_ = batches > 0 ? batches : 1; }
   // A call's client went away (OnCancel): out of its queue now, or marked in its running batch,
   // whose stop is called once every call in it is gone. call_deadline: its gRPC deadline (the reason).
-  void Cancel(grpc::ServerUnaryReactor* reactor, StreamCall* stream, TimePoint call_deadline);
+  // Whether it found the call in the plane.
+  bool Cancel(grpc::ServerUnaryReactor* reactor, StreamCall* stream, TimePoint call_deadline);
+  // A call answered OK whose client went away before the answer was sent (the `answered` stage).
+  void CancelAnswered(size_t index, TimePoint call_deadline);
   // The runner's way to stop `batch`'s run: called once every call in it is cancelled (now if so).
   void OnStop(Batch& batch, std::function<void()> stop);
   std::array<uint64_t, kCancelReasons * kCancelStages> Cancellations(size_t index) const;
@@ -299,7 +324,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   // held: where the call keeps its budget reservation until its answer is sent (nullptr: none taken).
   void Admit(grpc::ServerUnaryReactor* reactor, const inference::ModelInferRequest* request,
              inference::ModelInferResponse* response, TimePoint call_deadline = kNever,
-             int64_t* held = nullptr);
+             int64_t* held = nullptr, std::atomic<int64_t>* answered_by = nullptr);
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,
                                        inference::ServerLiveResponse* response) override;
@@ -339,6 +364,13 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
     Cancels cancels{};
     std::vector<Pending> expired;  // found expired by Form, refused by NextBatch once unlocked
     ModelBounds bounds;
+    int64_t queued_bytes = 0;  // input bytes of `pending` (--max-queued-bytes)
+  };
+  // A call waiting for memory (Reserve): its ticket in the shared budget's queue keys it in parked_.
+  struct Parked {
+    Pending p;
+    Queue* queue = nullptr;
+    int64_t total = 0;
   };
   // One model name as the Python plane serves it now.
   struct Routing {
@@ -355,7 +387,16 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   // Admission's memory bounds, after Check: the answer against --max-message-bytes, typed contents
   // against --max-typed-bytes (codec's words), then the budget reservation (the batcher's words).
   grpc::Status Bound(const Queue& queue, const inference::ModelInferRequest& request, const Pending& p) const;
-  grpc::Status Reserve(const Queue& queue, Pending& p);
+  // Takes p's reservation now, or parks p (moved into parked_, *parked) until the budget grants it
+  // (Granted) within its deadline; else the batcher's words.
+  grpc::Status Reserve(Queue& queue, Pending& p, bool* parked);
+  void Granted(int64_t ticket);  // the budget's wake: a parked call's reservation is taken; it queues
+  // The queue's bounds before a call waits for memory or queues (server.batcher.Batcher.submit's
+  // order): --max-queue-size, then --max-queued-bytes. queue.mu held.
+  grpc::Status QueueBounds(const Queue& queue, const Pending& p) const;
+  // Queues p (its reservation taken): false with *refusal, or *retired when its queue was retired.
+  // granted: it waited for memory (in flight already; its queue's bounds are not checked again).
+  bool Enqueue(Queue& queue, Pending& p, bool granted, bool* retired, grpc::Status* refusal);
   // Every call ends here: counted by code (per model; nullptr: no known model), then finished.
   void Answer(grpc::ServerUnaryReactor* reactor, Queue* queue, const grpc::Status& status);
   void Settle(const Pending& p, Queue* queue, const grpc::Status& status);  // Answer, or its stream's answer
@@ -371,7 +412,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
                                     Response* response);
   // A ModelInfer request, from a call or a stream: checked, then queued or answered at once.
   void GiveBack(Pending& p);  // a call refused before it queued: its budget reservation, back at once
-  void Admit(Pending p);
+  void Admit(Pending p, bool again = false);  // again: re-admitted (counted once)
   void Left(int64_t calls);  // calls out of the queue and the run: in_flight_ down, WaitIdle told
   grpc::ServerUnaryReactor* Table(grpc::CallbackServerContext* context, const std::string& method,
                                   const std::string& name, google::protobuf::Message* response);
@@ -383,7 +424,9 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   void Reap();                   // the timer thread
   TimePoint Expire();            // refuses what has expired; the next deadline still queued
   void StopTimer();
-  std::vector<char> Unrun(Batch& batch);  // out of its queue's running list; which items were cancelled
+  std::vector<char> Unrun(Batch& batch);
+  // Under its queue's lock: whether item i's call was cancelled; settle: else it is marked answered.
+  bool Gone(Batch& batch, size_t i, bool settle);  // out of its queue's running list; which items were cancelled
   std::shared_ptr<grpc::ServerCredentials> Credentials();  // native/security.cc; nullptr: unusable
 
   Contract contract_;
@@ -422,6 +465,8 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   std::vector<std::pair<std::string, int>> channel_args_;
   bool fallback_all_ = false;
   std::vector<std::string> fallback_keys_;
+  std::mutex parked_mu_;  // before any queue's mu
+  std::map<int64_t, Parked> parked_;
 };
 
 // One ModelStreamInfer stream: reads requests as they come (up to the plane's stream window in

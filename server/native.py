@@ -21,6 +21,9 @@ QueuePolicy) and --priority-aging-batches are handed to C++, which reads `priori
 orders and expires its queue; a cancelled call leaves it at once, and a batch whose calls are
 all cancelled is stopped through the RunStop its runner registers (plane.on_stop); cancellations
 are counted in C++ and read into attnserve_cancelled_requests at scrape time.
+Memory: a native call reserves its cost from the process's one budget and, with a deadline, waits
+within it in the budget's one queue of waiters (both planes', in C++: share_budget), as the
+batcher's requests do; each model's queue is bounded by --max-queue-size and --max-queued-bytes.
 With workers, the final statuses are also read once a second (the supervisor's /metrics reads
 the multiprocess files). The port serves the Python port's TLS and bearer token
 (native/security.cc) and, with --workers, is shared by every worker (SO_REUSEPORT).
@@ -44,7 +47,7 @@ from attnserve.server.listen import listen_addresses
 from attnserve.server.memory.costs import native_cost_terms
 from attnserve.server.metrics import SYNC_PERIOD_S
 from attnserve.server.models import ModelUnavailable
-from attnserve.server.request_path import CLIENT, DEADLINE
+from attnserve.server.request_path import ANSWERED, CLIENT, DEADLINE
 from attnserve.server.security import OPEN_METHOD_PREFIXES, REFUSAL, read_tls_files, read_token
 from attnserve.server.shm import BYTE_SIZE, OFFSET, REGION
 from attnserve.server.tensors import RunStop
@@ -67,7 +70,8 @@ _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}  # as the P
 IN_FLIGHT_METRIC = "attnserve_native_in_flight"  # registered only while the plane serves
 UNKNOWN_MODEL = "_unknown"  # the label of calls naming no known model (server.request_path's)
 # plane.cancellations(index)'s order (native/plane.h's kCancelReasons x kCancelStages).
-CANCEL_LABELS = tuple((reason, stage) for reason in (CLIENT, DEADLINE) for stage in (QUEUED, RUNNING, TERMINATED))
+CANCEL_LABELS = tuple((reason, stage) for reason in (CLIENT, DEADLINE)
+                      for stage in (QUEUED, RUNNING, TERMINATED, ANSWERED))
 
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 
@@ -123,8 +127,9 @@ def new_plane(zeros: bool = False):
 
 def share_budget(budget, loop: asyncio.AbstractEventLoop):
     """Makes the memory budget's counter the native one (_native.Budget), so that native calls
-    and the Python plane's take from one budget; a native call's release wakes the budget's
-    waiters on `loop`. Returns the counter (for NativePlane), or None where the extension is not built."""
+    and the Python plane's take from one budget and wait in one queue (the counter's); a Python
+    waiter granted by a native release is woken on `loop`. Returns the counter (for
+    NativePlane), or None where the extension is not built."""
     if why_unavailable() is not None:
         return None
     from attnserve.server import _native
@@ -254,7 +259,7 @@ class NativePlane:
         # codec's answer and typed-contents bounds, and the projection width of the cost model.
         d_model = spec.d_model or max(spec.query_dim, spec.kv_dim, spec.out_dim)  # as models.GraphCosting
         self._plane.set_model_bounds(index, d_model, config.max_message_bytes, config.max_typed_bytes or 0,
-                                     _RESPONSE_OVERHEAD_BYTES)
+                                     _RESPONSE_OVERHEAD_BYTES, config.max_queued_bytes)
         policy = spec.queue_policy  # the one source of the schedule's numbers (config.json)
         self._plane.set_schedule(index, policy.priority_levels, policy.default_priority_level,
                                  policy.default_timeout_us, policy.allow_timeout_override)

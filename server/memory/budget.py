@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import time
 from collections.abc import Callable
 
@@ -42,30 +43,84 @@ class Reservation:
 
 
 class _LocalCounter:
-    """The reserved bytes of a budget that no native data plane shares (the native one is
-    attnserve.server._native.Budget, with the same calls: MemoryBudget.share)."""
+    """The reserved bytes and the queue of waiters of a budget that no native data plane shares
+    (the native one is attnserve.server._native.Budget, with the same calls and rule: both planes'
+    waiters then queue there, in one arrival order: MemoryBudget.shared_counter)."""
 
-    __slots__ = ("_limit", "_room", "_reserved")
+    __slots__ = ("_limit", "_room", "_reserved", "_waiting", "_queue", "_granted", "_tickets")
 
     def __init__(self, limit_bytes: int, room_bytes: int) -> None:
-        self._limit, self._room, self._reserved = limit_bytes, room_bytes, 0
+        self._limit, self._room, self._reserved, self._waiting = limit_bytes, room_bytes, 0, 0
+        self._queue: collections.deque[tuple[int, int, int]] = collections.deque()  # (ticket, total, first)
+        self._granted: list[int] = []
+        self._tickets = itertools.count(1)
 
-    def try_take(self, nbytes: int, waiting: int) -> bool:
+    def _fits(self, nbytes: int, waiting: int) -> bool:
         # Under the limit less the waiting room, or alone (nothing reserved) under the limit.
-        if self._reserved + nbytes <= self._limit - self._room or (
-                self._reserved == 0 and nbytes + waiting <= self._limit):
+        return self._reserved + nbytes <= self._limit - self._room or (
+            self._reserved == 0 and nbytes + waiting <= self._limit)
+
+    def _can_wait(self, nbytes: int, first: int) -> bool:
+        """Whether its inputs fit the waiting room and, with it added, every waiter could be
+        admitted in turn once nothing else is reserved."""
+        if self._waiting + first > self._room:
+            return False
+        behind = 0  # inputs of the waiters after the one looked at, which stay while it is admitted
+        for _, total, own in [(0, nbytes, first), *reversed(self._queue)]:
+            if total > self._limit - self._room and total + behind > self._limit:
+                return False
+            behind += own
+        return True
+
+    def take(self, nbytes: int, first: int, wait: bool) -> int:
+        """0: taken now (nobody waits and it fits); > 0: a ticket, waiting in arrival order; -1: refused."""
+        if not self._queue and self._fits(nbytes, self._waiting):
             self._reserved += nbytes
-            return True
+            return 0
+        first = min(first, nbytes)
+        if not wait or not self._can_wait(nbytes, first):
+            return -1
+        ticket = next(self._tickets)
+        self._queue.append((ticket, nbytes, first))
+        self._waiting += first
+        return ticket
+
+    def leave(self, ticket: int) -> bool:
+        """A waiter gives up: True if it left the queue, False if it was granted first."""
+        for entry in self._queue:
+            if entry[0] == ticket:
+                self._queue.remove(entry)
+                self._waiting -= entry[2]
+                self._admit()
+                return True
         return False
 
     def give(self, nbytes: int) -> None:
         self._reserved -= nbytes
+        self._admit()
+
+    def _admit(self) -> None:
+        while self._queue:
+            ticket, total, first = self._queue[0]
+            if not self._fits(total, self._waiting - first):
+                return
+            self._queue.popleft()
+            self._reserved += total
+            self._waiting -= first
+            self._granted.append(ticket)
+
+    def granted(self) -> list[int]:
+        granted, self._granted = self._granted, []
+        return granted
 
     def reserved(self) -> int:
         return self._reserved
 
-    def set_waiting(self, nbytes: int, waiters: int) -> None:
-        pass
+    def waiting_bytes(self) -> int:
+        return self._waiting
+
+    def waiters(self) -> int:
+        return len(self._queue)
 
     def native_shed(self) -> int:
         return 0
@@ -73,13 +128,18 @@ class _LocalCounter:
     def native_too_large(self) -> int:
         return 0
 
+    def native_waits(self) -> int:
+        return 0
+
+    def native_wait_timeouts(self) -> int:
+        return 0
+
 
 class _Waiter:
-    __slots__ = ("total", "first", "future")
+    __slots__ = ("total", "future")
 
-    def __init__(self, total: int, first: int, future: asyncio.Future) -> None:
+    def __init__(self, total: int, future: asyncio.Future) -> None:
         self.total = total  # what it needs once admitted
-        self.first = first  # its inputs, counted while it waits (they are in memory already)
         self.future = future
 
 
@@ -117,17 +177,17 @@ class MemoryBudget:
         self._on_crowded = on_crowded
         self.large_uses = 0  # large reservations and waiters held now
         self._high_water = 0  # most reserved since the budget was last empty
-        self.waiting_bytes = 0  # inputs of the requests that wait
         self._room = int(limit_bytes * self.WAITING_ROOM)
-        # Granted reservations: here, or in the counter both data planes share (share()).
+        # Granted reservations and the queue of waiters: here, or in the counter both data planes
+        # share (shared_counter()); this plane's waiters by their ticket there.
         self._counter = _LocalCounter(limit_bytes, self._room)
-        self._waiters: collections.deque[_Waiter] = collections.deque()
-        # Counted since start (server.metrics exposes them): requests that waited for memory,
-        # shed at once (MemoryExhausted), whose deadline passed while they waited, and refused
-        # as never fitting (MemoryTooLarge).
-        self.waits = 0
+        self._waiting: dict[int, _Waiter] = {}
+        # Counted since start (server.metrics exposes them, with the native plane's): requests
+        # that waited for memory, shed at once (MemoryExhausted), whose deadline passed while
+        # they waited, and refused as never fitting (MemoryTooLarge).
+        self._waits = 0
         self._shed = 0
-        self.wait_timeouts = 0
+        self._wait_timeouts = 0
         self._too_large = 0
 
     def shared_counter(self, make: Callable[[int, int], object]) -> object:
@@ -135,14 +195,14 @@ class MemoryBudget:
         _native.Budget) that holds this budget's reservations from now on, so that both planes
         take from one budget; before anything is reserved. Its releases call wake() (the caller
         wires its wake_fd to the event loop)."""
-        if self.reserved_bytes or self._waiters:
+        if self.reserved_bytes or self._counter.waiters():
             raise RuntimeError("the budget's counter is shared before anything is reserved")
         self._counter = make(self.limit_bytes, self._room)
         return self._counter
 
     def wake(self) -> None:
-        """Bytes came back through the shared counter (a native call's answer sent): waiters may fit."""
-        self._admit_waiters()
+        """The shared counter granted some of this plane's waiters (a native release made room)."""
+        self._settle_granted()
         self._maybe_idle()
 
     @property
@@ -158,17 +218,27 @@ class MemoryBudget:
     def too_large(self) -> int:
         return self._too_large + self._counter.native_too_large()
 
+    @property
+    def waits(self) -> int:
+        return self._waits + self._counter.native_waits()
+
+    @property
+    def wait_timeouts(self) -> int:
+        return self._wait_timeouts + self._counter.native_wait_timeouts()
+
     def count_shed(self) -> None:
         """One more request shed for memory by a transport's own reservation (server.rest's bodies)."""
         self._shed += 1
 
-    def _waiting_changed(self) -> None:
-        self._counter.set_waiting(self.waiting_bytes, len(self._waiters))
-
     @property
     def waiters(self) -> int:
-        """Requests waiting for memory now."""
-        return len(self._waiters)
+        """Requests waiting for memory now, both planes'."""
+        return self._counter.waiters()
+
+    @property
+    def waiting_bytes(self) -> int:
+        """Inputs of the requests waiting for memory now, both planes'."""
+        return self._counter.waiting_bytes()
 
     @property
     def used_bytes(self) -> int:
@@ -177,7 +247,7 @@ class MemoryBudget:
     @property
     def free_bytes(self) -> int:
         """What can be taken now without waiting (nothing while someone waits)."""
-        return 0 if self._waiters else max(self.limit_bytes - self._room - self.reserved_bytes, 0)
+        return 0 if self._counter.waiters() else max(self.limit_bytes - self._room - self.reserved_bytes, 0)
 
     def check_fits(self, nbytes: int, what: str) -> None:
         """MemoryTooLarge if `nbytes` could never fit, whatever else ran."""
@@ -189,7 +259,7 @@ class MemoryBudget:
 
     def try_reserve(self, nbytes: int) -> Reservation | None:
         """Take `nbytes` now if they fit and nobody waits; else None."""
-        if self._waiters or not self._counter.try_take(nbytes, self.waiting_bytes):
+        if self._counter.take(nbytes, 0, False) != 0:
             return None
         self._high_water = max(self._high_water, self.reserved_bytes)
         self._count_large(nbytes, +1)
@@ -209,76 +279,56 @@ class MemoryBudget:
         Returns None if the deadline passed first; raises MemoryTooLarge (never fits) or
         MemoryExhausted (does not fit now: no deadline, or no room to wait)."""
         self.check_fits(nbytes, what)
-        reservation = self.try_reserve(nbytes)
-        if reservation is not None:
-            return reservation
-        first = min(first, nbytes)
-        if deadline is None or not self._can_wait(nbytes, first):
+        # Taken now, or a ticket in the counter's one queue (both planes' waiters), in one step.
+        ticket = self._counter.take(nbytes, first, deadline is not None)
+        if ticket == 0:
+            self._high_water = max(self._high_water, self.reserved_bytes)
+            self._count_large(nbytes, +1)
+            return Reservation(self, nbytes)
+        if ticket < 0:
             self._shed += 1
             raise MemoryExhausted(f"memory budget: {self.used_bytes:,} of {self.limit_bytes:,} bytes in use "
-                                  f"(--memory-limit-bytes), {len(self._waiters)} request(s) waiting; {what} needs "
+                                  f"(--memory-limit-bytes), {self.waiters} request(s) waiting; {what} needs "
                                   f"{nbytes:,}; retry later" + ("" if deadline is not None else
                                                                " (a request with a deadline waits within it)"))
-        waiter = _Waiter(nbytes, first, asyncio.get_running_loop().create_future())
-        self.waits += 1
-        self._waiters.append(waiter)
-        self.waiting_bytes += first
-        self._waiting_changed()
+        waiter = _Waiter(nbytes, asyncio.get_running_loop().create_future())
+        self._waits += 1
+        self._waiting[ticket] = waiter
         self._count_large(nbytes, +1)  # waiting or admitted, it stays one large use
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), max(deadline - time.monotonic(), 0.0))
         except (TimeoutError, asyncio.CancelledError) as err:
-            if waiter.future.done() and not waiter.future.cancelled():
-                self._give_back(nbytes)  # admitted just as it gave up
-            else:
+            self._waiting.pop(ticket, None)
+            waiter.future.cancel()
+            if self._counter.leave(ticket):
                 if isinstance(err, TimeoutError):
-                    self.wait_timeouts += 1
-                waiter.future.cancel()
-                self._waiters.remove(waiter)
-                self.waiting_bytes -= first
-                self._waiting_changed()
+                    self._wait_timeouts += 1
                 self._count_large(nbytes, -1)
-                self._admit_waiters()
+                self._settle_granted()  # the ones behind it may have been granted
+            else:
+                self._give_back(nbytes)  # admitted just as it gave up
             if isinstance(err, asyncio.CancelledError):
                 raise
             return None
         return Reservation(self, nbytes)
 
-    def _can_wait(self, nbytes: int, first: int) -> bool:
-        """Whether its inputs fit the waiting room and, with it added, every waiter could be
-        admitted in turn once nothing else is reserved."""
-        if self.waiting_bytes + first > self._room:
-            return False
-        behind = 0  # inputs of the waiters after the one looked at, which stay while it is admitted
-        for total, own in [(nbytes, first), *((w.total, w.first) for w in reversed(self._waiters))]:
-            if total > self.limit_bytes - self._room and total + behind > self.limit_bytes:
-                return False
-            behind += own
-        return True
-
     def _give_back(self, nbytes: int) -> None:
         self._counter.give(nbytes)
         self._count_large(nbytes, -1)
-        self._admit_waiters()
+        self._settle_granted()
         self._maybe_idle()
 
     def _maybe_idle(self) -> None:
-        if self.reserved_bytes == 0 and not self._waiters:
+        if self.reserved_bytes == 0 and not self._counter.waiters():
             if self._on_idle is not None and self._high_water >= self.IDLE_AFTER_BYTES:
                 self._on_idle()
             self._high_water = 0
 
-    def _admit_waiters(self) -> None:
-        while self._waiters:
-            head = self._waiters[0]
-            if head.future.cancelled():
-                self._waiters.popleft()
-                self._waiting_changed()
+    def _settle_granted(self) -> None:
+        """This plane's waiters that the counter granted (their bytes are reserved there) go on."""
+        for ticket in self._counter.granted():
+            waiter = self._waiting.pop(ticket, None)
+            if waiter is None:  # it gave up and gave the bytes back (reserve)
                 continue
-            if not self._counter.try_take(head.total, self.waiting_bytes - head.first):
-                return
-            self._waiters.popleft()
-            self.waiting_bytes -= head.first
-            self._waiting_changed()
             self._high_water = max(self._high_water, self.reserved_bytes)
-            head.future.set_result(None)
+            waiter.future.set_result(None)
