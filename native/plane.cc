@@ -370,12 +370,13 @@ void Plane::Answer(grpc::ServerUnaryReactor* reactor, Queue* queue, const Status
   reactor->Finish(Bounded(status));
 }
 
-void Plane::Settle(const Pending& p, Queue* queue, const Status& status) {
-  Settle(p, queue != nullptr ? queue->codes : &unknown_codes_, status);
+void Plane::Settle(const Pending& p, Queue* queue, const Status& status, std::vector<CallRecord>* into) {
+  Settle(p, queue != nullptr ? queue->codes : &unknown_codes_, status, into);
 }
 
-void Plane::Settle(const Pending& p, Codes* codes, const Status& status) {
+void Plane::Settle(const Pending& p, Codes* codes, const Status& status, std::vector<CallRecord>* into) {
   Count(codes, status);
+  if (p.note && records_) Record(p, status, into);  // before the answer: its request and response go with it
   if (p.stream == nullptr) {
     p.reactor->Finish(Bounded(status));
     return;
@@ -668,14 +669,18 @@ Plane::Plane(Contract contract) : contract_(std::move(contract)) {
                          inference::ModelInferResponse* response) {
                     const TimePoint deadline = CallDeadline(context);
                     auto* call = new InferCall(this, deadline);
+                    std::shared_ptr<CallNote> note;
+                    if (records_) note = Note(context, "ModelInfer", static_cast<int64_t>(bytes->Length()));
                     std::string why;
                     if (!Parse(*bytes, &call->request, &why)) {
                       counters_.requests++;
                       counters_.refused++;
+                      if (note) RecordUnparsed(*note, Bounded(Invalid(why)));
                       Answer(call, nullptr, Invalid(why));
                     } else {
                       call->budget = budget_.get();
-                      Admit(call, &call->request, response, deadline, budget_ ? &call->reserved : nullptr);
+                      Admit(call, &call->request, response, deadline, budget_ ? &call->reserved : nullptr,
+                            std::move(note));
                     }
                     return call;
                   }));
@@ -687,7 +692,9 @@ Plane::Plane(Contract contract) : contract_(std::move(contract)) {
                                 ->index();
   MarkMethodCallback(stream_method,
                      new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, inference::ModelStreamInferResponse>(
-                         [this](grpc::CallbackServerContext* context) { return new StreamCall(this, CallDeadline(context)); }));
+                         [this](grpc::CallbackServerContext* context) {
+                           return new StreamCall(this, CallDeadline(context), records_ ? context : nullptr);
+                         }));
 }
 
 bool Plane::Parse(const grpc::ByteBuffer& bytes, inference::ModelInferRequest* request, std::string* why) {
@@ -701,8 +708,10 @@ bool Plane::Parse(const grpc::ByteBuffer& bytes, inference::ModelInferRequest* r
 }
 
 void Plane::Admit(grpc::ServerUnaryReactor* reactor, const inference::ModelInferRequest* request,
-                  inference::ModelInferResponse* response, TimePoint call_deadline, int64_t* held) {
+                  inference::ModelInferResponse* response, TimePoint call_deadline, int64_t* held,
+                  std::shared_ptr<CallNote> note) {
   Pending p;
+  p.note = std::move(note);
   p.deadline = call_deadline;
   p.reactor = reactor;
   p.held = held;
@@ -750,6 +759,7 @@ void Plane::Admit(Pending p) {
     fresh.response = p.response;
     fresh.deadline = p.deadline;
     fresh.held = p.held;
+    fresh.note = p.note;
     p = std::move(fresh);
     status = Check(queue, request, p);
     if (status.ok()) status = Bound(queue, request, p);
@@ -761,6 +771,12 @@ void Plane::Admit(Pending p) {
     }
     p.started = started;
     p.arrived = Clock::now();
+    if (p.note) {  // admitted: the span's "admitted" event and its shape
+      p.note->admitted = p.arrived;
+      p.note->rows = p.rows;
+      p.note->q_len = p.q_len;
+      p.note->k_len = p.k_len;
+    }
     counters_.check_ns += NanosSince(started);
     if (zeros_) {
       AnswerZeros(p, queue);
@@ -818,7 +834,9 @@ const char* CodeName(StatusCode code) {
 
 }  // namespace
 
-StreamCall::StreamCall(Plane* plane, TimePoint call_deadline) : plane_(plane), deadline_(call_deadline) {
+StreamCall::StreamCall(Plane* plane, TimePoint call_deadline, const grpc::CallbackServerContext* context)
+    : plane_(plane), deadline_(call_deadline) {
+  if (context != nullptr) headers_ = plane_->Note(context, "ModelStreamInfer", 0);
   StartRead(&incoming_);
 }
 
@@ -849,6 +867,12 @@ void StreamCall::OnReadDone(bool ok) {
     return;
   }
   auto request = std::make_unique<inference::ModelInferRequest>();
+  std::shared_ptr<CallNote> note;
+  if (headers_) {  // this request's record: the stream's headers, its own start and size
+    note = std::make_shared<CallNote>(*headers_);
+    note->started = std::chrono::steady_clock::now();
+    note->bytes_in = static_cast<int64_t>(incoming_.Length());
+  }
   std::string why;
   const bool parsed = Plane::Parse(incoming_, request.get(), &why);
   incoming_.Clear();
@@ -857,6 +881,7 @@ void StreamCall::OnReadDone(bool ok) {
     plane_->counters_.refused++;
     const Status status = Bounded(Invalid(why));
     plane_->Count(static_cast<Codes*>(nullptr), status);
+    if (note) plane_->RecordUnparsed(*note, status);
     Next next;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -871,6 +896,7 @@ void StreamCall::OnReadDone(bool ok) {
   Pending p;
   p.stream = this;
   p.deadline = deadline_;
+  p.note = std::move(note);
   {
     std::lock_guard<std::mutex> lock(mu_);
     Slot slot;
@@ -1065,6 +1091,7 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
   if (!expired.empty()) Left(static_cast<int64_t>(expired.size()));
   if (batch->items.empty()) return nullptr;
   const auto started = Clock::now();
+  batch->id = ++batch_ids_;
   const ModelLimits& m = queue.limits;
   const int64_t rows = batch->rows, lq = batch->q_len, lk = batch->k_len;
   batch->query.assign(static_cast<size_t>(rows * lq * m.query_dim), 0.0f);  // padding: zeros
@@ -1100,6 +1127,11 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
     const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(started - p.arrived).count();
     counters_.queue_ns += static_cast<uint64_t>(waited);
     batch->queue_s.push_back(static_cast<double>(waited) * 1e-9);
+    if (p.note) {  // its record's queue wait and batch (the batch span links to it)
+      p.note->queue_s = static_cast<double>(waited) * 1e-9;
+      p.note->run_started = started;
+      p.note->batch = batch->id;
+    }
   }
   counters_.batches++;
   counters_.rows += static_cast<uint64_t>(rows);
@@ -1118,15 +1150,17 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
   Queue& queue = At(batch.model);
   const ModelLimits& m = queue.limits;
   const int64_t lq = batch.q_len, lk = batch.k_len, h = m.num_heads, od = m.out_dim;
+  std::vector<CallRecord> records;  // the batch's call records, handed over under one lock
+  std::vector<CallRecord>* into = records_ ? &records : nullptr;
   for (size_t i = 0; i < batch.items.size(); ++i) {
     Pending& p = batch.items[i];
     const int64_t r0 = batch.first_row[i];
     if (cancelled[i]) {  // its client went away while it ran (counted then): nobody reads an answer
-      Settle(p, models_.at(batch.model).get(), Cancelled());
+      Settle(p, models_.at(batch.model).get(), Cancelled(), into);
       continue;
     }
     if (p.want_probs && attn_probs == nullptr) {
-      Settle(p, &queue, Status(StatusCode::INTERNAL, "the run returned no attn_probs"));
+      Settle(p, &queue, Status(StatusCode::INTERNAL, "the run returned no attn_probs"), into);
       continue;
     }
     p.response->set_model_name(m.name);
@@ -1151,10 +1185,16 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
     counters_.split_ns += static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(finishing - started).count());
     batch.done_s.push_back(static_cast<double>(NanosSince(p.started)) * 1e-9);
-    Settle(p, &queue, Status::OK);  // gRPC may send the answer on this thread
+    if (p.note) {  // merge, run and split, as this call saw its batch (the batcher's compute_s)
+      p.note->run_ended = finishing;
+      p.note->run_s = std::chrono::duration<double>(finishing - p.note->run_started).count();
+      p.note->batch_requests = static_cast<int64_t>(batch.items.size());
+    }
+    Settle(p, &queue, Status::OK, into);  // gRPC may send the answer on this thread
     counters_.finish_ns += NanosSince(finishing);
     started = Clock::now();
   }
+  if (into != nullptr) records_->Add(records);
   Left(static_cast<int64_t>(batch.items.size()));
 }
 
@@ -1163,8 +1203,11 @@ void Plane::Fail(Batch& batch, StatusCode code, const std::string& message) {
   batch.settled = true;
   Queue& queue = At(batch.model);
   const std::vector<char> cancelled = Unrun(batch);  // a stopped run ends here: all cancelled
+  std::vector<CallRecord> records;
+  std::vector<CallRecord>* into = records_ ? &records : nullptr;
   for (size_t i = 0; i < batch.items.size(); ++i)
-    Settle(batch.items[i], &queue, cancelled[i] ? Cancelled() : Status(code, message));
+    Settle(batch.items[i], &queue, cancelled[i] ? Cancelled() : Status(code, message), into);
+  if (into != nullptr) records_->Add(records);
   Left(static_cast<int64_t>(batch.items.size()));
 }
 
