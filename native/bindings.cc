@@ -1,4 +1,6 @@
 // attnserve.server._native: the native data plane's few coarse calls, for server/native.py.
+#include <algorithm>
+
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -32,7 +34,16 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("model", [](const Batch& b) { return b.model; })
       .def_property_readonly("requests", [](const Batch& b) { return b.items.size(); })
       .def_property_readonly("rows", [](const Batch& b) { return b.rows; })
+      .def_property_readonly("q_len", [](const Batch& b) { return b.q_len; })
+      .def_property_readonly("k_len", [](const Batch& b) { return b.k_len; })
       .def_property_readonly("want_probs", [](const Batch& b) { return b.want_probs; })
+      .def_property_readonly("id", [](const Batch& b) { return b.id; }, "its calls' records name it (records.h)")
+      .def_property_readonly("masking", [](const Batch& b) {
+        if (b.mask.empty()) return 0;
+        if (b.mask_heads > 1) return 3;
+        const bool masks = std::any_of(b.items.begin(), b.items.end(), [](const auto& p) { return p.mask != nullptr; });
+        return masks ? 2 : 1;
+      }, "0 no mask, 1 padded keys only, 2 a request's mask, 3 a head mask (server.native_records.MASKINGS)")
       .def_property_readonly("padding_ratio", [](const Batch& b) { return b.padding_ratio; })
       .def_property_readonly("queue_s", [](const Batch& b) { return b.queue_s; }, "each request's wait in the queue")
       .def_property_readonly("done_s", [](const Batch& b) { return b.done_s; },
@@ -187,6 +198,31 @@ PYBIND11_MODULE(_native, m) {
       .def("set_fallback", &Plane::SetFallback, py::arg("all"), py::arg("keys"),
            "ModelInfer requests relayed to Python as they are: all, or those with one of these parameters")
       .def("token_refusals", &Plane::TokenRefusals, "calls refused for their token so far, and the latest's method")
+      // Call records (records.h): the access log's and the spans' figures, drained in bulk.
+      .def("set_records", &Plane::SetRecords, py::arg("capacity"),
+           "keep a record of each call, up to `capacity` undrained (0: none); before start")
+      .def("records_fd", [](const Plane& p) { return p.records() ? p.records()->wake_fd() : -1; },
+           "readable once records wait to be taken (-1: not recording)")
+      .def("records_dropped", [](const Plane& p) { return p.records() ? p.records()->dropped() : uint64_t{0}; },
+           "records dropped so far because the buffer was full")
+      .def("take_records", [](Plane& p) {
+        py::list out;
+        if (!p.records()) return out;
+        std::vector<attnserve::CallRecord> taken;
+        {
+          py::gil_scoped_release release;
+          taken = p.records()->Take();
+        }
+        for (const auto& r : taken) {
+          out.append(py::make_tuple(
+              r.traced, r.method, py::bytes(r.peer), py::bytes(r.model), py::bytes(r.version),
+              py::bytes(r.request_id), py::bytes(r.traceparent), py::bytes(r.tracestate), r.code,
+              py::bytes(r.details), r.start_ns, r.end_ns, r.admitted_ns, r.run_start_ns, r.run_end_ns, r.queue_s,
+              r.run_s, r.batch_requests, r.rows, r.q_len, r.k_len, r.bytes_in, r.bytes_out, r.batch, r.model_chars,
+              r.version_chars, r.request_id_chars));
+        }
+        return out;
+      }, "every record held now, as tuples (server.native_records.RECORD_FIELDS' order); client text as bytes")
       .def("start", &Plane::Start, py::call_guard<py::gil_scoped_release>())
       .def("next_batch", &Plane::NextBatch, py::call_guard<py::gil_scoped_release>(),
            "the next batch of model `index` (blocks up to timeout_ms), or None")

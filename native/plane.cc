@@ -390,12 +390,13 @@ void Plane::Answer(grpc::ServerUnaryReactor* reactor, Queue* queue, const Status
   reactor->Finish(Bounded(status));
 }
 
-void Plane::Settle(const Pending& p, Queue* queue, const Status& status) {
-  Settle(p, queue != nullptr ? queue->codes : &unknown_codes_, status);
+void Plane::Settle(const Pending& p, Queue* queue, const Status& status, std::vector<CallRecord>* into) {
+  Settle(p, queue != nullptr ? queue->codes : &unknown_codes_, status, into);
 }
 
-void Plane::Settle(const Pending& p, Codes* codes, const Status& status) {
+void Plane::Settle(const Pending& p, Codes* codes, const Status& status, std::vector<CallRecord>* into) {
   Count(codes, status);
+  if (p.note && records_) Record(p, status, into);  // before the answer: its request and response go with it
   if (p.stream == nullptr) {
     p.reactor->Finish(Bounded(status));
     return;
@@ -734,10 +735,13 @@ Plane::Plane(Contract contract) : contract_(std::move(contract)) {
                          inference::ModelInferResponse* response) {
                     const TimePoint deadline = CallDeadline(context);
                     auto* call = new InferCall(this, deadline);
+                    std::shared_ptr<CallNote> note;
+                    if (records_) note = Note(context, "ModelInfer", static_cast<int64_t>(bytes->Length()));
                     std::string why;
                     if (!Parse(*bytes, &call->request, &why)) {
                       counters_.requests++;
                       counters_.refused++;
+                      if (note) RecordUnparsed(*note, Bounded(Invalid(why)));
                       Answer(call, nullptr, Invalid(why));
                     } else if (upstream_ && ToPython(call->request)) {  // its message, as it came
                       call->relayed = upstream_->Unary(*context, kModelInferMethod, *bytes);
@@ -747,7 +751,7 @@ Plane::Plane(Contract contract) : contract_(std::move(contract)) {
                     } else {
                       call->budget = budget_.get();
                       Admit(call, &call->request, response, deadline, budget_ ? &call->reserved : nullptr,
-                            &call->answered_by);
+                            &call->answered_by, std::move(note));
                     }
                     return call;
                   }));
@@ -787,9 +791,10 @@ bool Plane::ToPython(const inference::ModelInferRequest& request) const {
 
 void Plane::Admit(grpc::ServerUnaryReactor* reactor, const inference::ModelInferRequest* request,
                   inference::ModelInferResponse* response, TimePoint call_deadline, int64_t* held,
-                  std::atomic<int64_t>* answered_by) {
+                  std::atomic<int64_t>* answered_by, std::shared_ptr<CallNote> note) {
   Pending p;
   p.answered_by = answered_by;
+  p.note = std::move(note);
   p.deadline = call_deadline;
   p.reactor = reactor;
   p.held = held;
@@ -838,6 +843,7 @@ void Plane::Admit(Pending p, bool again) {
     fresh.deadline = p.deadline;
     fresh.held = p.held;
     fresh.answered_by = p.answered_by;
+    fresh.note = p.note;
     p = std::move(fresh);
     p.started = started;
     status = Check(queue, request, p);
@@ -900,6 +906,12 @@ bool Plane::Enqueue(Queue& queue, Pending& p, bool granted, bool* retired, Statu
       return false;
     }
     p.arrived = Clock::now();
+    if (p.note) {  // admitted: the span's "admitted" event and its shape
+      p.note->admitted = p.arrived;
+      p.note->rows = p.rows;
+      p.note->q_len = p.q_len;
+      p.note->k_len = p.k_len;
+    }
     p.since = queue.formed;
     deadline = p.deadline;
     queue.queued_bytes += p.input_bytes;
@@ -926,6 +938,7 @@ const char* CodeName(StatusCode code) {
 
 StreamCall::StreamCall(Plane* plane, TimePoint call_deadline, grpc::CallbackServerContext* context)
     : plane_(plane), context_(context), deadline_(call_deadline) {
+  if (context != nullptr && plane_->records_) headers_ = plane_->Note(context, "ModelStreamInfer", 0);
   StartRead(&incoming_);
 }
 
@@ -959,6 +972,12 @@ void StreamCall::OnReadDone(bool ok) {
     return;
   }
   auto request = std::make_unique<inference::ModelInferRequest>();
+  std::shared_ptr<CallNote> note;
+  if (headers_) {  // this request's record: the stream's headers, its own start and size
+    note = std::make_shared<CallNote>(*headers_);
+    note->started = std::chrono::steady_clock::now();
+    note->bytes_in = static_cast<int64_t>(incoming_.Length());
+  }
   std::string why;
   const bool parsed = Plane::Parse(incoming_, request.get(), &why);
   grpc::ByteBuffer message;
@@ -968,6 +987,7 @@ void StreamCall::OnReadDone(bool ok) {
     plane_->counters_.refused++;
     const Status status = Bounded(Invalid(why));
     plane_->Count(static_cast<Codes*>(nullptr), status);
+    if (note) plane_->RecordUnparsed(*note, status);
     Next next;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -982,6 +1002,7 @@ void StreamCall::OnReadDone(bool ok) {
   Pending p;
   p.stream = this;
   p.deadline = deadline_;
+  p.note = std::move(note);
   {
     std::lock_guard<std::mutex> lock(mu_);
     Slot slot;
@@ -1200,6 +1221,7 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
   if (!expired.empty()) Left(static_cast<int64_t>(expired.size()));
   if (batch->items.empty()) return nullptr;
   const auto started = Clock::now();
+  batch->id = ++batch_ids_;
   const ModelLimits& m = queue.limits;
   const int64_t rows = batch->rows, lq = batch->q_len, lk = batch->k_len;
   batch->query.assign(static_cast<size_t>(rows * lq * m.query_dim), 0.0f);  // padding: zeros
@@ -1235,6 +1257,11 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
     const auto waited = std::chrono::duration_cast<std::chrono::nanoseconds>(started - p.arrived).count();
     counters_.queue_ns += static_cast<uint64_t>(waited);
     batch->queue_s.push_back(static_cast<double>(waited) * 1e-9);
+    if (p.note) {  // its record's queue wait and batch (the batch span links to it)
+      p.note->queue_s = static_cast<double>(waited) * 1e-9;
+      p.note->run_started = started;
+      p.note->batch = batch->id;
+    }
   }
   counters_.batches++;
   counters_.rows += static_cast<uint64_t>(rows);
@@ -1256,15 +1283,17 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
       std::chrono::duration_cast<std::chrono::nanoseconds>(started - batch.formed).count());
   const ModelLimits& m = queue.limits;
   const int64_t lq = batch.q_len, lk = batch.k_len, h = m.num_heads, od = m.out_dim;
+  std::vector<CallRecord> records;  // the batch's call records, handed over under one lock
+  std::vector<CallRecord>* into = records_ ? &records : nullptr;
   for (size_t i = 0; i < batch.items.size(); ++i) {
     Pending& p = batch.items[i];
     const int64_t r0 = batch.first_row[i];
     if (Gone(batch, i, false)) {  // its client went away (counted then): nobody reads an answer
-      Settle(p, &queue, Cancelled());
+      Settle(p, &queue, Cancelled(), into);
       continue;
     }
     if (p.want_probs && attn_probs == nullptr) {
-      Settle(p, &queue, Status(StatusCode::INTERNAL, "the run returned no attn_probs"));
+      Settle(p, &queue, Status(StatusCode::INTERNAL, "the run returned no attn_probs"), into);
       continue;
     }
     p.response->set_model_name(m.name);
@@ -1291,13 +1320,19 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
     batch.done_s.push_back(static_cast<double>(NanosSince(p.started)) * 1e-9);
     if (Gone(batch, i, true)) {  // went while its answer was encoded: the answered stage (Cancel counted it)
       batch.done_s.pop_back();
-      Settle(p, &queue, Cancelled());
+      Settle(p, &queue, Cancelled(), into);
       continue;
     }
-    Settle(p, &queue, Status::OK);  // gRPC may send the answer on this thread
+    if (p.note) {  // merge, run and split, as this call saw its batch (the batcher's compute_s)
+      p.note->run_ended = finishing;
+      p.note->run_s = std::chrono::duration<double>(finishing - p.note->run_started).count();
+      p.note->batch_requests = static_cast<int64_t>(batch.items.size());
+    }
+    Settle(p, &queue, Status::OK, into);  // gRPC may send the answer on this thread
     counters_.finish_ns += NanosSince(finishing);
     started = Clock::now();
   }
+  if (into != nullptr) records_->Add(records);
   Unrun(batch);
   Left(static_cast<int64_t>(batch.items.size()));
 }
@@ -1319,8 +1354,11 @@ void Plane::Fail(Batch& batch, StatusCode code, const std::string& message) {
   batch.settled = true;
   Queue& queue = At(batch.model);
   const std::vector<char> cancelled = Unrun(batch);  // a stopped run ends here: all cancelled
+  std::vector<CallRecord> records;
+  std::vector<CallRecord>* into = records_ ? &records : nullptr;
   for (size_t i = 0; i < batch.items.size(); ++i)
-    Settle(batch.items[i], &queue, cancelled[i] ? Cancelled() : Status(code, message));
+    Settle(batch.items[i], &queue, cancelled[i] ? Cancelled() : Status(code, message), into);
+  if (into != nullptr) records_->Add(records);
   Left(static_cast<int64_t>(batch.items.size()));
 }
 

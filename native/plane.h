@@ -25,6 +25,7 @@
 
 #include "inference.grpc.pb.h"
 #include "relay.h"
+#include "records.h"
 
 namespace attnserve {
 
@@ -189,11 +190,13 @@ struct Pending {
   TimePoint deadline = kNever;
   uint64_t priority = 1;
   uint64_t since = 0;  // its queue's batches formed when it arrived: how long it was passed over
+  std::shared_ptr<CallNote> note;  // its access line's and span's figures (records.h); nullptr: not recorded
 };
 
 // A formed batch: its requests and their merged, padded inputs, owned here, viewed by numpy.
 struct Batch {
   size_t model = 0;
+  uint64_t id = 0;  // the plane's count of batches formed: its calls' records name it (the batch span)
   std::vector<Pending> items;
   std::vector<int64_t> first_row;  // each item's first row in the batch
   int64_t rows = 0, q_len = 0, k_len = 0;
@@ -252,6 +255,10 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   std::array<int64_t, 3> Cost(size_t index, int64_t rows, int64_t q_len, int64_t k_len, int64_t input_bytes,
                               bool want_probs, bool heads_differ) const;
   SharedBudget* budget() const { return budget_.get(); }
+  // Call records (records.h) for the access log and spans: kept up to `capacity` (0: none kept, the
+  // default, and no call pays for them); before Start.
+  void SetRecords(size_t capacity);
+  Records* records() const { return records_.get(); }
   int64_t stream_share_bytes() const { return stream_share_bytes_; }
   // Requests of one ModelStreamInfer stream in the plane at once; reading pauses beyond it.
   void SetStreamWindow(int64_t window) { stream_window_ = window > 0 ? window : 1; }
@@ -324,7 +331,8 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   // held: where the call keeps its budget reservation until its answer is sent (nullptr: none taken).
   void Admit(grpc::ServerUnaryReactor* reactor, const inference::ModelInferRequest* request,
              inference::ModelInferResponse* response, TimePoint call_deadline = kNever,
-             int64_t* held = nullptr, std::atomic<int64_t>* answered_by = nullptr);
+             int64_t* held = nullptr, std::atomic<int64_t>* answered_by = nullptr,
+             std::shared_ptr<CallNote> note = nullptr);
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,
                                        inference::ServerLiveResponse* response) override;
@@ -399,8 +407,15 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   bool Enqueue(Queue& queue, Pending& p, bool granted, bool* retired, grpc::Status* refusal);
   // Every call ends here: counted by code (per model; nullptr: no known model), then finished.
   void Answer(grpc::ServerUnaryReactor* reactor, Queue* queue, const grpc::Status& status);
-  void Settle(const Pending& p, Queue* queue, const grpc::Status& status);  // Answer, or its stream's answer
-  void Settle(const Pending& p, Codes* codes, const grpc::Status& status);
+  // Answer, or its stream's answer; a recorded call's record goes to `into` (nullptr: the buffer).
+  void Settle(const Pending& p, Queue* queue, const grpc::Status& status, std::vector<CallRecord>* into = nullptr);
+  void Settle(const Pending& p, Codes* codes, const grpc::Status& status, std::vector<CallRecord>* into = nullptr);
+  // Call records (records.cc): a call's note from its headers; a settled call's record; a refusal's
+  // before any request parsed.
+  std::shared_ptr<CallNote> Note(const grpc::CallbackServerContext* context, const char* method,
+                                 int64_t bytes_in) const;
+  void Record(const Pending& p, const grpc::Status& status, std::vector<CallRecord>* into);
+  void RecordUnparsed(const CallNote& note, const grpc::Status& status);
   void Count(Queue* queue, const grpc::Status& status);
   void Count(Codes* codes, const grpc::Status& status);
   Queue& At(size_t index) const;  // queues are added while serving: looked up under models_mu_
@@ -467,6 +482,8 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   std::vector<std::string> fallback_keys_;
   std::mutex parked_mu_;  // before any queue's mu
   std::map<int64_t, Parked> parked_;
+  std::unique_ptr<Records> records_;  // nullptr: nothing recorded (neither --access-log nor tracing)
+  std::atomic<uint64_t> batch_ids_{0};
 };
 
 // One ModelStreamInfer stream: reads requests as they come (up to the plane's stream window in
@@ -479,6 +496,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
 class StreamCall final
     : public grpc::ServerBidiReactor<grpc::ByteBuffer, inference::ModelStreamInferResponse> {
  public:
+  // context: the relay's (its headers), and where a recorded stream takes its peer and trace headers.
   StreamCall(Plane* plane, TimePoint call_deadline, grpc::CallbackServerContext* context = nullptr);
   void OnReadDone(bool ok) override;
   void OnCancel() override;  // every request of it leaves the plane (Plane::Cancel)
@@ -512,6 +530,7 @@ class StreamCall final
   grpc::CallbackServerContext* context_;
   std::map<uint64_t, std::shared_ptr<UnaryRelay>> relayed_;  // by seq, until answered (cancelled with the stream)
   TimePoint deadline_;  // the stream's gRPC deadline: each request's
+  std::shared_ptr<const CallNote> headers_;  // recorded: each request's note starts from it
   std::mutex mu_;
   grpc::ByteBuffer incoming_;
   std::deque<Slot> slots_;  // in request order: the first is the next to write

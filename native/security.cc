@@ -76,6 +76,7 @@ struct TokenProcessor {
   std::string token, refusal;
   Refusals* refusals;
   std::vector<std::string> open_prefixes;
+  Records* records;  // the access log's (nullptr: not recorded)
 
   static void Process(void* state, grpc_auth_context*, const grpc_metadata* md, size_t count,
                       grpc_process_auth_metadata_done_cb done, void* user_data) {
@@ -91,6 +92,15 @@ struct TokenProcessor {
       return;
     }
     self->refusals->Note(path);
+    if (self->records != nullptr) {  // the Python gate's line: the method, no model, no span
+      CallRecord r;
+      r.traced = false;
+      r.method = std::string(path.substr(path.rfind('/') == std::string_view::npos ? 0 : path.rfind('/') + 1, 256));
+      r.code = GRPC_STATUS_UNAUTHENTICATED;
+      r.details = self->refusal;
+      r.start_ns = r.end_ns = self->records->EpochNs(std::chrono::steady_clock::now());
+      self->records->Add(std::move(r));
+    }
     done(user_data, nullptr, 0, nullptr, 0, GRPC_STATUS_UNAUTHENTICATED, self->refusal.c_str());
   }
   static void Destroy(void* state) { delete static_cast<TokenProcessor*>(state); }
@@ -124,7 +134,7 @@ std::shared_ptr<grpc::ServerCredentials> Plane::Credentials() {
   }
   if (creds == nullptr) return nullptr;
   if (!s.token.empty()) {
-    auto* processor = new TokenProcessor{s.token, s.refusal, &refusals_, s.open_prefixes};
+    auto* processor = new TokenProcessor{s.token, s.refusal, &refusals_, s.open_prefixes, records_.get()};
     grpc_server_credentials_set_auth_metadata_processor(
         creds, {&TokenProcessor::Process, &TokenProcessor::Destroy, processor});
   }

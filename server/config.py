@@ -103,6 +103,8 @@ class ServerConfig:
     worker_heartbeat_timeout_s: float = 20.0
     # One line per call (server.tracing: transport, peer, model, status, times, bytes, trace id).
     access_log: bool = False
+    # Native calls' records (server.native_records) held for the event loop at most; beyond, dropped and counted.
+    access_records_buffer: int = 16384
     # Triton's system shared memory extension (server.shm, docs/shared-memory.md): off by default,
     # since a registered region lets a caller on this host have the server read and write there.
     allow_shared_memory: bool = False
@@ -151,7 +153,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be in -1..65535, got {getattr(self, name)}")
         for name in ("max_queue_size", "batches_in_flight", "max_message_bytes", "max_attention_bytes",
                      "max_queued_bytes", "max_concurrent_streams", "max_typed_bytes", "max_json_bytes",
-                     "max_http_connections", "priority_aging_batches"):
+                     "max_http_connections", "priority_aging_batches", "access_records_buffer"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_receiving_bytes is not None and self.max_receiving_bytes < 1:
@@ -264,6 +266,8 @@ _HELP: dict[str, str] = {
                                   "and replaced",
     "access_log": "one access line per call: transport, peer, model, status, duration, queue and run time, "
                   "bytes, trace id (a switch; or true/false)",
+    "access_records_buffer": "native data plane: call records (access lines, spans) waiting for the event loop at "
+                             "most; beyond, dropped and counted (attnserve_access_records_dropped_total)",
     "allow_shared_memory": "serve Triton's system shared memory extension: tensors read from and written to "
                            "regions that callers on this host register (a switch; or true/false; implies one worker)",
     "shared_memory_max_regions": "shared memory regions registered at once",

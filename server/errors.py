@@ -107,6 +107,20 @@ OK = Status(grpc.StatusCode.OK, "", 200)
 CANCELLED = Status(grpc.StatusCode.CANCELLED, "the client went away", 499)  # nginx's code; nobody reads it
 
 
+# Each code's HTTP status, where a status is known by its code alone (a native call's record):
+# the first the table above gives it (RESOURCE_EXHAUSTED: 429, a full queue or spent budget).
+_HTTP_OF_CODE: dict[grpc.StatusCode, int] = {_S.OK: 200}
+for _code, _http in _STATUS.values():
+    _HTTP_OF_CODE.setdefault(_code, _http)
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_of_code(code: int, details: str) -> Status:
+    """The Status of a gRPC status code's number and its details (the HTTP status from the table)."""
+    status_code = _CODES.get(code, _S.UNKNOWN)
+    return Status(status_code, details, _HTTP_OF_CODE.get(status_code, 500))
+
+
 def status_for(err: BaseException) -> Status:
     """The status a client gets for `err`. An INTERNAL error is logged here with its traceback,
     unless it was already (BatchFailed.logged); the client is told that it failed and where to

@@ -47,6 +47,7 @@ from attnserve.server.listen import listen_addresses
 from attnserve.server.memory.costs import native_cost_terms
 from attnserve.server.metrics import SYNC_PERIOD_S
 from attnserve.server.models import ModelUnavailable
+from attnserve.server.native_records import NativeRecords
 from attnserve.server.request_path import ANSWERED, CLIENT, DEADLINE
 from attnserve.server.security import OPEN_METHOD_PREFIXES, REFUSAL, read_tls_files, read_token
 from attnserve.server.shm import BYTE_SIZE, OFFSET, REGION
@@ -185,6 +186,12 @@ class NativePlane:
         self._codes_counted: dict[tuple[str, str], int] = {}  # (model, code) -> final statuses counted so far
         self._cancels_counted: dict[tuple[str, str, str], int] = {}  # (model, reason, stage) -> counted so far
         self._plane = new_plane(zeros)
+        # Access lines and spans of native calls (server.native_records): only when asked.
+        calls = getattr(request_path, "calls", None)
+        self._records = None if calls is None or zeros or loop is None else NativeRecords(
+            self._plane, calls, config.access_records_buffer, metrics)
+        self._tracing = calls.tracing if self._records is not None else None
+        self._tracers: list = []  # server.tracing.BatchTracer by the plane's model index (tracing on)
         if budget_counter is not None:
             from attnserve.server.service import STREAM_BUDGET_SHARE
 
@@ -264,6 +271,8 @@ class NativePlane:
         self._plane.set_schedule(index, policy.priority_levels, policy.default_priority_level,
                                  policy.default_timeout_us, policy.allow_timeout_override)
         self._models.append((name, spec, lv.batcher.run_batch, lv.batcher.run_solo, lv.batcher.stoppable_runs))
+        if self._tracing is not None:
+            self._tracers.append(self._tracing.batch_tracer(name, spec.version, lv.limits.graphs))
         if self._metrics is not None:
             self._observers.append(self._metrics.observer(name))
         self._lanes[lv] = index
@@ -307,6 +316,8 @@ class NativePlane:
         port = self._plane.start(target, cfg.max_message_bytes, cfg.max_concurrent_streams)
         if port == 0:
             raise OSError(f"native data plane: cannot listen on {target} (--port)")
+        if self._records is not None:
+            self._records.start(self._loop)
         if not self._zeros:
             self._started = True
             for index in sorted(self._lanes.values()):
@@ -390,22 +401,29 @@ class NativePlane:
         if not self._observers or self._loop is None:
             return
         done = time.perf_counter()
+        # The batch's span (tracing on): its figures, with the end on the epoch clock, taken here.
+        span_figures = None if not self._tracers else (
+            batch.id, batch.q_len, batch.k_len, batch.want_probs, batch.masking, time.time_ns())
         stats = BatchStats(requests=batch.requests, rows=batch.rows, padding_ratio=batch.padding_ratio,
                            compute_s=done - started, queue_s=tuple(batch.queue_s), failed=failed,
                            run_s=ran - started, split_s=done - ran, solo=solo, terminated=terminated)
         try:
-            self._loop.call_soon_threadsafe(self._observed, index, stats, tuple(batch.done_s))
+            self._loop.call_soon_threadsafe(self._observed, index, stats, tuple(batch.done_s), span_figures)
         except RuntimeError:
             pass  # the loop is closed: the server is gone
 
-    def _observed(self, index: int, stats: BatchStats, done_s: tuple[float, ...]) -> None:
+    def _observed(self, index: int, stats: BatchStats, done_s: tuple[float, ...], span_figures=None) -> None:
         self._observers[index].on_batch(stats)
         self._metrics.requests_answered(self._models[index][0], done_s)
+        if span_figures is not None and self._records is not None:
+            self._records.batch_done(self._tracers[index], stats, *span_figures)
 
     def refresh_metrics(self) -> None:
         """At each scrape: attnserve_requests gets the native calls' final statuses (counted in
         C++) since the last one; attnserve_native_in_flight the calls queued or computing now."""
         self._in_flight_gauge.set(self._plane.in_flight())
+        if self._records is not None:
+            self._records.refresh_metrics()
         for name, codes in self._plane.final_codes_by_name().items():
             for value, count in enumerate(codes):
                 key = (name or UNKNOWN_MODEL, _CODE_NAMES.get(value, "UNKNOWN"))
@@ -446,6 +464,11 @@ class NativePlane:
         self._plane.stop(grace_s)
         for thread in self._runners:
             thread.join()
+        if self._records is not None:  # the last calls' lines and spans, on the event loop
+            try:
+                self._loop.call_soon_threadsafe(self._records.stop)
+            except RuntimeError:
+                pass  # the loop is closed: the server is gone
         if self._sync_task is not None:  # the last figures, after the last batches' (queued before it)
             try:
                 self._loop.call_soon_threadsafe(self._last_sync)

@@ -169,13 +169,19 @@ class BatchTracer:
         spans = [span for _work, span in served if span is not None and span.get_span_context().trace_flags.sampled]
         if not spans:
             return
-        trace = self._tracing._trace
         from attnserve.server.tensors import batch_masking
 
         works = [work for work, _span in served]
         q_len, k_len = max(w.q_len for w in works), max(w.k_len for w in works)
         want_probs = any(w.want_probs for w in works)
         masking = batch_masking({w.masking for w in works}, all(w.k_len == k_len for w in works))
+        self.batch_span(stats, spans, q_len, k_len, want_probs, masking)
+
+    def batch_span(self, stats: BatchStats, spans: list, q_len: int, k_len: int, want_probs: bool, masking: str,
+                   end_ns: int | None = None) -> None:
+        """The batch's span, linked to its sampled request spans, ending at end_ns (None: now);
+        both planes' batches (server.native_records hands the native runner's figures)."""
+        trace = self._tracing._trace
         attributes = {
             "attnserve.model": self._model, "attnserve.model_version": self._version,
             "attnserve.batch.requests": stats.requests, "attnserve.batch.rows": stats.rows,
@@ -191,7 +197,7 @@ class BatchTracer:
                 attributes["attnserve.batch.graph"] = self._graphs.graph_for(masking, want_probs, q_len, k_len)
             except ValueError:
                 pass
-        end_ns = time.time_ns()
+        end_ns = time.time_ns() if end_ns is None else end_ns
         links = [trace.Link(span.get_span_context()) for span in spans]
         span = self._tracing.tracer.start_span(
             f"batch {self._model}", context=trace.set_span_in_context(spans[0]), kind=trace.SpanKind.INTERNAL,
@@ -201,10 +207,12 @@ class BatchTracer:
         span.end(end_time=end_ns)
 
 
-def bounded(text: object, limit: int = QUOTED_CHARS) -> str:
-    """Client text as the access log keeps it: at most `limit` characters, marked when cut."""
+def bounded(text: object, limit: int = QUOTED_CHARS, length: int | None = None) -> str:
+    """Client text as the access log keeps it: at most `limit` characters, marked when cut.
+    length: the text's full length where `text` is its start (a native call's record keeps no more)."""
     text = str(text)
-    return text if len(text) <= limit else f"{text[:limit]}...(+{len(text) - limit})"
+    length = len(text) if length is None else max(length, len(text))
+    return text if length <= limit else f"{text[:limit]}...(+{length - limit})"
 
 
 class Calls:
@@ -231,10 +239,12 @@ class Call:
 
     __slots__ = ("_calls", "transport", "method", "peer", "bytes_in", "bytes_out", "started", "started_ns",
                  "model", "version", "request_id", "shape", "queue_s", "run_s", "batch_requests", "span",
-                 "_parent", "finished")
+                 "_parent", "finished", "lengths")
 
     def __init__(self, calls: Calls, transport: str, method: str, peer: str, headers: Mapping[str, str] | None,
-                 bytes_in: int) -> None:
+                 bytes_in: int, started_ns: int | None = None) -> None:
+        """started_ns: when the call began, on the epoch clock, for a call recorded elsewhere (a
+        native call's record, server.native_records); None: now."""
         self._calls = calls
         self.transport = transport
         self.method = method
@@ -242,7 +252,7 @@ class Call:
         self.bytes_in = bytes_in
         self.bytes_out = 0
         self.started = time.monotonic()
-        self.started_ns = time.time_ns()
+        self.started_ns = time.time_ns() if started_ns is None else started_ns
         self.model = self.version = self.request_id = ""
         self.shape: tuple[int, int, int] | None = None  # B, Lq, Lk
         self.queue_s = self.run_s = None
@@ -250,6 +260,7 @@ class Call:
         self.span = None
         self._parent = headers
         self.finished = False
+        self.lengths: dict[str, int] | None = None  # client text's full lengths, where only its start is kept
 
     # -- filled in by the request path (server.request_path) --------------------------------------
 
@@ -261,47 +272,58 @@ class Call:
             return
         trace = tracing._trace
         parent = tracing.extract(self._parent) if self._parent is not None else None
+        lengths = self.lengths or {}
+        model_text = bounded(model, length=lengths.get("model"))
         self.span = tracing.tracer.start_span(
-            f"infer {bounded(model)}", context=parent, kind=trace.SpanKind.SERVER, start_time=self.started_ns,
-            attributes={"attnserve.model": bounded(model), "attnserve.transport": self.transport,
-                        "rpc.method": self.method, "attnserve.request_id": bounded(request_id),
+            f"infer {model_text}", context=parent, kind=trace.SpanKind.SERVER, start_time=self.started_ns,
+            attributes={"attnserve.model": model_text, "attnserve.transport": self.transport,
+                        "rpc.method": self.method,
+                        "attnserve.request_id": bounded(request_id, length=lengths.get("request_id")),
                         "attnserve.request_bytes": self.bytes_in})
 
     def decoded(self, work: Work) -> None:
         """The request was admitted (decoded, checked) and goes to the batcher's queue."""
-        self.shape = (work.rows, work.q_len, work.k_len)
+        self.admitted(work.rows, work.q_len, work.k_len)
+
+    def admitted(self, rows: int, q_len: int, k_len: int, at_ns: int | None = None) -> None:
+        """Admitted with this shape, at at_ns (epoch clock; None: now)."""
+        self.shape = (rows, q_len, k_len)
         span = self.span
         if span is not None and span.is_recording():
-            span.set_attributes({"attnserve.batch_size": work.rows, "attnserve.query_length": work.q_len,
-                                 "attnserve.key_length": work.k_len})
-            span.add_event("admitted")
+            span.set_attributes({"attnserve.batch_size": rows, "attnserve.query_length": q_len,
+                                 "attnserve.key_length": k_len})
+            span.add_event("admitted", timestamp=at_ns)
 
-    def computed(self, queue_s: float, compute_s: float, batch_requests: int, version: int | str) -> None:
-        """Its batch ran: the queue wait and the run, as the batcher measured them."""
+    def computed(self, queue_s: float, compute_s: float, batch_requests: int, version: int | str,
+                 at_ns: int | None = None) -> None:
+        """Its batch ran: the queue wait and the run, as the batcher measured them; the run
+        ended at at_ns (epoch clock; None: now)."""
         self.queue_s, self.run_s, self.batch_requests = queue_s, compute_s, batch_requests
         self.version = str(version)
         span = self.span
         if span is not None and span.is_recording():
-            now = time.time_ns()
+            now = time.time_ns() if at_ns is None else at_ns
             run_start = now - int(compute_s * 1e9)
             span.add_event("dequeued", {"attnserve.queue_s": queue_s}, timestamp=run_start)
             span.add_event("computed", {"attnserve.run_s": compute_s, "attnserve.batch_requests": batch_requests},
                            timestamp=now)
 
-    def encoded(self) -> None:
+    def encoded(self, at_ns: int | None = None) -> None:
         span = self.span
         if span is not None and span.is_recording():
-            span.add_event("encoded")
+            span.add_event("encoded", timestamp=at_ns)
 
     # -- the end -----------------------------------------------------------------------------
 
-    def finish(self, status: Status, bytes_out: int = 0, http_status: int | None = None) -> None:
-        """The call is answered (sent, or refused): end its span, write its access line. Once."""
+    def finish(self, status: Status, bytes_out: int = 0, http_status: int | None = None,
+               end_ns: int | None = None) -> None:
+        """The call is answered (sent, or refused): end its span, write its access line. Once.
+        end_ns: when it was answered, on the epoch clock (a native call's record); None: now."""
         if self.finished:
             return
         self.finished = True
         self.bytes_out = bytes_out
-        duration_s = time.monotonic() - self.started
+        duration_s = time.monotonic() - self.started if end_ns is None else (end_ns - self.started_ns) / 1e9
         span = self.span
         trace_id = ""
         if span is not None:
@@ -317,7 +339,7 @@ class Call:
                                      "http.response.status_code": http_status or status.http})
                 if status.code.name != "OK":
                     span.set_status(trace.Status(trace.StatusCode.ERROR, status.details[:200]))
-            span.end()
+            span.end(end_time=end_ns)
         elif self._parent is not None:  # not traced here: the caller's trace id, when it sent one
             trace_id = _trace_id_of(self._parent.get(TRACEPARENT))
         if self._calls.access_log:
@@ -332,8 +354,9 @@ class Call:
             "run_ms": None if self.run_s is None else round(self.run_s * 1000, 3),
             "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "trace_id": trace_id,
         }
+        lengths = self.lengths or {}
         for name in _LIMITED:
-            fields[name] = bounded(fields[name])
+            fields[name] = bounded(fields[name], length=lengths.get(name))
         access_logger.info("%s", _AccessLine(fields), extra={"access": fields})
 
 

@@ -34,6 +34,7 @@ def test_metric_names_match_the_code():
     from attnserve.server.memory.budget import MemoryBudget
     from attnserve.server.metrics import Metrics
     from attnserve.server.native import IN_FLIGHT_METRIC
+    from attnserve.server.native_records import DROPPED_METRIC
     from attnserve.server.shm import SystemSharedMemory
     from attnserve.server.workers import HUNG_METRIC, RESTARTS_METRIC
 
@@ -45,7 +46,8 @@ def test_metric_names_match_the_code():
     # prometheus_client names counters without their _total suffix
     families = {f"{m.name}_total" if m.type == "counter" else m.name for m in metrics.registry.collect()}
     documented = set(re.findall(r"`(attnserve_[a-z_]+)`", README))
-    assert families | {f"{RESTARTS_METRIC}_total", f"{HUNG_METRIC}_total", IN_FLIGHT_METRIC} == documented
+    registered_while_serving = {f"{RESTARTS_METRIC}_total", f"{HUNG_METRIC}_total", IN_FLIGHT_METRIC, DROPPED_METRIC}
+    assert families | registered_while_serving == documented
 
 
 def test_ci_runs_the_readme_test_command():
