@@ -348,8 +348,11 @@ class Server:
         return False
 
     def _write_ready_file(self, path: Path) -> None:
+        # python_grpc: where the Python gRPC server listens (behind the native plane: its private socket).
+        python_grpc = (f"unix:{self._private_dir / 'grpc.sock'}" if self._native is not None
+                       else f"127.0.0.1:{self.port}")
         write_json_atomic(path, {"grpc_port": self.port, "http_port": self.http_port, "metrics_port": self.metrics_port,
-                                 "pid": os.getpid()})
+                                 "python_grpc": python_grpc, "pid": os.getpid()})
 
     def hurry(self) -> None:
         """A second signal: end the drain delay and the grace period now; what has not started

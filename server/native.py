@@ -95,9 +95,9 @@ SHARED_MEMORY_PARAMETERS = (REGION, OFFSET, BYTE_SIZE)
 
 
 def python_serves_all(request_path) -> bool:
-    """Whether every ModelInfer request goes to the Python request path: while it records calls
-    (--access-log, traces), which native calls do not write yet."""
-    return request_path.calls is not None
+    """Whether every ModelInfer request goes to the Python request path: none now (native calls
+    write their own access lines and spans: server.native_records); kept as the one switch."""
+    return False
 
 
 # Left by `pip install .` (setup.py) where the extension could not be built: what was missing.

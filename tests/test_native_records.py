@@ -40,8 +40,8 @@ VARYING = {"time", "duration_ms", "queue_ms", "run_ms", "peer"}
 
 
 def native_port(proc: ServerProcess) -> int:
-    """Where the native plane serves ModelInfer: its own --native-port until the main port is its."""
-    return json.loads(proc.ready_file.read_text())["native_port"]
+    """Where native calls go: the server's gRPC port (the Python plane sits behind it: proc.python_target)."""
+    return proc.port
 
 
 def _inputs(rows: int = 1, length: int = 4) -> dict[str, np.ndarray]:
@@ -115,10 +115,10 @@ def test_native_calls_write_the_access_lines_the_python_port_writes_for_the_same
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
     header = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-    with GatedServer(model_repository, "--data-plane", "native", "--native-port", "0", "--access-log",
+    with GatedServer(model_repository, "--data-plane", "native", "--access-log",
                      "--log-format", "json", "--auth-token-file", str(token)) as proc:
         planes = {}
-        with proc.channel() as channel:
+        with grpc.insecure_channel(proc.python_target) as channel:  # the Python plane, behind the native one
             _one_of_each(proc, channel, header)
             planes["python"] = _wait_lines(proc, 7)
         with grpc.insecure_channel(f"127.0.0.1:{native_port(proc)}") as channel:
@@ -155,11 +155,11 @@ def test_native_calls_write_the_access_lines_the_python_port_writes_for_the_same
 def test_native_calls_follow_traceparent_with_a_request_span_and_a_linked_batch_span(model_repository):
     otel = pytest.importorskip("tests.test_tracing")  # its receiver; skips without the SDK
     receiver = otel.Receiver()
-    proc = ServerProcess(model_repository, "--data-plane", "native", "--native-port", "0", "--access-log",
+    proc = ServerProcess(model_repository, "--data-plane", "native", "--access-log",
                          "--log-format", "json", env=otel.otel_env(receiver))
     try:
         ids, details = {}, {}
-        for plane, target in (("python", proc.address), ("native", f"127.0.0.1:{native_port(proc)}")):
+        for plane, target in (("python", proc.python_target), ("native", f"127.0.0.1:{native_port(proc)}")):
             header, trace_id, span_id = otel.traceparent()
             bad_header, bad_trace, _ = otel.traceparent()
             with grpc.insecure_channel(target) as channel:
@@ -208,7 +208,7 @@ def test_native_calls_follow_traceparent_with_a_request_span_and_a_linked_batch_
 
 def test_a_burst_over_the_record_buffer_drops_and_counts_records_and_the_plane_serves_on(model_repository):
     burst = 8
-    with GatedServer(model_repository, "--data-plane", "native", "--native-port", "0", "--access-log",
+    with GatedServer(model_repository, "--data-plane", "native", "--access-log",
                      "--log-format", "json", "--max-batch-size", "16",
                      env={"ATTNSERVE_ACCESS_RECORDS_BUFFER": "2"}) as proc, \
             grpc.insecure_channel(f"127.0.0.1:{native_port(proc)}") as channel, \

@@ -52,17 +52,17 @@ BIG = (1, 1024, 1024)
 
 
 def native_port(proc: ServerProcess) -> int:
-    """Where native calls go: the one place to change once the plane serves the main port."""
-    return json.loads(proc.ready_file.read_text())["native_port"]
+    """Where native calls go: the server's gRPC port (the Python plane sits behind it: proc.python_target)."""
+    return proc.port
 
 
-def _channel(port: int) -> grpc.Channel:
+def _channel(target: str) -> grpc.Channel:
     options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-    return grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+    return grpc.insecure_channel(target, options=options)
 
 
 def _stubs(proc: ServerProcess) -> tuple[dict, list[grpc.Channel]]:
-    channels = [_channel(native_port(proc)), _channel(proc.port)]
+    channels = [_channel(f"127.0.0.1:{native_port(proc)}"), _channel(proc.python_target)]
     return {"native": pb_grpc.GRPCInferenceServiceStub(channels[0]),
             "python": pb_grpc.GRPCInferenceServiceStub(channels[1])}, channels
 
@@ -160,7 +160,7 @@ def waiting_server(model_repository, big_cost):
     """One BIG call fits the budget, two do not; the waiting room (an eighth) holds two waiters' inputs."""
     limit = max(big_cost.total * 8 // 7 + 1, 8 * 2 * big_cost.inputs + 8)
     assert big_cost.total <= limit - limit // 8 < 2 * big_cost.total, (big_cost, limit)
-    with GatedServer(model_repository, "--data-plane", "native", "--native-port", "0", "--max-batch-size", "1",
+    with GatedServer(model_repository, "--data-plane", "native", "--max-batch-size", "1",
                      "--memory-limit-bytes", str(limit), "--grace-period-s", "120") as proc:
         yield proc
 
@@ -287,7 +287,7 @@ def test_the_queue_bounds_refuse_as_on_the_python_port(model_repository, flag):
     --max-queued-bytes (or --max-queue-size) is refused RESOURCE_EXHAUSTED with the batcher's
     words on both ports."""
     value, words = QUEUE_BOUNDS[flag]
-    with GatedServer(model_repository, "--data-plane", "native", "--native-port", "0", "--max-batch-size", "1",
+    with GatedServer(model_repository, "--data-plane", "native", "--max-batch-size", "1",
                      flag, value, "--grace-period-s", "120") as proc:
         stubs, channels = _stubs(proc)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -318,9 +318,9 @@ def test_a_call_gone_before_its_answer_is_sent_counts_as_answered(model_reposito
     Python port cannot see this case: grpc.aio reports no cancel once the handler has returned
     (its done callback finds `cancelled()` false), so its count stays as it was."""
     request = _request((1, 64, 64), "answered", outputs=("output", "attn_probs")).SerializeToString()
-    proc = ServerProcess(model_repository, "--data-plane", "native", "--native-port", "0")
+    proc = ServerProcess(model_repository, "--data-plane", "native")
     try:
-        for port, counted in ((native_port(proc), 1), (proc.port, 0)):
+        for port, counted in ((native_port(proc), 1),):  # the Python plane sits behind a socket: not raw HTTP/2 here
             before = _sample(_scrape(proc), "attnserve_cancelled_requests_total", stage="answered")
             client = RawGrpcClient(port)
             try:
