@@ -18,7 +18,6 @@ not built (`make native`).
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import re
 import time
 import urllib.request
