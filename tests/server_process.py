@@ -63,9 +63,12 @@ class ServerProcess:
                                      env={**os.environ, **(env or {})})
         self.port, self.http_port, self.metrics_port = self._wait_ready()
         self.address = f"127.0.0.1:{self.port}"
-        # The Python gRPC server's own target: the port, or behind the native plane its private socket.
-        self.python_target = json.loads(self.ready_file.read_text()).get("python_grpc", self.address)
         self.http_address = f"127.0.0.1:{self.http_port}"  # the REST port (0: off)
+
+    @property
+    def python_target(self) -> str:
+        """The Python gRPC server's own target: the port, or behind the native plane its private socket."""
+        return json.loads(self.ready_file.read_text()).get("python_grpc", self.address)
 
     def _wait_ready(self) -> tuple[int, int, int]:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
