@@ -127,30 +127,50 @@ def test_shared_memory_requests_go_to_the_python_path_and_equal_the_eager_answer
         client.close()
 
 
-def test_a_relayed_call_s_deadline_and_cancellation_reach_python(model_repository):
-    """With --access-log every ModelInfer goes to the Python request path: a queued one whose
-    deadline passes, and one the client cancels, leave the Python batcher's queue while the batch
-    ahead of them is held."""
+def test_a_relayed_call_s_deadline_and_cancellation_reach_python(model_repository, regions):
+    """ModelInfer calls whose output goes to a shared-memory region are relayed to the Python
+    request path: a queued one whose deadline passes, and one the client cancels, leave the Python
+    batcher's queue while the batch ahead of them is held."""
+    import tritonclient.utils.shared_memory as shm
+
     rng = np.random.default_rng(3)
     x = _x(rng)
-    with GatedServer(model_repository, *NATIVE, "--access-log") as server, server.channel() as channel:
+    size = x.nbytes  # (1, 4, 512) FP32 output, the query's size
+    with GatedServer(model_repository, *NATIVE, "--allow-shared-memory") as server, server.channel() as channel:
+        handle = regions("relay-out", size)
+        client = grpcclient.InferenceServerClient(url=server.address)
+        try:
+            client.register_system_shared_memory("relay-out", handle._shm_key, size)
+        finally:
+            client.close()
+
+        def relayed() -> pb.ModelInferRequest:
+            request = _request(x)
+            out = request.outputs.add(name="output")
+            out.parameters["shared_memory_region"].string_param = "relay-out"
+            out.parameters["shared_memory_byte_size"].int64_param = size
+            return request
+
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        held = stub.ModelInfer.future(_request(x), timeout=WAIT_S)
+        held = stub.ModelInfer.future(relayed(), timeout=WAIT_S)
         assert server.gate.wait_started() == 1
-        late = stub.ModelInfer.future(_request(x), timeout=5.0)
-        _wait_metric(server, "attnserve_queue_depth", 1, model=MODEL)
+        late = stub.ModelInfer.future(relayed(), timeout=5.0)
+        _wait_metric(server, "attnserve_queue_depth", 1, model=MODEL)  # the Python batcher's queue
         with pytest.raises(grpc.RpcError) as exc:
             late.result()
         assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         _wait_metric(server, "attnserve_queue_depth", 0, model=MODEL)
-        gone = stub.ModelInfer.future(_request(x), timeout=WAIT_S)
+        gone = stub.ModelInfer.future(relayed(), timeout=WAIT_S)
         _wait_metric(server, "attnserve_queue_depth", 1, model=MODEL)
         gone.cancel()
         _wait_metric(server, "attnserve_queue_depth", 0, model=MODEL)
         _wait_metric(server, "attnserve_cancelled_requests_total", 1, model=MODEL, reason="client", stage="queued")
         assert not server.gate.has_started()
         server.gate.release()
-        assert outputs_of(held.result())["output"].shape == (1, 4, 512)
+        answer = held.result()
+        assert [o.name for o in answer.outputs] == ["output"] and not any(answer.raw_output_contents)  # in the region
+        got = shm.get_contents_as_numpy(handle, np.float32, [1, 4, 512])
+        assert np.isfinite(got).all() and np.abs(got).sum() > 0
         text = _metrics(server)
         assert _sample(text, "attnserve_requests_total", model=MODEL, code="OK") == 1
 
@@ -176,7 +196,7 @@ def test_metadata_reaches_python_and_a_client_sent_peer_is_not_trusted(model_rep
             assert exc.value.code() != grpc.StatusCode.UNAUTHENTICATED, exc.value
             stub.ModelInfer(_request(x), timeout=WAIT_S,
                             metadata=[("authorization", "Bearer s3cret"), ("x-attnserve-peer", "ipv4:6.6.6.6:1")])
-        log = proc.wait_for_log("method=ModelInfer")
+        log = proc.wait_for_log("method=ModelInfer", 2)  # the refusal's line and the call's
         line = next(line for line in log.splitlines() if "method=ModelInfer" in line and "status=OK" in line)
         assert "peer=ipv4:127.0.0.1:" in line and "6.6.6.6" not in log, line
     finally:
