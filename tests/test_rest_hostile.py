@@ -11,7 +11,6 @@ import logging
 import select
 import socket
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -184,8 +183,7 @@ def test_a_body_being_received_holds_its_share_of_the_memory_budget(budget_serve
     body that would take the budget past its limit is refused with 429 as it arrives, and the
     server's peak RSS stays within the budget."""
     host, port = budget_server.http_address.split(":")
-    # The peak from here on, not the start's or an earlier test's (VmHWM := VmRSS).
-    Path(f"/proc/{budget_server.proc.pid}/clear_refs").write_text("5")
+    budget_server.reset_memory_peak()  # the peak from here on, not the start's or an earlier test's
     idle_kib = budget_server.memory_kib("VmRSS")
     first = socket.create_connection((host, int(port)), timeout=60)
     try:
