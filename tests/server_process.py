@@ -101,6 +101,10 @@ class ServerProcess:
                 return int(line.split()[1])
         raise RuntimeError(f"no {field} in /proc/{self.proc.pid}/status")
 
+    def reset_memory_peak(self) -> None:
+        """VmHWM := VmRSS (Linux's /proc/PID/clear_refs), so the next peak read is from here on."""
+        Path(f"/proc/{self.proc.pid}/clear_refs").write_text("5")
+
     def health(self, service: str = "") -> int:
         with self.channel() as ch:
             stub = health_pb2_grpc.HealthStub(ch)

@@ -14,7 +14,6 @@ import concurrent.futures
 import json
 import os
 import time
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -41,7 +40,7 @@ def _rss(proc: ServerProcess) -> int:
 
 
 def _reset_peak(proc: ServerProcess) -> None:
-    Path(f"/proc/{proc.proc.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+    proc.reset_memory_peak()
 
 
 def _peak(proc: ServerProcess) -> int:

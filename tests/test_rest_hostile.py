@@ -183,6 +183,7 @@ def test_a_body_being_received_holds_its_share_of_the_memory_budget(budget_serve
     body that would take the budget past its limit is refused with 429 as it arrives, and the
     server's peak RSS stays within the budget."""
     host, port = budget_server.http_address.split(":")
+    budget_server.reset_memory_peak()  # the peak from here on, not the start's or an earlier test's
     idle_kib = budget_server.memory_kib("VmRSS")
     first = socket.create_connection((host, int(port)), timeout=60)
     try:
