@@ -6,7 +6,8 @@
 
 Everything else about the distribution is in pyproject.toml. Where a dependency is missing the
 package installs without attnserve.server._native and carries the reason (NATIVE_MISSING_NAME)
-for `attnserve --version` and `--data-plane native` to say. docs/native-data-plane.md, "Build".
+for `attnserve --version`, `attnserve serve`'s fallback to the Python plane and `--data-plane
+native` to say. docs/native-data-plane.md, "Build".
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def build_mode(environ=os.environ) -> str:
 def not_built_message(why: str) -> str:
     """What pip's log says where the extension is not built (and why_unavailable() later)."""
     return (f"attnserve: {why}. Installing without the native data plane (attnserve.server._native): "
-            f"the Python data plane serves; `--data-plane native` will refuse to start and say this. "
+            f"`attnserve serve` will serve on the Python data plane and log this (`--data-plane native` will "
+            f"refuse to start with it). "
             f"Install what is missing and reinstall, or set {MODE_VARIABLE}=on to make this an error.")
 
 

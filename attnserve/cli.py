@@ -52,19 +52,20 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
 
 
 class _Version(argparse.Action):
-    """--version: the release, and whether the native data plane (--data-plane native) can serve;
-    it imports the extension only when asked."""
+    """--version: the release, whether the native data plane (--data-plane native) can serve, and
+    which plane `serve` takes by default (auto); it imports the extension only when asked."""
 
     def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None) -> None:
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         from attnserve import __version__
-        from attnserve.server.native import why_unavailable
+        from attnserve.server.data_plane import why_unavailable
 
         why = why_unavailable()
         print(f"{PROG} {__version__}\nnative data plane: "
-              f"{'available (--data-plane native)' if why is None else 'unavailable: ' + why}")
+              f"{'available (--data-plane native)' if why is None else 'unavailable: ' + why}\n"
+              f"serve's data plane by default (--data-plane auto): {'native' if why is None else 'python'}")
         parser.exit()
 
 
@@ -72,8 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Multi-head attention served over the Open Inference Protocol (KServe V2).",
         epilog=f"`{PROG} COMMAND --help` lists a command's flags.")
-    parser.add_argument("--version", action=_Version, help="show the version, and whether the native data plane "
-                        "can serve, and exit")
+    parser.add_argument("--version", action=_Version, help="show the version, whether the native data plane "
+                        "can serve and which plane serves by default, and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (help_text, _run) in COMMANDS.items():
         commands.add_parser(name, help=help_text, add_help=False)

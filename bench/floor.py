@@ -33,7 +33,9 @@ def zeros(spec: ModelSpec) -> RunBatch:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = load_config(argv, prog="python -m bench.floor")
+    # The Python stack's floor (bench.native_floor is the native plane's), unless the flags say otherwise.
+    config = load_config(["--data-plane", "python", *(sys.argv[1:] if argv is None else argv)],
+                         prog="python -m bench.floor")
     start_on_huge_pages()  # as the server does (server.memory.heap, "Roomy")
     configure_logging(config)
     return asyncio.run(serve(config, run_batch=zeros))

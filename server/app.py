@@ -27,6 +27,7 @@ from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
 from attnserve.server import codec, shm
 from attnserve.server.config import ServerConfig
+from attnserve.server.data_plane import choose_data_plane
 from attnserve.server.engine import CUDA, choose_device
 from attnserve.server.gate import CallGate, HandlerTable
 from attnserve.server.handover import CoreCalls
@@ -152,6 +153,7 @@ class Server:
         self.http_port: int | None = None
         self.metrics_port: int | None = None
         self._native = None  # --data-plane native (server.native): it serves `port`, Python behind it
+        self.data_plane: str | None = None  # "native" or "python" once started (server.data_plane)
         self._private_dir: Path | None = None  # the Python server's socket behind the native plane
         self._rest: RestPort | None = None
         self.metrics = Metrics(worker.directory if worker is not None else None)
@@ -173,7 +175,8 @@ class Server:
 
     async def start(self) -> int:
         """Load the models, bind, serve. Returns the bound gRPC port.
-        Raises engine.DeviceUnavailable for --device cuda without CUDA."""
+        Raises engine.DeviceUnavailable for --device cuda without CUDA, and
+        data_plane.DataPlaneUnavailable for --data-plane native without its extension."""
         cfg = self.config
         started = time.monotonic()  # time-to-ready counts from here
         # TLS files and the token are checked before anything slow: a bad one fails at once.
@@ -185,6 +188,10 @@ class Server:
         device = choose_device(cfg.device)
         if device.why_not_cuda:
             logger.warning("device auto: serving on CPU because %s", device.why_not_cuda)
+        # Before anything slow: --data-plane native without its extension is refused at once.
+        plane, _why_not_native = choose_data_plane(cfg.data_plane)
+        self.data_plane = plane
+        native = plane == "native"
         # Creating sessions blocks for a while; nothing else is running yet.
         heap.configure_allocator()
         # With several workers each takes its share of the default (the supervisor divides a given limit).
@@ -194,7 +201,7 @@ class Server:
         # the heap turns lean (server.memory.reclaim).
         reclaimer = Reclaimer(asyncio.get_running_loop(), budget=lambda: self.budget)
         self.budget = MemoryBudget(limit, on_idle=reclaimer.on_idle, on_crowded=reclaimer.on_crowded)
-        if cfg.data_plane == "native":  # one budget for both planes: its counter is the native plane's
+        if native:  # one budget for both planes: its counter is the native plane's
             from attnserve.server.native import share_budget
 
             self._budget_counter = share_budget(self.budget, asyncio.get_running_loop())
@@ -216,9 +223,8 @@ class Server:
                                                      self.budget)
             self.metrics.watch_shared_memory(self._shared_memory)
         request_path = RequestPath(self.registry, self.metrics, self._draining, Calls(self.tracing, cfg.access_log),
-                                   shared_memory=self._shared_memory, data_plane=cfg.data_plane,
+                                   shared_memory=self._shared_memory, data_plane=plane,
                                    why_no_cuda_shm=shm.why_no_cuda(device.providers[0] == CUDA, device.why_not_cuda))
-        native = cfg.data_plane == "native"
         servicer = InferenceServicer(request_path, self.budget, relayed=native)
 
         options = [
@@ -325,12 +331,9 @@ class Server:
                       channel_args: list[tuple[str, int]]) -> int:
         """The native data plane's listener on --port (server.native), with the Python port's TLS, token
         and connection arguments, relaying what it does not serve to `upstream`; workers share its port.
-        RuntimeError saying why it cannot start."""
-        from attnserve.server.native import NativePlane, why_unavailable
+        The extension loads (start: choose_data_plane)."""
+        from attnserve.server.native import NativePlane
 
-        why = why_unavailable()
-        if why is not None:
-            raise RuntimeError(f"--data-plane native: {why}")
         self._native = NativePlane(self.config, self.registry, request_path, self.metrics, asyncio.get_running_loop(),
                                    budget_counter=self._budget_counter, receiving_bytes=self._receiving_bytes,
                                    token=token, shared_port=self.worker is not None)

@@ -21,7 +21,8 @@ DEVICES = ("cpu", "cuda", "auto")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # any case
 LOG_FORMATS = ("text", "json")
 MODEL_CONTROL_MODES = ("none", "explicit", "poll")  # as Triton's --model-control-mode
-DATA_PLANES = ("python", "native")  # who serves ModelInfer (server.native: the C++ prototype)
+# Who serves ModelInfer: auto is native where the extension loads, else python (server.native.choose_data_plane).
+DATA_PLANES = ("auto", "native", "python")
 WARMUP_MODES = ("graphs", "none")  # server.warmup.MODES (kept here: config imports no server module)
 # gRPC's 4 MiB default is too small for real requests (4 x 200 x 512 float32 is 4.9 MB).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -118,7 +119,8 @@ class ServerConfig:
     auth_token_file: Path | None = None  # file holding the bearer token clients must send
     # native: the C++ data plane (server.native) listens on `port`, serves ModelInfer and
     # ModelStreamInfer itself and relays every other call to the Python gRPC server on a private socket.
-    data_plane: str = "python"
+    # auto: native where its extension loads, python (saying why) where it does not.
+    data_plane: str = "auto"
     # graphs: each graph runs at a short and a crossover length, on every session kind, before its
     # model reports ready (server.warmup); none: ready as soon as its sessions load.
     warmup: str = "graphs"
@@ -277,8 +279,9 @@ _HELP: dict[str, str] = {
     "tls_key": "PEM private key of --tls-cert",
     "tls_client_ca": "PEM roots: require client certificates signed by them (mutual TLS)",
     "auth_token_file": "file holding a bearer token every call must send (health stays open)",
-    "data_plane": "python, or native: the C++ data plane serves --port (ModelInfer and ModelStreamInfer in C++, "
-                  "every other call relayed to the Python server; `make native` builds it)",
+    "data_plane": "auto (native where its extension is built and loads, else python, the log says why), native: "
+                  "the C++ data plane serves --port (ModelInfer and ModelStreamInfer in C++, every other call relayed "
+                  "to the Python server; `make native` builds it; refuses to start without it), or python",
     "warmup": "graphs: before a model reports ready, run each of its graphs at a short and at the crossover "
               "length on every session kind (readiness false, index state WARMING meanwhile); none: ready at once",
     "grpc_max_connection_age_s": "close each gRPC connection (GOAWAY) after this many seconds, so that clients "

@@ -1,4 +1,4 @@
-"""The native data plane (prototype): ModelInfer served by C++, Python called once per batch.
+"""The native data plane (server.data_plane: the default where built): ModelInfer in C++, Python once per batch.
 
     plane = NativePlane(config, registry, request_path, metrics, loop); port = plane.start()
     plane.begin_drain(); plane.refuse(); plane.wait_idle(timeout_s); plane.stop(grace_s)
@@ -36,12 +36,12 @@ import asyncio
 import logging
 import threading
 import time
-from pathlib import Path
 
 import grpc
 from attnserve.proto import inference_pb2 as pb
 from attnserve.server.batcher import QUEUED, RUNNING, TERMINATED, BatchStats
 from attnserve.server.codec import _RESPONSE_OVERHEAD_BYTES, heads_differ_refusal
+from attnserve.server.data_plane import NATIVE_MISSING_NOTE, why_unavailable  # noqa: F401 (this module's API too)
 from attnserve.server.errors import status_for
 from attnserve.server.listen import listen_addresses
 from attnserve.server.memory.costs import native_cost_terms
@@ -98,21 +98,6 @@ def python_serves_all(request_path) -> bool:
     """Whether every ModelInfer request goes to the Python request path: none now (native calls
     write their own access lines and spans: server.native_records); kept as the one switch."""
     return False
-
-
-# Left by `pip install .` (setup.py) where the extension could not be built: what was missing.
-NATIVE_MISSING_NOTE = Path(__file__).with_name("_native_missing.txt")
-
-
-def why_unavailable() -> str | None:
-    """None when the extension is built and loads; else why not, and how to build it."""
-    try:
-        from attnserve.server import _native  # noqa: F401
-    except ImportError as err:
-        if NATIVE_MISSING_NOTE.exists():
-            return f"this installation was built without it: {NATIVE_MISSING_NOTE.read_text().strip()}"
-        return f"attnserve.server._native is not built or does not load ({err}); build it with `make native`"
-    return None
 
 
 def new_plane(zeros: bool = False):

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnserve.server.config import ServerConfig
+from attnserve.server.data_plane import DataPlaneUnavailable, choose_data_plane
 
 logger = logging.getLogger("attnserve.server.workers")
 
@@ -248,11 +249,13 @@ class Supervisor:
         self._held: list[socket.socket] = []
         self._endpoint = None
         self.grpc_port = self.http_port = self.metrics_port = None
+        # --data-plane auto chosen once here and given to every worker, so that all serve on one plane.
+        self.data_plane: str | None = None
 
     # -- setup --
     def _worker_args(self, worker: _Worker) -> list[str]:
         cfg = self.config
-        args = [*self.argv, "--workers", "1", "--port", str(self.grpc_port),
+        args = [*self.argv, "--workers", "1", "--data-plane", self.data_plane, "--port", str(self.grpc_port),
                 "--http-port", str(self.http_port if self.http_port is not None else -1),
                 "--metrics-port", "-1", "--ready-file", str(self._ready_path(worker))]
         if cfg.intra_op_threads == 0:
@@ -447,8 +450,9 @@ class Supervisor:
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, self.signal, sig)
         try:
+            self.data_plane, _why_not_native = choose_data_plane(self.config.data_plane)
             await self.start_ports()
-        except OSError as err:
+        except (DataPlaneUnavailable, OSError) as err:
             logger.error("cannot start: %s", err)
             return EXIT_CANNOT_START
         if self.draining:
@@ -475,7 +479,7 @@ class Supervisor:
         if not self.draining:
             self._write_ready_file()
             logger.info("serving with %d workers (pids %s) on %s:%d (data plane %s, REST %s, metrics %s)", self.count,
-                        [w.proc.pid for w in self.workers], self.config.host, self.grpc_port, self.config.data_plane,
+                        [w.proc.pid for w in self.workers], self.config.host, self.grpc_port, self.data_plane,
                         self.http_port or "off", self.metrics_port or "off")
         codes = await asyncio.gather(*(self._keep(w) for w in self.workers))
         logger.info("every worker stopped (exit statuses %s)", codes)
