@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server_process import ServerProcess
+from tests.server_process import DATA_PLANE_ENV, ServerProcess, plane_from_env
 
 PRESET_NAMES = ("self_attention", "cross_attention")
 # A repository exported elsewhere, for a virtualenv without the exporter (onnx, onnxscript):
@@ -76,6 +76,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if E2E_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)
+    _servers_on_the_chosen_plane(items)
+
+
+# -- the data plane -----------------------------------------------------------------------------
+# The test servers serve on the server's default plane (auto: native where the extension loads)
+# unless $ATTNSERVE_TEST_DATA_PLANE says python or native (tests/server_process.py). In CI an e2e
+# suite whose servers would fall back to the Python plane stops before it runs: else it would pass
+# on the wrong plane.
+
+def _servers_on_the_chosen_plane(items) -> None:
+    if not _no_skip() or plane_from_env() == "python" or not any(i.get_closest_marker("e2e") for i in items):
+        return
+    from attnserve.server.data_plane import why_unavailable
+
+    why = why_unavailable()
+    if why is not None:
+        raise pytest.UsageError(
+            f"${NO_SKIP_ENV} is set and the native data plane does not load, so these tests' servers would serve "
+            f"on the Python plane instead: {why}. Build it (make native), or choose the Python plane on purpose: "
+            f"{DATA_PLANE_ENV}=python (make test-python-plane)")
 
 
 # -- unexpected skips -----------------------------------------------------------------------------

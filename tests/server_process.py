@@ -16,19 +16,37 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 60.0
-# Which data plane a test's server runs on unless the test passes --data-plane itself: python
-# (default) or native (`make test-native-plane`; docs/testing.md).
+# Which data plane a test's server runs on unless the test passes --data-plane itself: unset, the
+# server's default (auto: native where the extension loads); python or native, that plane
+# (`make test-python-plane`; docs/testing.md).
 DATA_PLANE_ENV = "ATTNSERVE_TEST_DATA_PLANE"
+TEST_DATA_PLANES = ("python", "native")
+
+
+def plane_from_env() -> str | None:
+    """$ATTNSERVE_TEST_DATA_PLANE: python or native, or None (unset: the server's default)."""
+    plane = os.environ.get(DATA_PLANE_ENV) or None
+    if plane is not None and plane not in TEST_DATA_PLANES:
+        raise ValueError(f"${DATA_PLANE_ENV} must be {' or '.join(TEST_DATA_PLANES)} (or unset: the server's "
+                         f"default), got {plane!r}")
+    return plane
 
 
 def data_plane_args(extra_args: tuple[str, ...]) -> list[str]:
-    """["--data-plane", X] from $ATTNSERVE_TEST_DATA_PLANE, or nothing when the test chose its own."""
-    plane = os.environ.get(DATA_PLANE_ENV, "python")
-    if plane not in ("python", "native"):
-        raise ValueError(f"${DATA_PLANE_ENV} must be python or native, got {plane!r}")
-    if any(arg == "--data-plane" or arg.startswith("--data-plane=") for arg in extra_args):
+    """["--data-plane", X] from $ATTNSERVE_TEST_DATA_PLANE, or nothing when it is unset or the test chose its own."""
+    plane = plane_from_env()
+    if plane is None or any(arg == "--data-plane" or arg.startswith("--data-plane=") for arg in extra_args):
         return []
-    return ["--data-plane", plane] if plane != "python" else []
+    return ["--data-plane", plane]
+
+
+def without_native_env(directory: Path) -> dict[str, str]:
+    """Environment for a Python process in which attnserve.server._native does not import, as where it
+    is not built: a sitecustomize.py in `directory`, first on PYTHONPATH, maps it to None in sys.modules."""
+    (directory / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['attnserve.server._native'] = None  # tests/server_process.py: as if not built\n")
+    path = os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path}
 
 
 class ServerProcess:

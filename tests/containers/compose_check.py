@@ -437,28 +437,29 @@ def container_log(name: str) -> str:
 
 
 def check_native_plane(modules, rng) -> None:
-    """The serving image with --data-plane native (the extension built in its build stage, only
-    its run-time libraries shipped): --version says the plane is available, the server says it
-    serves on it, and calls on its port equal eager PyTorch. On the host network, on free
-    loopback ports (the compose file keeps the Python plane: the native one is opt-in)."""
+    """The serving image's default data plane, the native one (the extension built in its build stage,
+    only its run-time libraries shipped; --data-plane auto): --version says the plane is available and
+    the default, the server started with no data plane setting says it serves on it, and calls on its
+    port equal eager PyTorch. On the host network, on free loopback ports."""
     name = "attnserve-ci-native"
     version = podman("run", "--rm", "--network", "none", "--no-healthcheck", "--entrypoint", "attnserve",
                      "attnserve:cpu", "--version").stdout
-    check("native data plane: available (--data-plane native)" in version,
-          "attnserve:cpu --version: the native data plane is available", version)
+    check("native data plane: available (--data-plane native)" in version
+          and "serve's data plane by default (--data-plane auto): native" in version,
+          "attnserve:cpu --version: the native data plane is available and the default", version)
     ports = {"PORT": free_port(), "HTTP_PORT": free_port(), "METRICS_PORT": free_port()}
     env = [f"--env=ATTNSERVE_{k}={v}" for k, v in ports.items()]
     podman("rm", "-f", "-t", "0", name, check_rc=False)
     try:
         podman("run", "-d", "--name", name, "--network", "host", "-e", "ATTNSERVE_HOST=127.0.0.1",
-               "-e", "ATTNSERVE_DATA_PLANE=native", *env, "-v", f"{VOLUME}:/models:ro", "attnserve:cpu")
+               *env, "-v", f"{VOLUME}:/models:ro", "attnserve:cpu")
         took = wait_healthy(name)
         line = "data plane native, python behind it"
         deadline = time.monotonic() + HEALTHY_TIMEOUT_S  # the start line follows the last model's warm-up
         while line not in (text := container_log(name)) and time.monotonic() < deadline:
             time.sleep(0.5)
         check(line in text,
-              f"attnserve:cpu with ATTNSERVE_DATA_PLANE=native serves on the native plane (healthy after {took:.0f} s)",
+              f"attnserve:cpu serves on the native plane by default (healthy after {took:.0f} s)",
               text[-1500:])
         from attnserve.client import InferenceClient
 
