@@ -10,7 +10,7 @@ PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
 PRESETS := self_attention cross_attention
 
-.PHONY: native native-deps native-if-possible test-native-asan fuzz-native fuzz-deps install test test-fast test-native-plane docs lint test-ray test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-goals bench-peers bench-sweep bench-shm bench-ort-c bench-tools clean nginx
+.PHONY: native native-deps native-if-possible test-native-asan fuzz-native fuzz-deps install test test-fast test-python-plane test-native-plane docs lint test-ray test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-goals bench-peers bench-sweep bench-shm bench-ort-c bench-tools clean nginx
 
 install: $(STAMP)
 
@@ -23,7 +23,9 @@ $(STAMP): pyproject.toml setup.py
 	$(NO_NATIVE) $(PY) -m pip install --quiet $(PIP_FIND_LINKS_OPT) -e '.[export,plot,dev]'
 	touch $(STAMP)
 
-# In CI ($$CI set) a skipped test fails the run, unless it is a CUDA test (tests/conftest.py).
+# The test servers serve on the default data plane: native where it is built (native-if-possible).
+# In CI ($$CI set) a skipped test fails the run, unless it is a CUDA test, and so does a server
+# that would fall back to the Python plane (tests/conftest.py).
 test: $(STAMP) nginx native-if-possible
 	ATTNSERVE_TEST_NO_SKIP=$${ATTNSERVE_TEST_NO_SKIP:-$${CI:-}} $(PY) -m pytest tests --ignore=tests/ray
 
@@ -31,10 +33,18 @@ test: $(STAMP) nginx native-if-possible
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not e2e" tests --ignore=tests/ray
 
-# The server's tests (the e2e tier) with every test server on the native data plane: tests/server_process.py
-# adds --data-plane native unless a test chooses its plane (docs/testing.md). NATIVE_PLANE_TESTS narrows it.
-NATIVE_PLANE_TESTS ?= -m e2e tests --ignore=tests/ray --ignore=tests/containers
-test-native-plane: $(STAMP) native
+# The server's tests (the e2e tier) with every test server on the Python data plane, which `make test`
+# no longer runs where the native one is built: tests/server_process.py adds --data-plane python
+# unless a test chooses its plane (docs/testing.md). PLANE_TESTS narrows it.
+PLANE_TESTS ?= -m e2e tests --ignore=tests/ray --ignore=tests/containers
+test-python-plane: $(STAMP) nginx
+	ATTNSERVE_TEST_DATA_PLANE=python ATTNSERVE_TEST_NO_SKIP=$${ATTNSERVE_TEST_NO_SKIP:-$${CI:-}} \
+	  $(PY) -m pytest -q $(PLANE_TESTS)
+
+# The same tier with --data-plane native given to every test server (a failure to build fails here);
+# `make test` runs it so where the plane is built. NATIVE_PLANE_TESTS narrows it.
+NATIVE_PLANE_TESTS ?= $(PLANE_TESTS)
+test-native-plane: $(STAMP) nginx native
 	ATTNSERVE_TEST_DATA_PLANE=native ATTNSERVE_TEST_NO_SKIP=$${ATTNSERVE_TEST_NO_SKIP:-$${CI:-}} \
 	  $(PY) -m pytest -q $(NATIVE_PLANE_TESTS)
 
@@ -107,7 +117,8 @@ test-deps-oldest test-deps-newest: test-deps-%: $(STAMP)
 	  'torch==2.13.0' 'pytest>=8' 'pytest-timeout>=2.3'
 	@.venv-deps-$*/bin/python -c 'import importlib.metadata as m, sys; \
 	  print("test-deps-$*: " + ", ".join(n + " " + m.version(n) for n in sys.argv[1:]))' $(DEPS_SHOWN)
-	ATTNSERVE_TEST_MODEL_REPOSITORY=$(abspath $(DEPS_MODELS)) .venv-deps-$*/bin/python -m pytest -q $(DEPS_TESTS)
+	ATTNSERVE_TEST_DATA_PLANE=python ATTNSERVE_TEST_MODEL_REPOSITORY=$(abspath $(DEPS_MODELS)) \
+	  .venv-deps-$*/bin/python -m pytest -q $(DEPS_TESTS)
 
 # The native data plane (native/, docs/native-data-plane.md): attnserve.server._native into server/
 # (git-ignored), with CMake, Debian's gRPC C++ and pybind11 (the `native` extra). build/native is
@@ -216,7 +227,9 @@ export: $(STAMP)
 	  fi; \
 	done
 
-serve: export
+# On the native data plane where it can be built (native-if-possible), else the Python one: the
+# start line says which, and a line before it why not native (--data-plane auto).
+serve: export native-if-possible
 	exec $(VENV)/bin/attnserve serve --model-repository $(MODELS)
 
 # The benchmark (bench/): issue 26's goals first (bench/goals.py: native and grpc.aio floors, both
