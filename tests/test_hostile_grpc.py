@@ -106,8 +106,10 @@ def test_cancelled_calls_give_their_receive_slots_back_at_once(model_repository,
 
     monkeypatch.setattr(ReceiveSlots, "STALE_S", 3600.0)
     monkeypatch.setattr(Arrivals, "TIMEOUT_S", 3600.0)
+    # The Python port's receive slots (the native port's bound is gRPC's memory quota: test_native_limits.py).
     config = ServerConfig(model_repository=model_repository, host="127.0.0.1", port=0, http_port=-1,
-                          metrics_port=-1, memory_limit_bytes=512 * MIB, drain_delay_s=0, grace_period_s=5)
+                          metrics_port=-1, memory_limit_bytes=512 * MIB, drain_delay_s=0, grace_period_s=5,
+                          data_plane="python")
     rng = np.random.default_rng(1)
     big = grpc_frame(infer_request("self_attention", **random_inputs(rng, 1, 96, 96, 512, 512)).SerializeToString())
     assert len(big) > 390_000
