@@ -307,8 +307,8 @@ class NativePlane:
             self._started = True
             for index in sorted(self._lanes.values()):
                 self._start_runner(index)
-        logger.info("native data plane (prototype%s) serving ModelInfer for %s on %s%s%s",
-                    " answering zeros" if self._zeros else "", [m[0] for m in self._models],
+        logger.info("native data plane%s serving ModelInfer for %s on %s%s%s",
+                    " (answering zeros)" if self._zeros else "", [m[0] for m in self._models],
                     f"{target.rsplit(':', 1)[0]}:{port}", " (TLS)" if cert else "",
                     ", shared by the workers" if self._shared_port else "")
         if self._loop is not None and (self._token is not None or self._shared_port):
