@@ -188,12 +188,14 @@ fuzz-deps:
 	  apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y $(FUZZ_DEBS); \
 	else echo "make fuzz-native needs clang with libFuzzer ($(FUZZ_DEBS), Debian names)"; exit 1; fi
 
-# `make test` builds the native plane where it can (root, or the Debian packages present), so its
-# tests run; elsewhere it says why and tests/test_native_plane.py skips.
+# `make serve` and `make test` build the native plane where they can (root, or the Debian packages
+# present), so that it serves (--data-plane auto) and its tests run; elsewhere it says why, the
+# Python plane serves and tests/test_native_plane.py skips (outside CI: tests/conftest.py).
 native-if-possible:
 	@if [ "$$(id -u)" = 0 ] || { command -v grpc_cpp_plugin >/dev/null && pkg-config --exists grpc++ 2>/dev/null; }; then \
 	  $(MAKE) --no-print-directory native; \
-	else echo "not building the native data plane: not root and Debian's libgrpc++-dev / protobuf-compiler-grpc are missing"; fi
+	else echo "not building the native data plane: not root and Debian's libgrpc++-dev / protobuf-compiler-grpc" \
+	  "are missing; the Python data plane serves"; fi
 
 # Debian's build dependencies of `make native`, installed when missing and we are root.
 native-deps:
