@@ -21,7 +21,7 @@ DEVICES = ("cpu", "cuda", "auto")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # any case
 LOG_FORMATS = ("text", "json")
 MODEL_CONTROL_MODES = ("none", "explicit", "poll")  # as Triton's --model-control-mode
-# Who serves ModelInfer: auto is native where the extension loads, else python (server.native.choose_data_plane).
+# Who serves ModelInfer: auto is native where the extension loads, else python (server.data_plane).
 DATA_PLANES = ("auto", "native", "python")
 WARMUP_MODES = ("graphs", "none")  # server.warmup.MODES (kept here: config imports no server module)
 # gRPC's 4 MiB default is too small for real requests (4 x 200 x 512 float32 is 4.9 MB).
