@@ -344,16 +344,21 @@ def test_the_flag_is_checked():
 
 # -- which plane serves ----------------------------------------------------------------------------
 
-def test_the_log_and_server_metadata_say_the_native_plane_serves(native_server, stub, server):
+def test_the_log_and_server_metadata_say_the_native_plane_serves(native_server, stub, model_repository):
     assert "data plane native, python behind it on unix:" in native_server.log()
     with native_server.channel() as ch:
         python_port = pb_grpc.GRPCInferenceServiceStub(ch).ServerMetadata(pb.ServerMetadataRequest(), timeout=30)
     assert "native_data_plane" in stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=30).extensions
     assert "native_data_plane" in python_port.extensions
-    with server.channel() as ch:  # the default plane lists no such extension
-        default = pb_grpc.GRPCInferenceServiceStub(ch).ServerMetadata(pb.ServerMetadataRequest(), timeout=30)
-    assert "native_data_plane" not in default.extensions
-    assert "(data plane python," in server.log()
+    # Pinned: the Python plane lists no such extension (the session's server may run either plane).
+    python = ServerProcess(model_repository, "--data-plane", "python")
+    try:
+        with python.channel() as ch:
+            default = pb_grpc.GRPCInferenceServiceStub(ch).ServerMetadata(pb.ServerMetadataRequest(), timeout=30)
+        assert "native_data_plane" not in default.extensions
+        assert "(data plane python," in python.log()
+    finally:
+        python.stop()
 
 
 def test_version_says_whether_the_native_plane_can_serve():
