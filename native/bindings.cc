@@ -12,6 +12,7 @@ using attnserve::Batch;
 using attnserve::Contract;
 using attnserve::ModelLimits;
 using attnserve::CostTerms;
+using attnserve::MessageBounds;
 using attnserve::ModelBounds;
 using attnserve::Plane;
 using attnserve::RelayDone;
@@ -174,6 +175,23 @@ PYBIND11_MODULE(_native, m) {
       }, py::arg("index"), py::arg("d_model"), py::arg("max_response_bytes"), py::arg("max_typed_bytes"),
          py::arg("response_overhead_bytes"), py::arg("max_queued_bytes") = 0,
          "answer, typed-contents and queued-bytes bounds of model `index` (0: none)")
+      .def("set_message_bounds", [](Plane& p, int64_t max_parameters, int64_t max_parameters_bytes,
+                                    int64_t max_request_fields, int64_t prescan_min_bytes, int64_t wire_min_bytes,
+                                    int64_t max_typed_bytes, int64_t request_overhead_bytes) {
+        p.SetMessageBounds(MessageBounds{max_parameters, max_parameters_bytes, max_request_fields, prescan_min_bytes,
+                                         wire_min_bytes, max_typed_bytes, request_overhead_bytes});
+      }, py::arg("max_parameters"), py::arg("max_parameters_bytes"), py::arg("max_request_fields"),
+         py::arg("prescan_min_bytes"), py::arg("wire_min_bytes"), py::arg("max_typed_bytes"),
+         py::arg("request_overhead_bytes"),
+         "server.parsing's and codec's bounds on an inference message as it is parsed (0: none); before start")
+      .def("set_graphs", [](Plane& p, size_t index, int64_t fused_from, int64_t fused_key_padding_from,
+                            bool output_only, std::vector<std::string> why_held, const std::string& flash_hint) {
+        if (index >= p.Models()) throw py::index_error("no such model");
+        p.SetGraphs(index, ModelLimits::Graphs{fused_from, fused_key_padding_from, output_only, std::move(why_held),
+                                               flash_hint});
+      }, py::arg("index"), py::arg("fused_from"), py::arg("fused_key_padding_from"), py::arg("output_only"),
+         py::arg("why_held"), py::arg("flash_hint"),
+         "the graphs of model `index` for its attention bound (codec.native_graph_terms)")
       .def("cost", [](const Plane& p, size_t index, int64_t rows, int64_t q_len, int64_t k_len, int64_t input_bytes,
                       bool want_probs, bool heads_differ) {
         if (index >= p.Models()) throw py::index_error("no such model");

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -14,6 +15,7 @@
 
 #include <grpc/support/time.h>
 #include <grpcpp/resource_quota.h>
+#include <google/protobuf/io/coded_stream.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
 namespace attnserve {
@@ -45,32 +47,26 @@ std::string Commas(int64_t n) {
 // RESOURCE_EXHAUSTED ("header too large") instead of ours. server/quoting.py's MAX_DETAILS_CHARS.
 constexpr size_t kMaxDetailsChars = 1024;
 
+// Where the first `chars` characters of UTF-8 text end (its size if shorter), and how many it has.
+size_t CharsEnd(const std::string& text, size_t chars, size_t* count = nullptr) {
+  size_t seen = 0, end = text.size();
+  for (size_t i = 0; i < text.size(); ++i) {
+    if ((static_cast<unsigned char>(text[i]) & 0xc0) == 0x80) continue;  // a continuation byte
+    if (seen == chars && end == text.size()) end = i;
+    ++seen;
+  }
+  if (count != nullptr) *count = seen;
+  return end;
+}
+
 Status Bounded(const Status& status) {
   const std::string& details = status.error_message();
   if (details.size() <= kMaxDetailsChars) return status;
-  return Status(status.error_code(), details.substr(0, kMaxDetailsChars) + "... (cut: " +
-                                         std::to_string(details.size() - kMaxDetailsChars) + " more characters)");
-}
-
-// At most this many dims are written out: a hostile shape may have millions.
-constexpr int kShapeDimsShown = 8;
-
-std::string ShapeText(const google::protobuf::RepeatedField<int64_t>& shape) {
-  std::ostringstream out;
-  out << "(";
-  for (int i = 0; i < shape.size() && i < kShapeDimsShown; ++i) out << (i ? ", " : "") << shape[i];
-  if (shape.size() > kShapeDimsShown) out << ", ... " << shape.size() << " dims";
-  out << (shape.size() == 1 ? ",)" : ")");
-  return out.str();
-}
-
-// Product of the dims, or -1 if any is < 1 or the product overflows.
-int64_t Elements(const google::protobuf::RepeatedField<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) {
-    if (d < 1 || __builtin_mul_overflow(n, d, &n)) return -1;
-  }
-  return n;
+  size_t chars = 0;  // counted as Python's len() counts them, in characters
+  const size_t end = CharsEnd(details, kMaxDetailsChars, &chars);
+  if (chars <= kMaxDetailsChars) return status;
+  return Status(status.error_code(), details.substr(0, end) + "... (cut: " +
+                                         std::to_string(chars - kMaxDetailsChars) + " more characters)");
 }
 
 // One input's bytes, wherever the request carries them.
@@ -185,6 +181,127 @@ Status ParameterInt(const inference::ModelInferRequest& request, const std::stri
   if (v.parameter_choice_case() == P::kStringParam) got = "string_param " + PyRepr(v.string_param());
   if (v.parameter_choice_case() == P::kDoubleParam) got = "double_param " + PyFloat(v.double_param());
   return Invalid("parameter '" + name + "' must be an integer (int64_param or uint64_param; a JSON integer), got " + got);
+}
+
+// -- the Python plane's words for a request that does not fit (server.codec.decode, server.parsing) --
+
+using Wide = unsigned __int128;  // Python's integers: a hostile shape's products, exact
+constexpr Wide kWideMax = ~Wide{0};
+
+Wide WideMul(Wide a, Wide b) { return a != 0 && b > kWideMax / a ? kWideMax : a * b; }
+
+std::string Decimal(Wide n) {
+  std::string out;
+  do {
+    out.insert(out.begin(), static_cast<char>('0' + static_cast<int>(n % 10)));
+    n /= 10;
+  } while (n != 0);
+  return out;
+}
+
+std::string WideCommas(Wide n) {  // f"{n:,}"
+  const std::string digits = Decimal(n);
+  std::string out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+Wide Product(const google::protobuf::RepeatedField<int64_t>& shape) {  // math.prod of dims >= 0
+  Wide n = 1;
+  for (int64_t d : shape) n = WideMul(n, static_cast<Wide>(d));
+  return n;
+}
+
+// Python's repr of a list of ints: "[1, 2, 3]".
+std::string ListRepr(const google::protobuf::RepeatedField<int64_t>& shape) {
+  std::string out = "[";
+  for (int i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
+// server.quoting.quoted of a list, built no further than the cut: a hostile list may be huge.
+template <typename Items, typename Repr>
+std::string QuotedList(const Items& items, Repr repr, size_t limit = 100) {
+  std::string out = "[";
+  size_t total = 1;
+  bool first = true;
+  for (const auto& item : items) {
+    const std::string text = (first ? "" : ", ") + repr(item);
+    first = false;
+    total += text.size();
+    if (out.size() <= limit) out += text;
+  }
+  out += "]";
+  total += 1;
+  if (total <= limit) return out;
+  return out.substr(0, limit) + "... (cut: " + std::to_string(total - limit) + " more characters)";
+}
+
+std::string QuotedShape(const google::protobuf::RepeatedField<int64_t>& shape) {
+  return QuotedList(shape, [](int64_t d) { return std::to_string(d); });
+}
+
+// Python's repr of a list of the contract's names: "['query', 'key']".
+std::string NamesRepr(std::initializer_list<const std::string*> names) {
+  std::string out = "[";
+  for (const std::string* name : names) out += (out.size() > 1 ? ", " : "") + PyRepr(*name);
+  return out + "]";
+}
+
+// codec._mask_shapes: the mask shapes a model takes, with this request's sizes when `sized`.
+std::string MaskShapes(int64_t heads, bool sized = false, int64_t b = 0, int64_t lq = 0, int64_t lk = 0) {
+  const std::string h = std::to_string(heads);
+  std::string forms[4] = {"[batch, q_len, k_len]", "[q_len, k_len]", "[batch, 1, q_len, k_len]",
+                          "[batch, " + h + ", q_len, k_len]"};
+  if (sized) {
+    const std::string B = std::to_string(b), Q = std::to_string(lq), K = std::to_string(lk);
+    forms[0] += " = [" + B + ", " + Q + ", " + K + "]";
+    forms[1] += " = [" + Q + ", " + K + "]";
+    forms[2] += " = [" + B + ", 1, " + Q + ", " + K + "]";
+    forms[3] += " = [" + B + ", " + h + ", " + Q + ", " + K + "]";
+  }
+  return forms[0] + ", " + forms[1] + ", " + forms[2] + " or " + forms[3];
+}
+
+// What a request's mask asks of the run (server.graphs' maskings, as tensors.Work finds them).
+enum class Masking { kNone, kKeyPadding, kGeneral, kHeads };
+// The graphs that hold an attention matrix, in codec.NATIVE_HELD_ORDER; kFused holds none.
+enum Held : size_t { kHeadMaskAll = 0, kHeadMaskOutput, kAllOutputs, kOutputOnly, kFusedKeyPadding, kFused };
+
+// server.graphs.GraphSet.graph_for: the graph a request alone runs on.
+Held GraphFor(const ModelLimits::Graphs& g, Masking masking, bool want_probs, int64_t q_len, int64_t k_len) {
+  if (masking == Masking::kHeads) return want_probs ? kHeadMaskAll : kHeadMaskOutput;
+  if (want_probs) return kAllOutputs;
+  const int64_t from = masking == Masking::kNone ? g.fused_from
+                       : masking == Masking::kKeyPadding ? g.fused_key_padding_from : -1;
+  if (from >= 0 && q_len * k_len >= from * from) return masking == Masking::kNone ? kFused : kFusedKeyPadding;
+  return g.output_only ? kOutputOnly : kAllOutputs;
+}
+
+// tensors.Work's masking of a mask whose heads are alike (head 0 read): a fully masked row, or
+// rows that differ, need the whole mask; rows alike that mask some key are key padding.
+Masking MaskingOf(const uint8_t* mask, int64_t items, int64_t item_stride, int64_t q_len, int64_t k_len,
+                  bool exact_k_len) {
+  if (exact_k_len) return Masking::kGeneral;
+  bool attends_all = true;
+  for (int64_t item = 0; item < items; ++item) {
+    const uint8_t* first = mask + item * item_stride;
+    for (int64_t i = 1; i < q_len; ++i) {
+      if (std::memcmp(first, first + i * k_len, static_cast<size_t>(k_len)) != 0) return Masking::kGeneral;
+    }
+    attends_all = attends_all && std::find(first, first + k_len, uint8_t{0}) == first + k_len;
+  }
+  return attends_all ? Masking::kNone : Masking::kKeyPadding;
+}
+
+// One step of server/proto's wire scan (wire.check_fields): false with its WireError's words.
+bool ReadVarint(google::protobuf::io::CodedInputStream& in, uint64_t* value, std::string* why) {
+  if (in.ReadVarint64(value)) return true;
+  *why = "truncated or overlong varint";
+  return false;
 }
 
 }  // namespace
@@ -303,17 +420,16 @@ std::map<std::string, std::array<uint64_t, kCodes>> Plane::FinalCodesByName() co
   return out;
 }
 
-std::string Quoted(const std::string& text) {
-  constexpr size_t kLimit = 100;  // server/quoting.py's QUOTED_CHARS, in characters
+std::string Quoted(const std::string& text, size_t limit) {
   const bool has_single = text.find('\'') != std::string::npos, has_double = text.find('"') != std::string::npos;
   const char quote = has_single && !has_double ? '"' : '\'';
   std::vector<std::string> chars;  // the repr's characters, each as UTF-8
   chars.emplace_back(1, quote);
   static const char* const kHex = "0123456789abcdef";
-  auto hex = [&](unsigned value, int digits, char kind) {
-    std::string out = {'\\', kind};
-    for (int d = digits - 1; d >= 0; --d) out += kHex[(value >> (4 * d)) & 0xf];
-    chars.push_back(out);
+  auto hex = [&](unsigned value, int digits, char kind) {  // an escape is as many characters as it shows
+    chars.emplace_back(1, '\\');
+    chars.emplace_back(1, kind);
+    for (int d = digits - 1; d >= 0; --d) chars.emplace_back(1, kHex[(value >> (4 * d)) & 0xf]);
   };
   for (size_t i = 0; i < text.size();) {
     const auto c = static_cast<unsigned char>(text[i]);
@@ -322,9 +438,11 @@ std::string Quoted(const std::string& text) {
     unsigned cp = n == 1 ? c : c & (0xff >> (n + 1));
     for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<unsigned char>(text[i + k]) & 0x3f);
     if (c == '\\' || c == static_cast<unsigned char>(quote)) {
-      chars.push_back(std::string{'\\', static_cast<char>(c)});
+      chars.emplace_back(1, '\\');
+      chars.emplace_back(1, static_cast<char>(c));
     } else if (c == '\n' || c == '\r' || c == '\t') {
-      chars.push_back(std::string{'\\', c == '\n' ? 'n' : c == '\r' ? 'r' : 't'});
+      chars.emplace_back(1, '\\');
+      chars.emplace_back(1, c == '\n' ? 'n' : c == '\r' ? 'r' : 't');
     } else if (cp < 0x20 || cp == 0x7f || (cp >= 0x80 && cp <= 0xa0) || cp == 0xad) {
       hex(cp, 2, 'x');  // not printable: str.isprintable()'s common cases
     } else if ((cp >= 0x2000 && cp <= 0x200f) || (cp >= 0x2028 && cp <= 0x202f) || cp == 0xfeff) {
@@ -336,8 +454,8 @@ std::string Quoted(const std::string& text) {
   }
   chars.emplace_back(1, quote);
   std::string out;
-  for (size_t i = 0; i < chars.size() && i < kLimit; ++i) out += chars[i];
-  if (chars.size() > kLimit) out += "... (cut: " + std::to_string(chars.size() - kLimit) + " more characters)";
+  for (size_t i = 0; i < chars.size() && i < limit; ++i) out += chars[i];
+  if (chars.size() > limit) out += "... (cut: " + std::to_string(chars.size() - limit) + " more characters)";
   return out;
 }
 
@@ -467,122 +585,193 @@ Status Plane::Check(const Queue& queue, const inference::ModelInferRequest& requ
   const Contract& c = contract_;
   // Triton's schedule policy (`priority`, `timeout`), read before any tensor, as the Python plane does.
   if (Status schedule = Schedule(m, request, p); !schedule.ok()) return schedule;
-  const bool raw = request.raw_input_contents_size() > 0;
-  if (raw && request.raw_input_contents_size() != request.inputs_size()) {
-    return Invalid("raw_input_contents holds " + std::to_string(request.raw_input_contents_size()) +
-                   " tensors for " + std::to_string(request.inputs_size()) + " inputs; expected one per input");
-  }
-  const inference::ModelInferRequest::InferInputTensor* tensors[4] = {nullptr, nullptr, nullptr, nullptr};
-  Data data[4];
+  // Then codec.decode's checks, in its order and words: names, shapes, outputs, the answer's size,
+  // each tensor's contents, the mask's heads, the attention matrix of the graph that would run it.
   const std::string* names[4] = {&c.query, &c.key, &c.value, &c.mask};
-  for (int i = 0; i < request.inputs_size(); ++i) {
-    const auto& t = request.inputs(i);
+  const int inputs = request.inputs_size();
+  std::vector<int> slot_of(static_cast<size_t>(inputs));
+  for (int i = 0; i < inputs; ++i) {
+    const std::string& name = request.inputs(i).name();
     int slot = -1;
     for (int s = 0; s < 4; ++s)
-      if (t.name() == *names[s]) slot = s;
+      if (name == *names[s]) slot = s;
     if (slot < 0) {
-      return Invalid("unexpected input '" + t.name() + "'; model " + m.name + " takes " + c.query + ", " + c.key +
-                     ", " + c.value + " and optionally " + c.mask);
+      return Invalid("unknown input " + Quoted(name) + "; model " + m.name + " takes " +
+                     NamesRepr({&c.query, &c.key, &c.value, &c.mask}));
     }
-    if (tensors[slot] != nullptr) return Invalid("input '" + t.name() + "' given twice");
-    const std::string& want = slot == 3 ? c.boolean : c.fp32;
-    if (t.datatype() != want) {
-      return Invalid("input '" + t.name() + "': expected datatype " + want + ", got '" + t.datatype() + "'");
-    }
-    tensors[slot] = &t;
-    if (raw) {
-      if (t.has_contents()) return Invalid("input '" + t.name() + "': contents given besides raw_input_contents");
-      const std::string& bytes = request.raw_input_contents(i);
-      data[slot] = {bytes.data(), bytes.size()};
-    } else if (slot == 3) {
-      const auto& values = t.contents().bool_contents();
-      data[slot] = {reinterpret_cast<const char*>(values.data()), static_cast<size_t>(values.size())};
-    } else {
-      const auto& values = t.contents().fp32_contents();
-      data[slot] = {reinterpret_cast<const char*>(values.data()), static_cast<size_t>(values.size()) * 4};
+    slot_of[static_cast<size_t>(i)] = slot;
+  }
+  const inference::ModelInferRequest::InferInputTensor* tensors[4] = {nullptr, nullptr, nullptr, nullptr};
+  const std::string* duplicate = nullptr;  // the first of the repeated names in sorted order
+  for (int i = 0; i < inputs; ++i) {
+    const int s = slot_of[static_cast<size_t>(i)];
+    if (tensors[s] == nullptr) {
+      tensors[s] = &request.inputs(i);
+    } else if (duplicate == nullptr || *names[s] < *duplicate) {
+      duplicate = names[s];
     }
   }
+  if (duplicate != nullptr) return Invalid("input " + PyRepr(*duplicate) + " given more than once");
   for (int s = 0; s < 3; ++s) {
-    if (tensors[s] == nullptr) return Invalid("missing input '" + *names[s] + "'");
+    if (tensors[s] == nullptr) {
+      return Invalid("missing input " + PyRepr(*names[s]) + "; required: " + NamesRepr({&c.query, &c.key, &c.value}) +
+                     ", optional: " + NamesRepr({&c.mask}));
+    }
+  }
+  const bool raw = request.raw_input_contents_size() > 0;
+  if (raw && request.raw_input_contents_size() != inputs) {
+    return Invalid("raw_input_contents has " + std::to_string(request.raw_input_contents_size()) + " entries for " +
+                   std::to_string(inputs) + " inputs");
+  }
+  // Shapes first: every check up to the contents is arithmetic on them, nothing is read yet.
+  for (int i = 0; i < inputs; ++i) {
+    const auto& t = request.inputs(i);
+    const bool is_mask = slot_of[static_cast<size_t>(i)] == 3;
+    const std::string& want = is_mask ? c.boolean : c.fp32;
+    if (t.datatype() != want) {
+      return Invalid("input " + PyRepr(t.name()) + ": expected datatype " + want + ", got " + Quoted(t.datatype()));
+    }
+    const int rank = t.shape_size();
+    if (is_mask ? rank < 2 || rank > 4 : rank != 3) {
+      return Invalid("input " + PyRepr(t.name()) + ": expected rank " +
+                     (is_mask ? "2 or 3 or 4 (" + MaskShapes(m.num_heads) + ")" : std::string("3")) + ", got shape " +
+                     QuotedShape(t.shape()));
+    }
+    for (int64_t d : t.shape()) {
+      if (d < 0) return Invalid("input " + PyRepr(t.name()) + ": negative dimension in shape " + ListRepr(t.shape()));
+    }
   }
   const auto& qs = tensors[0]->shape();
-  const auto& ks = tensors[1]->shape();
-  const auto& vs = tensors[2]->shape();
-  if (qs.size() != 3 || Elements(qs) < 0 || qs[2] != m.query_dim) {
-    return Invalid(c.query + ": expected shape (batch, q_len, " + std::to_string(m.query_dim) + "), got " +
-                   ShapeText(qs));
-  }
-  p.rows = qs[0];
-  p.q_len = qs[1];
-  if (ks.size() != 3 || Elements(ks) < 0 || ks[0] != p.rows || ks[2] != m.kv_dim) {
-    return Invalid(c.key + ": expected shape (" + std::to_string(p.rows) + ", k_len, " + std::to_string(m.kv_dim) +
-                   "), got " + ShapeText(ks));
-  }
-  p.k_len = ks[1];
-  if (vs.size() != 3 || vs[0] != ks[0] || vs[1] != ks[1] || vs[2] != ks[2]) {
-    return Invalid(c.value + ": expected the key's shape " + ShapeText(ks) + ", got " + ShapeText(vs));
-  }
-  if (p.q_len > m.max_q_len) {
-    return Invalid(c.query + ": q_len " + std::to_string(p.q_len) + " is over the limit " + std::to_string(m.max_q_len));
-  }
-  if (p.k_len > m.max_kv_len) {
-    return Invalid(c.key + ": k_len " + std::to_string(p.k_len) + " is over the limit " + std::to_string(m.max_kv_len));
-  }
-  int64_t row_heads = 0, scores = 0;
-  if (__builtin_mul_overflow(p.rows, m.num_heads, &row_heads) ||
-      __builtin_mul_overflow(row_heads, p.q_len * p.k_len, &scores) || scores > m.max_attention_bytes / 4) {
-    return Invalid("the attention matrix (" + std::to_string(p.rows) + ", " + std::to_string(m.num_heads) + ", " +
-                   std::to_string(p.q_len) + ", " + std::to_string(p.k_len) + ") is over " +
-                   std::to_string(m.max_attention_bytes) + " bytes (--max-attention-bytes)");
-  }
-  const size_t q_bytes = static_cast<size_t>(Elements(qs)) * 4, k_bytes = static_cast<size_t>(Elements(ks)) * 4;
-  const size_t want_bytes[3] = {q_bytes, k_bytes, k_bytes};
+  const int64_t b = qs[0], lq = qs[1];
+  const int64_t widths[3] = {m.query_dim, m.kv_dim, m.kv_dim};
   for (int s = 0; s < 3; ++s) {
-    if (data[s].size != want_bytes[s]) {
-      return Invalid("input '" + *names[s] + "': shape " + ShapeText(tensors[s]->shape()) + " needs " +
-                     std::to_string(want_bytes[s]) + " bytes of FP32, got " + std::to_string(data[s].size));
+    const auto& shape = tensors[s]->shape();
+    if (shape[2] != widths[s]) {
+      return Invalid("input " + PyRepr(*names[s]) + ": expected shape [batch, length, " + std::to_string(widths[s]) +
+                     "], got " + ListRepr(shape));
     }
   }
+  for (int s = 1; s < 3; ++s) {
+    if (tensors[s]->shape(0) != b) {
+      return Invalid("input " + PyRepr(*names[s]) + ": batch size " + std::to_string(tensors[s]->shape(0)) +
+                     " disagrees with " + c.query + "'s " + std::to_string(b));
+    }
+  }
+  const int64_t lk = tensors[1]->shape(1);
+  if (tensors[2]->shape(1) != lk) {
+    return Invalid("input " + PyRepr(c.value) + ": length " + std::to_string(tensors[2]->shape(1)) +
+                   " disagrees with " + c.key + "'s " + std::to_string(lk));
+  }
+  if (tensors[3] != nullptr) {
+    const auto& ms = tensors[3]->shape();
+    const bool ok = (ms.size() == 2 && ms[0] == lq && ms[1] == lk) ||
+                    (ms.size() == 3 && ms[0] == b && ms[1] == lq && ms[2] == lk) ||
+                    (ms.size() == 4 && ms[0] == b && (ms[1] == 1 || ms[1] == m.num_heads) && ms[2] == lq &&
+                     ms[3] == lk);
+    if (!ok) {
+      return Invalid("input " + PyRepr(c.mask) + ": expected shape " + MaskShapes(m.num_heads, true, b, lq, lk) +
+                     ", got " + ListRepr(ms));
+    }
+  }
+  if (b < 1 || lq < 1 || lk < 1) {
+    return Invalid("batch, q_len and k_len must be >= 1, got " + std::to_string(b) + ", " + std::to_string(lq) + ", " +
+                   std::to_string(lk));
+  }
+  if (lq > m.max_q_len) {
+    return Invalid("input " + PyRepr(c.query) + ": length " + std::to_string(lq) + " exceeds this model's max_q_len " +
+                   std::to_string(m.max_q_len));
+  }
+  if (lk > m.max_kv_len) {
+    return Invalid("input " + PyRepr(c.key) + ": length " + std::to_string(lk) + " exceeds this model's max_kv_len " +
+                   std::to_string(m.max_kv_len));
+  }
+  p.rows = b;
+  p.q_len = lq;
+  p.k_len = lk;
+  p.raw = raw;
+  if (request.outputs_size() == 0) {
+    p.order_probs = {false, true};  // the protocol: no outputs named means all of them
+  } else {
+    for (const auto& o : request.outputs()) {
+      if (o.name() == c.output) {
+        p.order_probs.push_back(false);
+      } else if (o.name() == c.attn_probs) {
+        p.order_probs.push_back(true);
+      } else {
+        return Invalid("unknown output " + Quoted(o.name()) + "; model " + m.name + " has " +
+                       NamesRepr({&c.output, &c.attn_probs}));
+      }
+    }
+    // Each repeat would be answered in full: a small request could ask for any number of copies.
+    if (request.outputs_size() > 2 || (request.outputs_size() == 2 && p.order_probs[0] == p.order_probs[1])) {
+      return Invalid("output requested more than once: " +
+                     QuotedList(request.outputs(), [](const auto& o) { return PyRepr(o.name()); }));
+    }
+  }
+  p.want_output = std::find(p.order_probs.begin(), p.order_probs.end(), false) != p.order_probs.end();
+  p.want_probs = std::find(p.order_probs.begin(), p.order_probs.end(), true) != p.order_probs.end();
+  if (Status bound = Bound(queue, request, p); !bound.ok()) return bound;
+
+  // The contents, tensor by tensor in the request's order.
+  Data data[4];
+  for (int i = 0; i < inputs; ++i) {
+    const auto& t = request.inputs(i);
+    const int s = slot_of[static_cast<size_t>(i)];
+    const bool boolean = s == 3;
+    const Wide count = Product(t.shape());
+    if (raw) {
+      if (t.has_contents()) {
+        return Invalid("input " + PyRepr(t.name()) + ": has typed contents and raw_input_contents; use one");
+      }
+      const std::string& bytes = request.raw_input_contents(i);
+      const Wide needed = WideMul(count, boolean ? 1 : 4);
+      if (static_cast<Wide>(bytes.size()) != needed) {
+        return Invalid("input " + PyRepr(t.name()) + ": shape " + ListRepr(t.shape()) + " " + t.datatype() +
+                       " needs " + Decimal(needed) + " bytes, raw_input_contents has " + std::to_string(bytes.size()));
+      }
+      if (boolean) {  // the protocol's BOOL is one byte, 1 = true, 0 = false: any other is not a BOOL
+        const auto* octets = reinterpret_cast<const uint8_t*>(bytes.data());
+        const auto* bad = std::find_if(octets, octets + bytes.size(), [](uint8_t v) { return v > 1; });
+        if (bad != octets + bytes.size()) {
+          char hex[8];
+          std::snprintf(hex, sizeof hex, "0x%02X", *bad);
+          return Invalid("input " + PyRepr(t.name()) + ": BOOL bytes must be 0 or 1; byte " +
+                         std::to_string(bad - octets) + " is " + hex);
+        }
+      }
+      data[s] = {bytes.data(), bytes.size()};
+    } else {
+      const size_t values = boolean ? static_cast<size_t>(t.contents().bool_contents_size())
+                                    : static_cast<size_t>(t.contents().fp32_contents_size());
+      if (static_cast<Wide>(values) != count) {
+        return Invalid("input " + PyRepr(t.name()) + ": shape " + ListRepr(t.shape()) + " needs " + Decimal(count) +
+                       " values in contents." + (boolean ? "bool_contents" : "fp32_contents") + ", got " +
+                       std::to_string(values));
+      }
+      // Typed BOOL values are C++ bools: one byte each, 0 or 1.
+      data[s] = boolean ? Data{reinterpret_cast<const char*>(t.contents().bool_contents().data()), values}
+                        : Data{reinterpret_cast<const char*>(t.contents().fp32_contents().data()), values * 4};
+    }
+  }
+  // Every size below is bounded by the message's bytes now.
+  const size_t q_bytes = data[0].size, k_bytes = data[1].size;
   p.input_bytes = static_cast<int64_t>(q_bytes + 2 * k_bytes);
   p.query = reinterpret_cast<const float*>(data[0].bytes);
   p.key = reinterpret_cast<const float*>(data[1].bytes);
   p.value = reinterpret_cast<const float*>(data[2].bytes);
+  Masking masking = Masking::kNone;
   if (tensors[3] != nullptr) {
     const auto& ms = tensors[3]->shape();
-    const int64_t plane = p.q_len * p.k_len;
-    int64_t heads = 1;
-    bool ok = false;
-    if (ms.size() == 2) {
-      ok = ms[0] == p.q_len && ms[1] == p.k_len;
-      p.mask_row_stride = 0;
-    } else if (ms.size() == 3) {
-      ok = ms[0] == p.rows && ms[1] == p.q_len && ms[2] == p.k_len;
-      p.mask_row_stride = plane;
-    } else if (ms.size() == 4) {
-      heads = ms[1];
-      ok = ms[0] == p.rows && (heads == 1 || heads == m.num_heads) && ms[2] == p.q_len && ms[3] == p.k_len;
-      p.mask_row_stride = heads * plane;
-    }
-    if (!ok) {
-      return Invalid(c.mask + ": expected shape (" + std::to_string(p.rows) + ", " + std::to_string(p.q_len) + ", " +
-                     std::to_string(p.k_len) + "), (q_len, k_len), (batch, 1, q_len, k_len) or (batch, " +
-                     std::to_string(m.num_heads) + ", q_len, k_len), got " + ShapeText(ms));
-    }
-    const size_t mask_bytes = static_cast<size_t>(Elements(ms));
+    const int64_t plane = lq * lk;
+    const int64_t heads = ms.size() == 4 ? ms[1] : 1;
+    p.mask_row_stride = ms.size() == 2 ? 0 : heads * plane;
+    const size_t mask_bytes = data[3].size;
     // Work.mask_nbytes: as sent, or as a run copies it ((lq, lk) over the batch), whichever is more.
-    p.input_bytes += std::max(static_cast<int64_t>(mask_bytes), p.rows * plane);
-    if (data[3].size != mask_bytes) {
-      return Invalid("input '" + c.mask + "': shape " + ShapeText(ms) + " needs " + std::to_string(mask_bytes) +
-                     " bytes of BOOL, got " + std::to_string(data[3].size));
-    }
+    p.input_bytes += std::max(static_cast<int64_t>(mask_bytes), b * plane);
     const auto* bytes = reinterpret_cast<const uint8_t*>(data[3].bytes);
-    for (size_t i = 0; i < mask_bytes; ++i) {
-      if (bytes[i] > 1) return Invalid("input '" + c.mask + "': a BOOL byte is 0 or 1, got " + std::to_string(bytes[i]) +
-                                       " at " + std::to_string(i));
-    }
-    const int64_t items = ms.size() == 2 ? 1 : p.rows;
-    for (int64_t b = 0; b < items && heads > 1 && !p.heads_differ; ++b) {
-      const uint8_t* first = bytes + b * p.mask_row_stride;
+    const int64_t items = ms.size() == 2 ? 1 : b;
+    for (int64_t item = 0; item < items && heads > 1 && !p.heads_differ; ++item) {
+      const uint8_t* first = bytes + item * p.mask_row_stride;
       for (int64_t h = 1; h < heads && !p.heads_differ; ++h) p.heads_differ = std::memcmp(first, first + h * plane, plane) != 0;
     }
     if (p.heads_differ && !m.head_masks) return Invalid(m.why_no_head_masks);
@@ -590,40 +779,37 @@ Status Plane::Check(const Queue& queue, const inference::ModelInferRequest& requ
     p.mask = bytes;
     // A query row that masks every key is uniform over the keys it sees: its keys are never padded.
     const int64_t planes = p.heads_differ ? heads : 1;
-    for (int64_t b = 0; b < items && !p.exact_k_len; ++b) {
+    for (int64_t item = 0; item < items && !p.exact_k_len; ++item) {
       for (int64_t h = 0; h < planes && !p.exact_k_len; ++h) {
-        for (int64_t i = 0; i < p.q_len && !p.exact_k_len; ++i) {
-          const uint8_t* row = bytes + b * p.mask_row_stride + h * plane + i * p.k_len;
-          p.exact_k_len = std::find(row, row + p.k_len, uint8_t{1}) == row + p.k_len;
+        for (int64_t i = 0; i < lq && !p.exact_k_len; ++i) {
+          const uint8_t* row = bytes + item * p.mask_row_stride + h * plane + i * lk;
+          p.exact_k_len = std::find(row, row + lk, uint8_t{1}) == row + lk;
         }
       }
     }
-  }
-  p.raw = raw;
-  if (request.outputs_size() == 0) {
-    p.order_probs = {false, true};
-  } else {
-    p.want_output = p.want_probs = false;
-    for (const auto& o : request.outputs()) {
-      if (o.name() == c.output) {
-        p.order_probs.push_back(false);
-        p.want_output = true;
-      } else if (o.name() == c.attn_probs) {
-        p.order_probs.push_back(true);
-        p.want_probs = true;
-      } else {
-        return Invalid("unknown output '" + o.name() + "'; model " + m.name + " answers " + c.output + " and " +
-                       c.attn_probs);
-      }
-    }
-    // Each repeat would be answered in full: a small request could ask for any number of copies.
-    if (request.outputs_size() > 2 || (request.outputs_size() == 2 && p.order_probs[0] == p.order_probs[1])) {
-      return Invalid("an output is requested more than once (" + std::to_string(request.outputs_size()) +
-                     " outputs named); each of " + c.output + " and " + c.attn_probs + " at most once");
+    masking = p.heads_differ ? Masking::kHeads : MaskingOf(bytes, items, p.mask_row_stride, lq, lk, p.exact_k_len);
+    if (masking == Masking::kNone) {  // masks nothing: run as without one (the batcher's merge drops it too)
+      p.mask = nullptr;
+      p.mask_row_stride = 0;
     }
   }
-  p.want_probs = std::find(p.order_probs.begin(), p.order_probs.end(), true) != p.order_probs.end();
+  // codec._check_attention_bytes: the matrix the graph that would run it alone holds.
+  const Held graph = GraphFor(m.graphs, masking, p.want_probs, lq, lk);
+  const Wide needed = graph == kFused ? 0 : WideMul(WideMul(WideMul(static_cast<Wide>(b), m.num_heads), lq), lk * 4);
+  if (needed > static_cast<Wide>(m.max_attention_bytes)) {
+    const auto& why = m.graphs.why_held;
+    const std::string held = static_cast<size_t>(graph) < why.size() ? ": " + why[graph] : "";
+    return Invalid("request needs a " + WideCommas(needed) + "-byte attention matrix (batch " + std::to_string(b) +
+                   " x " + std::to_string(m.num_heads) + " heads x " + std::to_string(lq) + " x " + std::to_string(lk) +
+                   " x 4" + held + "); the limit is " + Commas(m.max_attention_bytes) + " bytes" + m.graphs.flash_hint);
+  }
   return Status::OK;
+}
+
+void Plane::SetGraphs(size_t index, const ModelLimits::Graphs& graphs) {
+  Queue& queue = *models_.at(index);
+  std::lock_guard<std::mutex> lock(queue.mu);
+  queue.limits.graphs = graphs;
 }
 
 namespace {
@@ -766,11 +952,109 @@ Plane::Plane(Contract contract) : contract_(std::move(contract)) {
                          [this](grpc::CallbackServerContext* context) { return new StreamCall(this, CallDeadline(context), context); }));
 }
 
-bool Plane::Parse(const grpc::ByteBuffer& bytes, inference::ModelInferRequest* request, std::string* why) {
+bool Plane::Parse(const grpc::ByteBuffer& bytes, inference::ModelInferRequest* request, std::string* why) const {
+  const MessageBounds& bounds = message_bounds_;
+  const int64_t size = static_cast<int64_t>(bytes.Length());
+  const bool scanned = (bounds.prescan_min_bytes > 0 && size >= bounds.prescan_min_bytes) ||
+                       (bounds.wire_min_bytes > 0 && size >= bounds.wire_min_bytes);
+  if (scanned && !Prescan(bytes, why)) return false;
   grpc::ByteBuffer copy(bytes);  // shares the slices; the reader takes a mutable buffer
   grpc::ProtoBufferReader reader(&copy);
   if (!reader.status().ok() || !request->ParseFromZeroCopyStream(&reader)) {
-    *why = "the request message does not parse as a ModelInferRequest (" + std::to_string(bytes.Length()) + " bytes)";
+    // protobuf's own words, as the Python plane's parse reports them (server.errors.MalformedMessage)
+    *why = "the request message does not parse: DecodeError: Error parsing message with type '" +
+           inference::ModelInferRequest::descriptor()->full_name() + "'";
+    return false;
+  }
+  // server.parsing.bounded_infer_request: each `parameters` map, once parsed.
+  const auto over = [&](size_t entries, const std::string& where) {
+    if (bounds.max_parameters <= 0 || static_cast<int64_t>(entries) <= bounds.max_parameters) return false;
+    *why = where + ": " + Commas(static_cast<int64_t>(entries)) + " `parameters` entries, over the limit of " +
+           Commas(bounds.max_parameters);
+    return true;
+  };
+  if (over(request->parameters_size(), "the inference request")) return false;
+  for (const auto& t : request->inputs()) {  // the name's first 64 characters, as Python's name[:64]
+    if (over(t.parameters_size(), "input " + Quoted(t.name().substr(0, CharsEnd(t.name(), 64)), SIZE_MAX))) return false;
+  }
+  for (const auto& t : request->outputs()) {
+    if (over(t.parameters_size(), "output " + Quoted(t.name().substr(0, CharsEnd(t.name(), 64)), SIZE_MAX))) return false;
+  }
+  return true;
+}
+
+// proto/wire.check_fields and codec.parse_infer_request's scan, on a large message before protobuf
+// parses it: its top-level records and the request's `parameters` bounded, then the bytes besides
+// raw_input_contents against --max-typed-bytes. Their order and words; the scan stops at the first.
+bool Plane::Prescan(const grpc::ByteBuffer& bytes, std::string* why) const {
+  const MessageBounds& bounds = message_bounds_;
+  const std::string what = "the inference request";
+  grpc::ByteBuffer copy(bytes);
+  grpc::ProtoBufferReader reader(&copy);
+  google::protobuf::io::CodedInputStream in(&reader);
+  in.SetTotalBytesLimit(INT_MAX);
+  const int64_t size = static_cast<int64_t>(bytes.Length());
+  const bool fields_bounded = bounds.prescan_min_bytes > 0 && size >= bounds.prescan_min_bytes;
+  const uint64_t parameters = inference::ModelInferRequest::kParametersFieldNumber;
+  const uint64_t raw_contents = inference::ModelInferRequest::kRawInputContentsFieldNumber;
+  int64_t records = 0, entries = 0, entry_bytes = 0, raw_bytes = 0;
+  std::string wire_error;
+  while (in.CurrentPosition() < size) {
+    if (++records > bounds.max_request_fields && bounds.max_request_fields > 0 && fields_bounded) {
+      *why = what + " has more than " + Commas(bounds.max_request_fields) +
+             " top-level fields (the limit); an inference request has a few";
+      return false;
+    }
+    const int64_t start = in.CurrentPosition();
+    uint64_t tag = 0, length = 0;
+    if (!ReadVarint(in, &tag, &wire_error)) break;
+    const uint64_t field = tag >> 3;
+    const int wire_type = static_cast<int>(tag & 7);
+    bool past_end = false;
+    if (wire_type == 0) {
+      if (!ReadVarint(in, &length, &wire_error)) break;
+    } else if (wire_type == 2) {
+      if (!ReadVarint(in, &length, &wire_error)) break;
+      past_end = length > static_cast<uint64_t>(size - in.CurrentPosition());
+      if (!past_end) in.Skip(static_cast<int>(length));
+    } else if (wire_type == 1 || wire_type == 5) {
+      const int64_t width = wire_type == 1 ? 8 : 4;
+      past_end = width > size - in.CurrentPosition();
+      if (!past_end) in.Skip(static_cast<int>(width));
+    } else {
+      wire_error = "wire type " + std::to_string(wire_type) + " (groups or invalid)";
+      break;
+    }
+    if (past_end) {
+      wire_error = "field " + std::to_string(field) + " runs past the end of the message";
+      break;
+    }
+    const int64_t record = in.CurrentPosition() - start;
+    if (field == raw_contents && wire_type == 2) raw_bytes += record;
+    if (field != parameters || !fields_bounded) continue;
+    ++entries;
+    entry_bytes += record;
+    if (bounds.max_parameters > 0 && entries > bounds.max_parameters) {
+      *why = what + ": more than " + Commas(bounds.max_parameters) + " `parameters` entries (the limit is " +
+             Commas(bounds.max_parameters) + ")";
+      return false;
+    }
+    if (bounds.max_parameters_bytes > 0 && entry_bytes > bounds.max_parameters_bytes) {
+      *why = what + ": `parameters` holds more than " + Commas(bounds.max_parameters_bytes) + " bytes (the limit is " +
+             Commas(bounds.max_parameters_bytes) + ")";
+      return false;
+    }
+  }
+  if (!wire_error.empty()) {
+    *why = "the request message does not parse: WireError: " + wire_error;
+    return false;
+  }
+  const int64_t rest = size - raw_bytes;  // what protobuf would parse
+  const bool typed_bounded = bounds.wire_min_bytes > 0 && size >= bounds.wire_min_bytes && bounds.max_typed_bytes > 0;
+  if (typed_bounded && rest > bounds.max_typed_bytes + bounds.request_overhead_bytes) {
+    *why = "typed contents: the request holds " + Commas(rest) + " bytes besides raw_input_contents, over the " +
+           Commas(bounds.max_typed_bytes) + "-byte limit for typed contents (--max-typed-bytes); send the inputs as " +
+           "raw_input_contents and the answer comes as raw_output_contents";
     return false;
   }
   return true;
@@ -847,7 +1131,6 @@ void Plane::Admit(Pending p, bool again) {
     p = std::move(fresh);
     p.started = started;
     status = Check(queue, request, p);
-    if (status.ok()) status = Bound(queue, request, p);
     if (status.ok() && !zeros_) {  // the queue's bounds before memory, as server.batcher.Batcher.submit
       std::lock_guard<std::mutex> lock(queue.mu);
       status = QueueBounds(queue, p);
@@ -979,7 +1262,7 @@ void StreamCall::OnReadDone(bool ok) {
     note->bytes_in = static_cast<int64_t>(incoming_.Length());
   }
   std::string why;
-  const bool parsed = Plane::Parse(incoming_, request.get(), &why);
+  const bool parsed = plane_->Parse(incoming_, request.get(), &why);
   grpc::ByteBuffer message;
   message.Swap(&incoming_);  // kept for the Python server, if the request goes there
   if (!parsed) {  // the stream ends after the answers before it, as the Python plane's does
@@ -1894,32 +2177,33 @@ std::array<int64_t, 3> Plane::CostOf(const Queue& queue, int64_t rows, int64_t q
 Status Plane::Bound(const Queue& queue, const inference::ModelInferRequest& request, const Pending& p) const {
   const ModelBounds& b = queue.bounds;
   const ModelLimits& m = queue.limits;
-  // Check has bounded the shapes by --max-attention-bytes: these products cannot overflow.
-  const int64_t sizes[2] = {4 * p.rows * p.q_len * m.out_dim, 4 * p.rows * m.num_heads * p.q_len * p.k_len};
+  // Shapes checked, contents not yet: a hostile batch size makes these products huge (exact here).
+  const Wide rows_q = WideMul(static_cast<Wide>(p.rows), static_cast<Wide>(p.q_len));
+  const Wide sizes[2] = {WideMul(WideMul(rows_q, static_cast<Wide>(m.out_dim)), 4),
+                         WideMul(WideMul(WideMul(rows_q, static_cast<Wide>(m.num_heads)), static_cast<Wide>(p.k_len)), 4)};
   const std::string* names[2] = {&contract_.output, &contract_.attn_probs};
-  int64_t needed = 0;
+  Wide needed = 0;
   std::string parts;
   for (bool probs : p.order_probs) {
     needed += sizes[probs];
-    parts += (parts.empty() ? "" : " + ") + *names[probs] + " " + Commas(sizes[probs]);
+    parts += (parts.empty() ? "" : " + ") + *names[probs] + " " + WideCommas(sizes[probs]);
   }
   if (b.max_response_bytes > 0) {  // codec._check_response_size
-    const int64_t total = needed + static_cast<int64_t>(request.id().size() + request.model_name().size()) +
-                          b.response_overhead_bytes;
-    if (total > b.max_response_bytes) {
-      return Invalid("the response would need " + Commas(total) + " bytes (" + parts + " bytes of tensors), over the " +
+    const Wide total = needed + request.id().size() + request.model_name().size() +
+                       static_cast<Wide>(b.response_overhead_bytes);
+    if (total > static_cast<Wide>(b.max_response_bytes)) {
+      return Invalid("the response would need " + WideCommas(total) + " bytes (" + parts + " bytes of tensors), over the " +
                      Commas(b.max_response_bytes) + "-byte message limit (--max-message-bytes); ask for fewer rows, " +
                      "shorter sequences, or only the outputs you need");
     }
   }
   if (b.max_typed_bytes > 0 && !p.raw) {  // codec._check_typed_size
-    int64_t inputs = 4 * p.rows * (p.q_len * m.query_dim + 2 * p.k_len * m.kv_dim);
-    for (const auto& t : request.inputs())
-      if (t.name() == contract_.mask) inputs += Elements(t.shape());
-    const std::pair<const char*, int64_t> held[2] = {{"its inputs", inputs}, {"its answer", needed}};
+    Wide inputs = 0;
+    for (const auto& t : request.inputs()) inputs += WideMul(Product(t.shape()), t.name() == contract_.mask ? 1 : 4);
+    const std::pair<const char*, Wide> held[2] = {{"its inputs", inputs}, {"its answer", needed}};
     for (const auto& [what, nbytes] : held) {
-      if (nbytes > b.max_typed_bytes) {
-        return Invalid(std::string("typed contents: ") + what + " would hold " + Commas(nbytes) +
+      if (nbytes > static_cast<Wide>(b.max_typed_bytes)) {
+        return Invalid(std::string("typed contents: ") + what + " would hold " + WideCommas(nbytes) +
                        " bytes of tensors as typed contents, over the " + Commas(b.max_typed_bytes) +
                        "-byte limit for typed contents (--max-typed-bytes); send the inputs as raw_input_contents "
                        "and the answer comes as raw_output_contents");

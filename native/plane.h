@@ -47,6 +47,15 @@ struct ModelLimits {
   // Masks whose heads differ run on the head-mask graphs; without them they are refused with this.
   bool head_masks = false;
   std::string why_no_head_masks;
+  // The graphs a request may run alone, for the attention bound (server.graphs.GraphSet, set_graphs):
+  // the fused graphs' crossovers (sqrt(Lq*Lk) from which they run; -1: not loaded), whether the
+  // unfused output-only graph is loaded, and codec's words for what each holding graph holds.
+  struct Graphs {
+    int64_t fused_from = -1, fused_key_padding_from = -1;
+    bool output_only = true;
+    std::vector<std::string> why_held;  // by Plane's Held order (codec.NATIVE_HELD_ORDER)
+    std::string flash_hint;             // codec's hint where flash attention is loaded
+  } graphs;
   // The schedule policy (server.scheduling.QueuePolicy from its config.json; Plane::SetSchedule).
   struct Schedule {
     uint64_t priority_levels = 2, default_priority_level = 1;  // level 1 the highest
@@ -69,6 +78,18 @@ struct ModelBounds {
   int64_t max_typed_bytes = 0;     // --max-typed-bytes: typed inputs or answer larger are refused
   int64_t response_overhead_bytes = 4096;  // codec._RESPONSE_OVERHEAD_BYTES
   int64_t max_queued_bytes = 0;  // --max-queued-bytes: input bytes queued beyond it are refused (0: none)
+};
+
+// server.parsing's and codec's bounds on an inference message before and as it is parsed
+// (set_message_bounds, from their constants and --max-typed-bytes; 0: not bounded).
+struct MessageBounds {
+  int64_t max_parameters = 0;        // entries of one `parameters` map (the request's, an input's, an output's)
+  int64_t max_parameters_bytes = 0;  // wire bytes of the request's own, in a message scanned before its parse
+  int64_t max_request_fields = 0;    // top-level records of a message scanned before its parse
+  int64_t prescan_min_bytes = 0;     // from this size a message is scanned before it is parsed
+  int64_t wire_min_bytes = 0;        // codec.WIRE_MIN_BYTES: from this size typed bytes are counted before the parse
+  int64_t max_typed_bytes = 0;       // --max-typed-bytes: bytes besides raw contents, with the room below
+  int64_t request_overhead_bytes = 0;  // codec._REQUEST_OVERHEAD_BYTES: names, shapes, datatypes
 };
 
 // The process's one memory budget counter (--memory-limit-bytes), shared by both planes: Python's
@@ -159,7 +180,8 @@ using RelayDone = std::function<void(int code, const std::string& details, const
 using Relay = std::function<void(const std::string& method, const std::string& request, RelayDone done)>;
 
 // Client text quoted as Python's repr() quotes it, cut as server/quoting.py's quoted() cuts it.
-std::string Quoted(const std::string& text);
+// limit: server/quoting.py's QUOTED_CHARS (SIZE_MAX: Python's repr() uncut).
+std::string Quoted(const std::string& text, size_t limit = 100);
 
 // A checked request waiting in its model's queue; the request and response belong to gRPC's call
 // (ModelInfer) or to its stream's slot (ModelStreamInfer).
@@ -324,8 +346,12 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   void OnStop(Batch& batch, std::function<void()> stop);
   std::array<uint64_t, kCancelReasons * kCancelStages> Cancellations(size_t index) const;
 
-  // Bytes that do not parse are refused with `why` (INVALID_ARGUMENT), as the Python plane does.
-  static bool Parse(const grpc::ByteBuffer& bytes, inference::ModelInferRequest* request, std::string* why);
+  // Bytes that do not parse, or whose `parameters` are over the bounds, are refused with `why`
+  // (INVALID_ARGUMENT), in server.parsing's order and words.
+  bool Parse(const grpc::ByteBuffer& bytes, inference::ModelInferRequest* request, std::string* why) const;
+  bool Prescan(const grpc::ByteBuffer& bytes, std::string* why) const;  // a large message's, before its parse
+  void SetMessageBounds(const MessageBounds& bounds) { message_bounds_ = bounds; }  // before Start
+  void SetGraphs(size_t index, const ModelLimits::Graphs& graphs);
   // Checks one parsed ModelInfer call and queues it (or answers it, when it is refused or in zeros
   // mode); the request and response must outlive the call. The handler and the fuzzer's entry point.
   // held: where the call keeps its budget reservation until its answer is sent (nullptr: none taken).
@@ -392,8 +418,8 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
                                 bool want_probs, bool heads_differ) const;
   grpc::Status Check(const Queue& queue, const inference::ModelInferRequest& request, Pending& p) const;
   void AnswerZeros(Pending& p, Queue& queue);
-  // Admission's memory bounds, after Check: the answer against --max-message-bytes, typed contents
-  // against --max-typed-bytes (codec's words), then the budget reservation (the batcher's words).
+  // The answer against --max-message-bytes, typed contents against --max-typed-bytes (codec's
+  // words), called by Check where codec.decode checks them: before any tensor's contents.
   grpc::Status Bound(const Queue& queue, const inference::ModelInferRequest& request, const Pending& p) const;
   // Takes p's reservation now, or parks p (moved into parked_, *parked) until the budget grants it
   // (Granted) within its deadline; else the batcher's words.
@@ -461,6 +487,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   Codes unknown_codes_{};
   bool zeros_ = false;
   int64_t stream_window_ = 64;
+  MessageBounds message_bounds_;
   std::shared_ptr<SharedBudget> budget_;
   CostTerms cost_terms_;
   int64_t stream_share_bytes_ = 0;  // 0: no budget, streams bounded by the window alone

@@ -200,11 +200,31 @@ def _check_attention_bytes(work: Work, spec: ModelSpec, limits: Limits) -> None:
     kind = limits.graphs.graph_for(work.masking, work.want_probs, lq, lk)
     needed = attention_bytes(kind, b, spec.num_heads, lq, lk)
     if needed > limits.max_attention_bytes:
-        hint = (" (without a mask and asking for `output` alone it would run on flash attention, which holds none)"
-                if FUSED in limits.graphs.kinds else "")
+        hint = _flash_hint(limits.graphs)
         raise ValueError(f"request needs a {needed:,}-byte attention matrix (batch {b} x {spec.num_heads} "
                          f"heads x {lq} x {lk} x 4: {_WHY_HELD.get(kind, kind)}); the limit is "
                          f"{limits.max_attention_bytes:,} bytes{hint}")
+
+
+def _flash_hint(graphs: GraphSet) -> str:
+    return (" (without a mask and asking for `output` alone it would run on flash attention, which holds none)"
+            if FUSED in graphs.kinds else "")
+
+
+# The graphs that hold an attention matrix, in the order the native plane takes their words (its `Held`).
+NATIVE_HELD_ORDER = (HEAD_MASK_ALL_OUTPUTS, HEAD_MASK_OUTPUT_ONLY, ALL_OUTPUTS, OUTPUT_ONLY, FUSED_KEY_PADDING)
+
+
+def native_graph_terms(graphs: GraphSet) -> dict:
+    """What the native plane needs to bound a request's attention matrix as _check_attention_bytes
+    does (plane.set_graphs): each fused graph's crossover (-1: not loaded), whether the unfused
+    output-only graph is loaded, and this module's words for each graph that holds the matrix."""
+    def crossover(kind: str) -> int:
+        return graphs.crossover.get(kind, 0) if kind in graphs.kinds else -1
+
+    return {"fused_from": crossover(FUSED), "fused_key_padding_from": crossover(FUSED_KEY_PADDING),
+            "output_only": OUTPUT_ONLY in graphs.kinds,
+            "why_held": [_WHY_HELD[kind] for kind in NATIVE_HELD_ORDER], "flash_hint": _flash_hint(graphs)}
 
 
 _BOOL_TRANSLATE_MAX_BYTES = 4096  # where bytes.translate and numpy's max cost the same

@@ -39,8 +39,15 @@ import time
 
 import grpc
 from attnserve.proto import inference_pb2 as pb
+from attnserve.server import parsing
 from attnserve.server.batcher import QUEUED, RUNNING, TERMINATED, BatchStats
-from attnserve.server.codec import _RESPONSE_OVERHEAD_BYTES, heads_differ_refusal
+from attnserve.server.codec import (
+    _REQUEST_OVERHEAD_BYTES,
+    _RESPONSE_OVERHEAD_BYTES,
+    WIRE_MIN_BYTES,
+    heads_differ_refusal,
+    native_graph_terms,
+)
 from attnserve.server.data_plane import NATIVE_MISSING_NOTE, why_unavailable  # noqa: F401 (this module's API too)
 from attnserve.server.errors import status_for
 from attnserve.server.listen import listen_addresses
@@ -100,14 +107,18 @@ def python_serves_all(request_path) -> bool:
     return False
 
 
-def new_plane(zeros: bool = False):
-    """A _native.Plane holding the contract's names; zeros: the native floor (no Python per call)."""
+def new_plane(zeros: bool = False, max_typed_bytes: int = 0):
+    """A _native.Plane holding the contract's names; zeros: the native floor (no Python per call).
+    Its messages are bounded as server.parsing and codec bound the Python plane's (max_typed_bytes:
+    --max-typed-bytes; 0: none)."""
     from attnserve.server import _native
     from attnserve.server.service import STREAM_WINDOW
 
     plane = _native.Plane(CONTRACT_NAMES)
     plane.set_zeros(zeros)
     plane.set_stream_window(STREAM_WINDOW)
+    plane.set_message_bounds(parsing.MAX_PARAMETERS, parsing.MAX_PARAMETERS_BYTES, parsing.MAX_REQUEST_FIELDS,
+                             parsing.PRESCAN_MIN_BYTES, WIRE_MIN_BYTES, max_typed_bytes, _REQUEST_OVERHEAD_BYTES)
     return plane
 
 
@@ -170,7 +181,7 @@ class NativePlane:
         self._sync_task: asyncio.Task | None = None
         self._codes_counted: dict[tuple[str, str], int] = {}  # (model, code) -> final statuses counted so far
         self._cancels_counted: dict[tuple[str, str, str], int] = {}  # (model, reason, stage) -> counted so far
-        self._plane = new_plane(zeros)
+        self._plane = new_plane(zeros, config.max_typed_bytes or 0)
         # Access lines and spans of native calls (server.native_records): only when asked.
         calls = getattr(request_path, "calls", None)
         self._records = None if calls is None or zeros or loop is None else NativeRecords(
@@ -248,6 +259,7 @@ class NativePlane:
             config.max_attention_bytes, config.max_queue_size, config.max_padding_ratio,
             "" if lv.limits.graphs.takes_head_masks else heads_differ_refusal(spec))
         assert index == len(self._models)
+        self._plane.set_graphs(index, **native_graph_terms(lv.limits.graphs))  # the attention bound's graph
         # codec's answer and typed-contents bounds, and the projection width of the cost model.
         d_model = spec.d_model or max(spec.query_dim, spec.kv_dim, spec.out_dim)  # as models.GraphCosting
         self._plane.set_model_bounds(index, d_model, config.max_message_bytes, config.max_typed_bytes or 0,

@@ -321,3 +321,96 @@ def test_a_streams_answers_are_bounded_by_its_share(gated):
         releaser.result(timeout=120)
     assert all(len(a.infer_response.raw_output_contents) == 2 for a in answers)
     _until_reserved_is_zero(gated)
+
+
+# -- malformed requests: the Python plane's words ------------------------------------------------
+
+
+def _malformed_cases() -> dict[str, bytes]:
+    """Requests codec.decode and server.parsing refuse, as bytes on the wire (some are no message)."""
+    from attnserve.proto import wire
+    from attnserve.server import parsing
+
+    from tests.test_server import _bad_requests
+
+    cases = {name: request.SerializeToString() for name, (request, _) in _bad_requests().items()
+             if request.ByteSize() < MESSAGE_BYTES}
+    x = _x("self_attention", 2, 3, 4, "malformed")
+    mask = np.ones((2, 3, 4), np.bool_)
+
+    def request(edit, **kw) -> bytes:
+        r = infer_request("self_attention", **{**x, **kw})
+        edit(r)
+        return r.SerializeToString()
+
+    def add_duplicate(r):
+        r.inputs.add().CopyFrom(r.inputs[0])
+        r.raw_input_contents.append(r.raw_input_contents[0])
+
+    def set_shape(index, shape):
+        return lambda r: r.inputs[index].shape.__setitem__(slice(None), shape)
+
+    def parameters(where, count):
+        def edit(r):
+            target = r if where == "request" else r.inputs[0] if where == "input" else r.outputs.add(name="output")
+            for i in range(count):
+                target.parameters[f"p{i}"].int64_param = i
+        return edit
+
+    def renamed(r):
+        r.inputs[0].name = "q\u00e9ry\x00" + "x" * 80
+        parameters("input", parsing.MAX_PARAMETERS + 1)(r)
+
+    cases |= {
+        "duplicate": request(add_duplicate),
+        "mask rank 5": request(set_shape(3, [2, 1, 1, 3, 4]), mask=mask),
+        "mask of a million dims": request(set_shape(3, [1] * 1_000_000), mask=mask),
+        "negative dim": request(set_shape(1, [2, -4, 512])),
+        "zero rows": request(set_shape(0, [0, 3, 512])),
+        "mask shape, zero rows": request(lambda r: [r.inputs[i].shape.__setitem__(0, 0) for i in range(3)]
+                                         + [set_shape(3, [0, 3, 5])(r)], mask=mask),
+        "rows no answer could hold": request(lambda r: [r.inputs[i].shape.__setitem__(0, 1 << 62) for i in range(3)]),
+        "typed rows no message could hold": request(
+            lambda r: [r.inputs[i].shape.__setitem__(0, 1 << 40) for i in range(3)], raw=False),
+        "outputs repeated": request(lambda r: [r.outputs.add(name="attn_probs") for _ in range(40)]),
+        "unknown output quoted": request(lambda r: r.outputs.add(name="o'\u2028" + "p" * 200)),
+        "unknown datatype quoted": request(lambda r: setattr(r.inputs[1], "datatype", "F\"P'32" * 40)),
+        "raw entries for inputs": request(lambda r: r.raw_input_contents.append(b"")),
+        "request parameters": request(parameters("request", parsing.MAX_PARAMETERS + 1)),
+        "input parameters, name quoted": request(renamed),
+        "output parameters": request(parameters("output", parsing.MAX_PARAMETERS + 1)),
+        "no message": b"\x0a\xff\xff\xff\xff\x0f",
+    }
+    # Messages of a MiB or more are scanned before protobuf parses them (server.parsing.PRESCAN_MIN_BYTES).
+    big = infer_request("cross_attention", **_x("cross_attention", 1, 2800, 2800, "big")).SerializeToString()
+    assert parsing.PRESCAN_MIN_BYTES <= len(big) < MESSAGE_BYTES - (64 << 10)
+    entry = b"\x22\x0a\x0a\x02p0\x12\x02\x08\x01"  # parameters {"p0": bool_param true}, one record
+    cases |= {
+        "large, request parameters": big + entry * (parsing.MAX_PARAMETERS + 1),
+        "large, top-level fields": big + b"\x08\x01" * parsing.MAX_REQUEST_FIELDS,
+        "large, truncated varint": big + b"\x08\xff",
+        "large, cut record": big + b"\x3a" + wire.encode_varint(1 << 40),
+        "large, group": big + b"\x0b",
+        "large, typed contents": infer_request("cross_attention", raw=False, outputs=("output",),
+                                               **_x("cross_attention", 1, 2800, 2800, "typed")).SerializeToString(),
+    }
+    return cases
+
+
+MALFORMED = _malformed_cases()
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_request_is_refused_with_the_python_planes_words(bounded_server, python_bounded_server, case):
+    """The same bytes to both planes: the same status and the same details, then the plane serves on."""
+    data = MALFORMED[case]
+    refusals = []
+    with _native_channel(bounded_server) as ch, python_bounded_server.channel() as python_ch:
+        for channel in (ch, python_ch):
+            call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            with pytest.raises(grpc.RpcError) as exc:
+                call(data, timeout=60)
+            refusals.append((exc.value.code(), exc.value.details()))
+        assert refusals[0] == refusals[1], refusals
+        assert refusals[0][0] == grpc.StatusCode.INVALID_ARGUMENT, refusals
+        _good(pb_grpc.GRPCInferenceServiceStub(ch))

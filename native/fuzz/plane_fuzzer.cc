@@ -98,7 +98,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   grpc::ByteBuffer bytes(&slice, 1);
   inference::ModelInferRequest request;
   std::string why;
-  if (!Plane::Parse(bytes, &request, &why)) return 0;
+  if (!plane->Parse(bytes, &request, &why)) return 0;
   // The companion first, so the fuzzed request (when it is admitted) joins or follows its batch.
   std::vector<std::unique_ptr<inference::ModelInferRequest>> requests;
   std::vector<std::unique_ptr<inference::ModelInferResponse>> responses;
