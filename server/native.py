@@ -136,6 +136,8 @@ def share_budget(budget, loop: asyncio.AbstractEventLoop):
     from attnserve.server import _native
 
     counter = budget.shared_counter(_native.Budget)
+    # Native calls' releases empty the budget too: after a large use the event loop reclaims (MemoryBudget.wake).
+    counter.set_idle_after(budget.IDLE_AFTER_BYTES)
 
     def woken() -> None:
         counter.drain()
@@ -161,19 +163,20 @@ def address(host: str, port: int) -> str:
 
 class NativePlane:
     def __init__(self, config, registry, request_path, metrics=None, loop: asyncio.AbstractEventLoop | None = None,
-                 zeros: bool = False, budget_counter=None, receiving_bytes: int = 0, token=None,
+                 zeros: bool = False, budget_counter=None, receive_slots: int = 0, token=None,
                  shared_port: bool = False) -> None:
         """metrics (server.metrics.Metrics) and loop, the event loop that owns them and the
         registry: where the native calls are counted and the rare RPCs answered (None: not
         counted, and the rare RPCs answered from tables made now). zeros: the native floor
         (bench.native_floor): C++ answers zeros itself, no runner threads. budget_counter: the
         memory budget's shared counter (share_budget; None: native calls reserve nothing).
-        receiving_bytes: --max-receiving-bytes, gRPC's memory quota for the native port (0: none).
+        receive_slots: ModelInfer messages the native port receives at once (server.gate.ReceiveSlots'
+        rule and number; 0: any).
         token: server.security.BearerToken (None: no token asked for), whose refusals on the native
         port it counts and logs. shared_port: worker processes share --port (SO_REUSEPORT;
         server.workers)."""
         self._config = config
-        self._receiving_bytes = receiving_bytes
+        self._receive_slots = receive_slots
         self._zeros = zeros
         self._metrics = metrics
         self._loop = loop
@@ -297,13 +300,17 @@ class NativePlane:
             return
         reply(0, "", response.SerializeToString())
 
+    def receive_figures(self) -> tuple[int, int, int]:
+        """The native port's receive slots: (slots, messages being received now, calls whose message waited)."""
+        return tuple(self._plane.receive_figures())
+
     def start(self, upstream: str | None = None, channel_args: list[tuple[str, int]] = ()) -> int:
         """Bind --port and start a runner thread per model; the bound port. upstream: the Python
         server's private socket ("unix:PATH"), where every call the plane does not serve goes
         (None: answered UNIMPLEMENTED); channel_args: the Python server's gRPC arguments."""
         cfg = self._config
         target = address(cfg.host, cfg.port)
-        self._plane.set_receive_quota(self._receiving_bytes)
+        self._plane.set_receive_slots(self._receive_slots)
         cert, key, client_ca = read_tls_files(cfg)
         token = read_token(cfg.auth_token_file) if cfg.auth_token_file is not None else b""
         self._plane.set_security(cert, key, client_ca, token, REFUSAL)
