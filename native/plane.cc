@@ -87,8 +87,9 @@ constexpr auto kDeadlineSlack = std::chrono::milliseconds(500);
 constexpr uint64_t kMaxTimeoutUs = uint64_t{1} << 50;
 enum CancelReason : size_t { kClient = 0, kDeadline = 1 };
 enum CancelStage : size_t { kQueued = 0, kRunning = 1, kTerminated = 2, kAnswered = 3 };
-// Batch::cancelled[i]: 0 live, 1 cancelled, 2 settled by Complete (a cancel then is the answered stage).
-constexpr char kLive = 0, kGone = 1, kSettled = 2;
+// Batch::cancelled[i]: 0 live, 1 cancelled, 2 settled by Complete (a cancel then is the answered stage),
+// 3 cancelled and answered CANCELLED at once by Cancel (a unary call: its batch computes on without it).
+constexpr char kLive = 0, kGone = 1, kSettled = 2, kLeft = 3;
 
 Status Cancelled() { return Status(StatusCode::CANCELLED, "the client went away"); }  // server.errors.CANCELLED
 
@@ -1362,7 +1363,7 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
     Pending& p = batch.items[i];
     const int64_t r0 = batch.first_row[i];
     if (Gone(batch, i, false)) {  // its client went away (counted then): nobody reads an answer
-      Settle(p, &queue, Cancelled(), into);
+      if (batch.cancelled[i] != kLeft) Settle(p, &queue, Cancelled(), into);  // kLeft: Cancel answered it
       continue;
     }
     if (p.want_probs && attn_probs == nullptr) {
@@ -1413,7 +1414,7 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
 bool Plane::Gone(Batch& batch, size_t i, bool settle) {
   Queue& queue = At(batch.model);
   std::lock_guard<std::mutex> lock(queue.mu);
-  if (batch.cancelled[i] == kGone) return true;
+  if (batch.cancelled[i] == kGone || batch.cancelled[i] == kLeft) return true;
   if (settle) {
     batch.cancelled[i] = kSettled;  // a cancel from here on finds its call answered
     Pending& p = batch.items[i];
@@ -1429,8 +1430,10 @@ void Plane::Fail(Batch& batch, StatusCode code, const std::string& message) {
   const std::vector<char> cancelled = Unrun(batch);  // a stopped run ends here: all cancelled
   std::vector<CallRecord> records;
   std::vector<CallRecord>* into = records_ ? &records : nullptr;
-  for (size_t i = 0; i < batch.items.size(); ++i)
+  for (size_t i = 0; i < batch.items.size(); ++i) {
+    if (cancelled[i] == kLeft) continue;  // answered CANCELLED by Cancel already
     Settle(batch.items[i], &queue, cancelled[i] ? Cancelled() : Status(code, message), into);
+  }
   if (into != nullptr) records_->Add(records);
   Left(static_cast<int64_t>(batch.items.size()));
 }
@@ -1571,6 +1574,7 @@ bool Plane::Cancel(grpc::ServerUnaryReactor* reactor, StreamCall* stream, TimePo
   std::vector<std::pair<int64_t, Parked>> waiting;  // waiting for memory: they leave the budget's queue
   std::vector<std::pair<Queue*, std::vector<Pending>>> left;
   std::vector<std::function<void()>> stops;
+  std::vector<std::pair<Queue*, Pending>> left_running;  // unary calls of running batches, answered now
   bool found = false;
   {
     // Held while it looks: a parked call that is granted meanwhile moves to its queue under it.
@@ -1620,6 +1624,10 @@ bool Plane::Cancel(grpc::ServerUnaryReactor* reactor, StreamCall* stream, TimePo
             if (batch->on_stop) stops.push_back(batch->on_stop);
           }
           queue.cancels[reason * kCancelStages + (stops_it ? kTerminated : kRunning)]++;
+          if (reactor != nullptr) {  // answered CANCELLED now, as the Python plane's handler is; Complete skips it
+            batch->cancelled[i] = kLeft;
+            left_running.emplace_back(&queue, batch->items[i]);
+          }
         }
       }
       queue.cancels[reason * kCancelStages + kQueued] += out.size();
@@ -1636,6 +1644,7 @@ bool Plane::Cancel(grpc::ServerUnaryReactor* reactor, StreamCall* stream, TimePo
     gone += static_cast<int64_t>(out.size());
   }
   if (gone > 0) Left(gone);
+  for (auto& [queue, p] : left_running) Settle(p, queue, Cancelled());  // still in flight: its batch's end counts it
   for (auto& stop : stops) stop();  // no lock held: it may take the GIL
   return found || gone > 0;
 }

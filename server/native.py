@@ -354,11 +354,13 @@ class NativePlane:
         return port
 
     def _start_runner(self, index: int) -> None:
+        """--batches-in-flight runner threads for model `index`: its runs at once, as the batcher's."""
         name, spec = self._models[index][:2]
-        thread = threading.Thread(target=self._run_forever, args=(index,), name=f"native-{name}-v{spec.version}",
-                                  daemon=True)
-        thread.start()
-        self._runners.append(thread)
+        for _ in range(max(self._config.batches_in_flight, 1)):
+            thread = threading.Thread(target=self._run_forever, args=(index,), name=f"native-{name}-v{spec.version}",
+                                      daemon=True)
+            thread.start()
+            self._runners.append(thread)
 
     async def _sync_forever(self) -> None:
         while not self._stopping.is_set():
