@@ -81,6 +81,9 @@ PYBIND11_MODULE(_native, m) {
       .def("waiters", &SharedBudget::waiters, "waiters now, both planes")
       .def("wake_fd", &SharedBudget::wake_fd, "readable once one of Python's waiters is granted")
       .def("drain", &SharedBudget::Drain)
+      .def("set_idle_after", &SharedBudget::SetIdleAfter, py::arg("nbytes"),
+           "a release that empties the budget after this much was reserved wakes the event loop (went_idle)")
+      .def("went_idle", &SharedBudget::WentIdle, "the budget emptied after a large use since the last call")
       .def("native_shed", [](const SharedBudget& b) { return b.native_shed.load(); })
       .def("native_too_large", [](const SharedBudget& b) { return b.native_too_large.load(); })
       .def("native_waits", [](const SharedBudget& b) { return b.native_waits.load(); })
@@ -198,8 +201,12 @@ PYBIND11_MODULE(_native, m) {
         auto c = p.Cost(index, rows, q_len, k_len, input_bytes, want_probs, heads_differ);
         return py::make_tuple(c[0], c[1], c[2]);
       }, "(inputs, run, answer) bytes a request reserves: costs.request_cost's figures")
-      .def("set_receive_quota", &Plane::SetReceiveQuota,
-           "gRPC's ResourceQuota for the native port (--max-receiving-bytes), before start")
+      .def("set_receive_slots", &Plane::SetReceiveSlots,
+           "ModelInfer messages received at once (server.gate.ReceiveSlots; 0: any), before start")
+      .def("receive_figures", [](Plane& p) {
+        auto f = p.ReceiveFigures();
+        return py::make_tuple(f[0], f[1], f[2]);
+      }, "(slots, messages being received now, calls whose message waited for a slot)")
       .def("set_stream_window", &Plane::SetStreamWindow,
            "requests of one ModelStreamInfer stream in the plane at once; reading pauses beyond it")
       .def("set_security", [](Plane& p, py::bytes cert_chain, py::bytes private_key, py::bytes client_ca,

@@ -14,7 +14,6 @@
 #include <sstream>
 
 #include <grpc/support/time.h>
-#include <grpcpp/resource_quota.h>
 #include <google/protobuf/io/coded_stream.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
@@ -84,8 +83,9 @@ constexpr auto kDeadlineSlack = std::chrono::milliseconds(500);
 constexpr uint64_t kMaxTimeoutUs = uint64_t{1} << 50;
 enum CancelReason : size_t { kClient = 0, kDeadline = 1 };
 enum CancelStage : size_t { kQueued = 0, kRunning = 1, kTerminated = 2, kAnswered = 3 };
-// Batch::cancelled[i]: 0 live, 1 cancelled, 2 settled by Complete (a cancel then is the answered stage).
-constexpr char kLive = 0, kGone = 1, kSettled = 2;
+// Batch::cancelled[i]: 0 live, 1 cancelled, 2 settled by Complete (a cancel then is the answered stage),
+// 3 cancelled and answered CANCELLED at once by Cancel (a unary call: its batch computes on without it).
+constexpr char kLive = 0, kGone = 1, kSettled = 2, kLeft = 3;
 
 Status Cancelled() { return Status(StatusCode::CANCELLED, "the client went away"); }  // server.errors.CANCELLED
 
@@ -478,12 +478,6 @@ int Plane::Start(const std::string& address, int max_message_bytes, int max_conc
   if (!upstream_) no_upstream_ = std::make_unique<grpc::CallbackGenericService>();  // answers UNIMPLEMENTED
   builder.RegisterCallbackGenericService(upstream_ ? static_cast<grpc::CallbackGenericService*>(upstream_.get())
                                                    : no_upstream_.get());
-  if (receive_quota_bytes_ > 0) {
-    // The callback API hands a message over only once it is whole, so bytes being received cannot
-    // be counted per call (server.gate's slots): gRPC's own memory quota bounds the transport.
-    builder.SetResourceQuota(grpc::ResourceQuota("attnserve-native-receive").Resize(
-        static_cast<size_t>(receive_quota_bytes_)));
-  }
   builder.RegisterService(this);
   server_ = builder.BuildAndStart();
   if (!server_ || port == 0) {
@@ -900,6 +894,79 @@ class InferCall final : public grpc::ServerUnaryReactor {
   TimePoint deadline_;
 };
 
+// A ServerCallbackUnary that is no gRPC call: it binds an InferCall to the ReceivedCall that reads
+// its message, so that the unary reactor's Finish answers through the streaming call.
+class UnaryBinding final : public grpc::ServerCallbackUnary {
+ public:
+  using Finisher = std::function<void(grpc::Status)>;
+  UnaryBinding(Finisher finish, std::function<void()> send_initial_metadata)
+      : finish_(std::move(finish)), send_initial_metadata_(std::move(send_initial_metadata)) {}
+  void Bind(grpc::ServerUnaryReactor* reactor) { BindReactor(reactor); }
+  void Finish(grpc::Status s) override { finish_(std::move(s)); }
+  void SendInitialMetadata() override { send_initial_metadata_(); }
+
+ private:
+  // gRPC's own bookkeeping of a call, unused: ReceivedCall forwards OnCancel and OnDone itself.
+  grpc::internal::ServerReactor* reactor() override { return nullptr; }
+  void CallOnDone() override {}
+  Finisher finish_;
+  std::function<void()> send_initial_metadata_;
+};
+
+// ModelInfer's call as gRPC runs it. The method is registered as streaming (Plane::Plane), so gRPC
+// reads its one message only when asked: once a receive slot is free (server.gate's rule; until
+// then HTTP/2 flow control holds the message back at the stream's window). It then serves as an
+// InferCall (Plane::Infer), whose Finish writes the answer and ends the call.
+class ReceivedCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, inference::ModelInferResponse> {
+ public:
+  ReceivedCall(Plane* plane, grpc::CallbackServerContext* context)
+      : plane_(plane),
+        context_(context),
+        binding_([this](grpc::Status s) { Answer(std::move(s)); }, [this] { StartSendInitialMetadata(); }) {
+    if (plane_->TakeReceiveSlot(this, [this] { StartRead(&bytes_); })) StartRead(&bytes_);
+  }
+  void OnReadDone(bool ok) override {
+    plane_->GiveReceiveSlot(this);
+    if (!ok) {  // the client half-closed without a message, or went away (server.gate's words)
+      Finish(grpc::Status(StatusCode::INVALID_ARGUMENT, "the call sent no request message"));
+      return;
+    }
+    grpc::ServerUnaryReactor* call = plane_->Infer(context_, &bytes_, &response_);
+    binding_.Bind(call);
+    call_.store(call);
+    if (cancelled_.load() && !cancel_told_.exchange(true)) call->OnCancel();  // it went while being admitted
+  }
+  void OnCancel() override {
+    cancelled_.store(true);
+    if (grpc::ServerUnaryReactor* call = call_.load()) {
+      if (!cancel_told_.exchange(true)) call->OnCancel();
+      return;
+    }
+    if (plane_->GiveReceiveSlot(this)) Finish(Cancelled());  // still waiting for a slot: never read
+  }
+  void OnDone() override {
+    plane_->GiveReceiveSlot(this);  // nothing of it stays in the slots
+    if (grpc::ServerUnaryReactor* call = call_.load()) call->OnDone();
+    delete this;
+  }
+
+ private:
+  void Answer(grpc::Status s) {
+    if (s.ok()) {
+      StartWriteAndFinish(&response_, grpc::WriteOptions(), s);
+    } else {
+      Finish(std::move(s));
+    }
+  }
+  Plane* plane_;
+  grpc::CallbackServerContext* context_;
+  UnaryBinding binding_;
+  grpc::ByteBuffer bytes_;
+  inference::ModelInferResponse response_;
+  std::atomic<grpc::ServerUnaryReactor*> call_{nullptr};
+  std::atomic<bool> cancelled_{false}, cancel_told_{false};
+};
+
 }  // namespace
 
 Plane::Plane(Contract contract) : contract_(std::move(contract)) {
@@ -915,32 +982,14 @@ Plane::Plane(Contract contract) : contract_(std::move(contract)) {
                          ->FindServiceByName("GRPCInferenceService")
                          ->FindMethodByName("ModelInfer")
                          ->index();
-  MarkMethodCallback(
-      method, new grpc::internal::CallbackUnaryHandler<grpc::ByteBuffer, inference::ModelInferResponse>(
-                  [this](grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
-                         inference::ModelInferResponse* response) {
-                    const TimePoint deadline = CallDeadline(context);
-                    auto* call = new InferCall(this, deadline);
-                    std::shared_ptr<CallNote> note;
-                    if (records_) note = Note(context, "ModelInfer", static_cast<int64_t>(bytes->Length()));
-                    std::string why;
-                    if (!Parse(*bytes, &call->request, &why)) {
-                      counters_.requests++;
-                      counters_.refused++;
-                      if (note) RecordUnparsed(*note, Bounded(Invalid(why)));
-                      Answer(call, nullptr, Invalid(why));
-                    } else if (upstream_ && ToPython(call->request)) {  // its message, as it came
-                      call->relayed = upstream_->Unary(*context, kModelInferMethod, *bytes);
-                      call->relayed->Start([call, response](const Status& status, const grpc::ByteBuffer& answer) {
-                        call->Finish(status.ok() ? ReadAnswer(answer, response) : status);
-                      });
-                    } else {
-                      call->budget = budget_.get();
-                      Admit(call, &call->request, response, deadline, budget_ ? &call->reserved : nullptr,
-                            &call->answered_by, std::move(note));
-                    }
-                    return call;
-                  }));
+  // Registered as streaming (MarkMethodStreamed sets the type; its handler is replaced at once), so
+  // that gRPC reads a call's message only when the call asks for it (ReceivedCall: receive slots).
+  MarkMethodStreamed(method,
+                     new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, inference::ModelInferResponse>(
+                         [](grpc::CallbackServerContext*) { return nullptr; }));
+  MarkMethodCallback(method,
+                     new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, inference::ModelInferResponse>(
+                         [this](grpc::CallbackServerContext* context) { return new ReceivedCall(this, context); }));
   // ModelStreamInfer's requests as raw bytes too: one that does not parse ends the stream with a message.
   const int stream_method = inference::ModelInferRequest::descriptor()
                                 ->file()
@@ -950,6 +999,31 @@ Plane::Plane(Contract contract) : contract_(std::move(contract)) {
   MarkMethodCallback(stream_method,
                      new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, inference::ModelStreamInferResponse>(
                          [this](grpc::CallbackServerContext* context) { return new StreamCall(this, CallDeadline(context), context); }));
+}
+
+grpc::ServerUnaryReactor* Plane::Infer(grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+                                       inference::ModelInferResponse* response) {
+  const TimePoint deadline = CallDeadline(context);
+  auto* call = new InferCall(this, deadline);
+  std::shared_ptr<CallNote> note;
+  if (records_) note = Note(context, "ModelInfer", static_cast<int64_t>(bytes->Length()));
+  std::string why;
+  if (!Parse(*bytes, &call->request, &why)) {
+    counters_.requests++;
+    counters_.refused++;
+    if (note) RecordUnparsed(*note, Bounded(Invalid(why)));
+    Answer(call, nullptr, Invalid(why));
+  } else if (upstream_ && ToPython(call->request)) {  // its message, as it came
+    call->relayed = upstream_->Unary(*context, kModelInferMethod, *bytes);
+    call->relayed->Start([call, response](const Status& status, const grpc::ByteBuffer& answer) {
+      call->Finish(status.ok() ? ReadAnswer(answer, response) : status);
+    });
+  } else {
+    call->budget = budget_.get();
+    Admit(call, &call->request, response, deadline, budget_ ? &call->reserved : nullptr,
+          &call->answered_by, std::move(note));
+  }
+  return call;
 }
 
 bool Plane::Parse(const grpc::ByteBuffer& bytes, inference::ModelInferRequest* request, std::string* why) const {
@@ -1572,7 +1646,7 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
     Pending& p = batch.items[i];
     const int64_t r0 = batch.first_row[i];
     if (Gone(batch, i, false)) {  // its client went away (counted then): nobody reads an answer
-      Settle(p, &queue, Cancelled(), into);
+      if (batch.cancelled[i] != kLeft) Settle(p, &queue, Cancelled(), into);  // kLeft: Cancel answered it
       continue;
     }
     if (p.want_probs && attn_probs == nullptr) {
@@ -1623,7 +1697,7 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
 bool Plane::Gone(Batch& batch, size_t i, bool settle) {
   Queue& queue = At(batch.model);
   std::lock_guard<std::mutex> lock(queue.mu);
-  if (batch.cancelled[i] == kGone) return true;
+  if (batch.cancelled[i] == kGone || batch.cancelled[i] == kLeft) return true;
   if (settle) {
     batch.cancelled[i] = kSettled;  // a cancel from here on finds its call answered
     Pending& p = batch.items[i];
@@ -1639,8 +1713,10 @@ void Plane::Fail(Batch& batch, StatusCode code, const std::string& message) {
   const std::vector<char> cancelled = Unrun(batch);  // a stopped run ends here: all cancelled
   std::vector<CallRecord> records;
   std::vector<CallRecord>* into = records_ ? &records : nullptr;
-  for (size_t i = 0; i < batch.items.size(); ++i)
+  for (size_t i = 0; i < batch.items.size(); ++i) {
+    if (cancelled[i] == kLeft) continue;  // answered CANCELLED by Cancel already
     Settle(batch.items[i], &queue, cancelled[i] ? Cancelled() : Status(code, message), into);
+  }
   if (into != nullptr) records_->Add(records);
   Left(static_cast<int64_t>(batch.items.size()));
 }
@@ -1759,7 +1835,7 @@ TimePoint Plane::Expire() {
                                               " bytes); not computed"));
   }
   if (!late.empty()) Left(static_cast<int64_t>(late.size()));
-  return next;
+  return std::min(next, ExpireReceiveSlots());
 }
 
 void Plane::StopTimer() {
@@ -1781,6 +1857,7 @@ bool Plane::Cancel(grpc::ServerUnaryReactor* reactor, StreamCall* stream, TimePo
   std::vector<std::pair<int64_t, Parked>> waiting;  // waiting for memory: they leave the budget's queue
   std::vector<std::pair<Queue*, std::vector<Pending>>> left;
   std::vector<std::function<void()>> stops;
+  std::vector<std::pair<Queue*, Pending>> left_running;  // unary calls of running batches, answered now
   bool found = false;
   {
     // Held while it looks: a parked call that is granted meanwhile moves to its queue under it.
@@ -1830,6 +1907,10 @@ bool Plane::Cancel(grpc::ServerUnaryReactor* reactor, StreamCall* stream, TimePo
             if (batch->on_stop) stops.push_back(batch->on_stop);
           }
           queue.cancels[reason * kCancelStages + (stops_it ? kTerminated : kRunning)]++;
+          if (reactor != nullptr) {  // answered CANCELLED now, as the Python plane's handler is; Complete skips it
+            batch->cancelled[i] = kLeft;
+            left_running.emplace_back(&queue, batch->items[i]);
+          }
         }
       }
       queue.cancels[reason * kCancelStages + kQueued] += out.size();
@@ -1846,6 +1927,7 @@ bool Plane::Cancel(grpc::ServerUnaryReactor* reactor, StreamCall* stream, TimePo
     gone += static_cast<int64_t>(out.size());
   }
   if (gone > 0) Left(gone);
+  for (auto& [queue, p] : left_running) Settle(p, queue, Cancelled());  // still in flight: its batch's end counts it
   for (auto& stop : stops) stop();  // no lock held: it may take the GIL
   return found || gone > 0;
 }
@@ -2004,6 +2086,83 @@ grpc::ServerUnaryReactor* Plane::RepositoryIndex(grpc::CallbackServerContext* co
   return reactor;
 }
 
+// -- Receive slots (server.gate.ReceiveSlots' rule): ModelInfer messages received at once ----------
+
+namespace {
+// server.gate.ReceiveSlots.STALE_S: a call that sent headers and then nothing gives its slot up.
+constexpr auto kReceiveStale = std::chrono::seconds(10);
+}  // namespace
+
+bool Plane::TakeReceiveSlot(const void* call, std::function<void()> start) {
+  TimePoint oldest = kNever;
+  {
+    std::lock_guard<std::mutex> lock(receive_mu_);
+    if (receive_slots_ <= 0) return true;
+    if (receive_waiting_.empty() && static_cast<int64_t>(receiving_.size()) < receive_slots_) {
+      receiving_[call] = Clock::now();
+      return true;
+    }
+    receive_waiting_.emplace_back(call, std::move(start));
+    receive_deferred_++;
+    for (const auto& [holder, since] : receiving_) oldest = std::min(oldest, since);
+  }
+  if (oldest != kNever) Arm(oldest + kReceiveStale);  // the timer starts the line if the holders go stale
+  return false;
+}
+
+bool Plane::GiveReceiveSlot(const void* call) {
+  std::vector<std::function<void()>> starts;
+  bool was_waiting = false;
+  {
+    std::lock_guard<std::mutex> lock(receive_mu_);
+    if (receive_slots_ <= 0) return false;
+    for (auto it = receive_waiting_.begin(); it != receive_waiting_.end(); ++it) {
+      if (it->first == call) {
+        receive_waiting_.erase(it);
+        was_waiting = true;
+        break;
+      }
+    }
+    if (receiving_.erase(call) == 0) return was_waiting;
+    const auto now = Clock::now();
+    while (!receive_waiting_.empty() && static_cast<int64_t>(receiving_.size()) < receive_slots_) {
+      receiving_[receive_waiting_.front().first] = now;
+      starts.push_back(std::move(receive_waiting_.front().second));
+      receive_waiting_.pop_front();
+    }
+  }
+  for (auto& start : starts) start();
+  return was_waiting;
+}
+
+TimePoint Plane::ExpireReceiveSlots() {
+  std::vector<std::function<void()>> starts;
+  TimePoint next = kNever;
+  {
+    std::lock_guard<std::mutex> lock(receive_mu_);
+    if (receive_waiting_.empty()) return kNever;
+    const auto now = Clock::now();
+    for (auto it = receiving_.begin(); it != receiving_.end();) {
+      it = it->second + kReceiveStale <= now ? receiving_.erase(it) : std::next(it);
+    }
+    while (!receive_waiting_.empty() && static_cast<int64_t>(receiving_.size()) < receive_slots_) {
+      receiving_[receive_waiting_.front().first] = now;
+      starts.push_back(std::move(receive_waiting_.front().second));
+      receive_waiting_.pop_front();
+    }
+    if (!receive_waiting_.empty()) {
+      for (const auto& [holder, since] : receiving_) next = std::min(next, since + kReceiveStale);
+    }
+  }
+  for (auto& start : starts) start();
+  return next;
+}
+
+std::array<int64_t, 3> Plane::ReceiveFigures() {
+  std::lock_guard<std::mutex> lock(receive_mu_);
+  return {receive_slots_, static_cast<int64_t>(receiving_.size()), receive_deferred_};
+}
+
 // -- Memory bounds (admission): the shared budget, the cost model, answer and typed sizes ---------
 
 SharedBudget::SharedBudget(int64_t limit_bytes, int64_t room_bytes)
@@ -2034,6 +2193,7 @@ int64_t SharedBudget::Take(int64_t n, int64_t first, bool wait, bool native) {
   std::lock_guard<std::mutex> lock(mu_);
   if (waiters_.empty() && Fits(n, waiting_)) {  // nobody jumps ahead of a waiter
     reserved_ += n;
+    high_water_ = std::max(high_water_, reserved_);
     return 0;
   }
   first = std::min(first, n);
@@ -2049,6 +2209,7 @@ void SharedBudget::Admit(std::vector<int64_t>* native, bool* python) {
     const Waiter& head = waiters_.front();
     if (!Fits(head.total, waiting_ - head.first)) return;
     reserved_ += head.total;
+    high_water_ = std::max(high_water_, reserved_);
     waiting_ -= head.first;
     if (head.native) {
       native->push_back(head.ticket);
@@ -2102,8 +2263,24 @@ void SharedBudget::Give(int64_t n) {
     std::lock_guard<std::mutex> lock(mu_);
     reserved_ -= n;
     Admit(&native, &python);
+    if (reserved_ == 0 && waiters_.empty()) {  // emptied: after a large use, the event loop reclaims
+      if (idle_after_ > 0 && high_water_ >= idle_after_) went_idle_ = python = true;
+      high_water_ = 0;
+    }
   }
   Wake(native, python);
+}
+
+void SharedBudget::SetIdleAfter(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  idle_after_ = bytes;
+}
+
+bool SharedBudget::WentIdle() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const bool went = went_idle_;
+  went_idle_ = false;
+  return went;
 }
 
 std::vector<int64_t> SharedBudget::Granted() {

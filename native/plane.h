@@ -118,6 +118,10 @@ class SharedBudget {
   int64_t waiters() const;
   int wake_fd() const { return wake_fd_; }  // readable once one of Python's waiters is granted
   void Drain();  // reads wake_fd empty
+  // MemoryBudget.IDLE_AFTER_BYTES: a release that empties the budget after at least this much was
+  // reserved (either plane) wakes the event loop, whose MemoryBudget then reclaims (WentIdle); 0: never.
+  void SetIdleAfter(int64_t bytes);
+  bool WentIdle();  // the budget emptied after a large use since the last call
   std::atomic<uint64_t> native_shed{0}, native_too_large{0}, native_waits{0}, native_wait_timeouts{0};
 
  private:
@@ -133,6 +137,8 @@ class SharedBudget {
   const int64_t limit_, room_;
   mutable std::mutex mu_;
   int64_t reserved_ = 0, waiting_ = 0, next_ticket_ = 1;
+  int64_t idle_after_ = 0, high_water_ = 0;  // SetIdleAfter; the most reserved since it was last empty
+  bool went_idle_ = false;
   std::deque<Waiter> waiters_;
   std::vector<int64_t> granted_python_;
   std::function<void(int64_t)> native_wake_;
@@ -303,8 +309,21 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   void SetReusePort(bool reuse) { reuse_port_ = reuse; }
   std::pair<uint64_t, std::string> TokenRefusals() { return refusals_.Read(); }
   int Start(const std::string& address, int max_message_bytes, int max_concurrent_streams);
-  // gRPC's ResourceQuota for the native port's transport (--max-receiving-bytes), set before Start.
-  void SetReceiveQuota(int64_t bytes) { receive_quota_bytes_ = bytes; }
+  // server.gate.ReceiveSlots on the native port (--max-receiving-bytes / --max-message-bytes): ModelInfer
+  // messages received at once, at most `slots` (0: any); set before Start. A call whose slot waits is
+  // held back by HTTP/2 flow control (its message is not read: ReceivedCall in plane.cc).
+  void SetReceiveSlots(int64_t slots) { receive_slots_ = slots; }
+  // A ModelInfer call whose headers came: true when it may read its message now; else `start` is
+  // called once (from any thread, no lock held) when a slot is free for it, or the oldest went stale.
+  bool TakeReceiveSlot(const void* call, std::function<void()> start);
+  // Its message is read, or the call went away: its slot goes to the next waiting call. True when
+  // the call was still waiting (never started: it leaves the line).
+  bool GiveReceiveSlot(const void* call);
+  // attnserve_receive_*: slots (0: any), messages being received now, calls whose message waited.
+  std::array<int64_t, 3> ReceiveFigures();
+  // ModelInfer's handler once its message is read: parsed, then admitted, refused or relayed.
+  grpc::ServerUnaryReactor* Infer(grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
+                                  inference::ModelInferResponse* response);
   // Blocks up to timeout_ms for a batch of model `index`; nullptr on timeout, once stopping, or when
   // every queued call had expired (refused DEADLINE_EXCEEDED here).
   std::shared_ptr<Batch> NextBatch(size_t index, int64_t timeout_ms);
@@ -491,7 +510,13 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   std::shared_ptr<SharedBudget> budget_;
   CostTerms cost_terms_;
   int64_t stream_share_bytes_ = 0;  // 0: no budget, streams bounded by the window alone
-  int64_t receive_quota_bytes_ = 0;
+  // The receive slots (SetReceiveSlots): who holds one since when, who waits in arrival order.
+  TimePoint ExpireReceiveSlots();  // stale holders forgotten, waiters started; when the next goes stale
+  std::mutex receive_mu_;
+  int64_t receive_slots_ = 0;
+  std::map<const void*, TimePoint> receiving_;
+  std::deque<std::pair<const void*, std::function<void()>>> receive_waiting_;
+  int64_t receive_deferred_ = 0;
   Counters counters_;
   uint64_t aging_batches_ = 4;
   std::thread timer_;

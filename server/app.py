@@ -168,7 +168,7 @@ class Server:
         self._admission = Admission(self._arrivals)
         self.budget: MemoryBudget | None = None
         self._budget_counter = None  # the budget's counter shared with the native data plane (server.native)
-        self._receiving_bytes = 0  # --max-receiving-bytes as applied
+        self._receive_slots = 0  # ModelInfer messages received at once (server.gate.ReceiveSlots)
         self.tracing: Tracing | None = None  # OpenTelemetry, when OTEL_* variables ask (server.tracing)
         self._shared_memory: SystemSharedMemory | None = None  # --allow-shared-memory
         self._gc_frozen = False  # server.memory.heap.freeze_gc() since the start, and no model change since
@@ -244,7 +244,7 @@ class Server:
         receiving = cfg.max_receiving_bytes if cfg.max_receiving_bytes is not None else int(
             limit * DEFAULT_RECEIVING_SHARE)
         slots = max(receiving // cfg.max_message_bytes, 1)
-        self._receiving_bytes = max(receiving, cfg.max_message_bytes)  # the native port's quota: one message at least
+        self._receive_slots = slots  # the native port's too (NativePlane)
         # Every method is served through the gate (token, draining, parsing; see server.gate).
         gate = CallGate(method_handlers(servicer, self._health, cfg.max_typed_bytes), self._admission,
                         self._draining, _INFER_METHODS, token, cfg.access_log, receive_slots=slots,
@@ -335,8 +335,10 @@ class Server:
         from attnserve.server.native import NativePlane
 
         self._native = NativePlane(self.config, self.registry, request_path, self.metrics, asyncio.get_running_loop(),
-                                   budget_counter=self._budget_counter, receiving_bytes=self._receiving_bytes,
+                                   budget_counter=self._budget_counter, receive_slots=self._receive_slots,
                                    token=token, shared_port=self.worker is not None)
+        if self._gate is not None:  # attnserve_receive_*: both planes' slots
+            self._gate.receive.native = self._native.receive_figures
         return self._native.start(upstream, channel_args)
 
     async def _native_idle(self, deadline: float) -> bool:

@@ -104,6 +104,17 @@ class ReceiveSlots:
         self._taken: dict[int, float] = {}  # ticket -> time.monotonic() it was taken (oldest first)
         self._tickets = itertools.count()
         self._freed = asyncio.Event()
+        # The native data plane's own slots, of the same number (server.native): (slots, receiving,
+        # deferred), added to this plane's figures; None: no native plane.
+        self.native: Callable[[], tuple[int, int, int]] | None = None
+
+    def figures(self) -> tuple[int, int, int]:
+        """(slots, 0: unbounded; messages being received now; calls whose reading waited), both planes."""
+        receiving, deferred = len(self._taken), self.deferred
+        if self.native is not None:
+            _, native_receiving, native_deferred = self.native()
+            receiving, deferred = receiving + native_receiving, deferred + native_deferred
+        return self.slots or 0, receiving, deferred
 
     @property
     def receiving(self) -> int:

@@ -326,13 +326,13 @@ class _ReceiveCollector:
         return list(self.collect())
 
     def collect(self):
-        r = self._receive
+        slots, receiving, deferred = self._receive.figures()
         yield GaugeMetricFamily("attnserve_receive_slots", "ModelInfer messages received at once at most "
-                                "(--max-receiving-bytes / --max-message-bytes); 0: unbounded.", value=r.slots or 0)
+                                "(--max-receiving-bytes / --max-message-bytes); 0: unbounded.", value=slots)
         yield GaugeMetricFamily("attnserve_receiving_messages", "ModelInfer messages being received now.",
-                                value=len(r._taken))
+                                value=receiving)
         yield CounterMetricFamily("attnserve_receive_deferred", "ModelInfer calls whose message waited for a "
-                                  "receive slot before it was read.", value=r.deferred)
+                                  "receive slot before it was read.", value=deferred)
 
 
 class _HttpCollector:

@@ -36,6 +36,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 from attnserve.proto import inference_pb2 as pb
@@ -132,6 +133,8 @@ def share_budget(budget, loop: asyncio.AbstractEventLoop):
     from attnserve.server import _native
 
     counter = budget.shared_counter(_native.Budget)
+    # Native calls' releases empty the budget too: after a large use the event loop reclaims (MemoryBudget.wake).
+    counter.set_idle_after(budget.IDLE_AFTER_BYTES)
 
     def woken() -> None:
         counter.drain()
@@ -157,19 +160,20 @@ def address(host: str, port: int) -> str:
 
 class NativePlane:
     def __init__(self, config, registry, request_path, metrics=None, loop: asyncio.AbstractEventLoop | None = None,
-                 zeros: bool = False, budget_counter=None, receiving_bytes: int = 0, token=None,
+                 zeros: bool = False, budget_counter=None, receive_slots: int = 0, token=None,
                  shared_port: bool = False) -> None:
         """metrics (server.metrics.Metrics) and loop, the event loop that owns them and the
         registry: where the native calls are counted and the rare RPCs answered (None: not
         counted, and the rare RPCs answered from tables made now). zeros: the native floor
         (bench.native_floor): C++ answers zeros itself, no runner threads. budget_counter: the
         memory budget's shared counter (share_budget; None: native calls reserve nothing).
-        receiving_bytes: --max-receiving-bytes, gRPC's memory quota for the native port (0: none).
+        receive_slots: ModelInfer messages the native port receives at once (server.gate.ReceiveSlots'
+        rule and number; 0: any).
         token: server.security.BearerToken (None: no token asked for), whose refusals on the native
         port it counts and logs. shared_port: worker processes share --port (SO_REUSEPORT;
         server.workers)."""
         self._config = config
-        self._receiving_bytes = receiving_bytes
+        self._receive_slots = receive_slots
         self._zeros = zeros
         self._metrics = metrics
         self._loop = loop
@@ -195,6 +199,12 @@ class NativePlane:
         self._runners: list[threading.Thread] = []
         self._started = False
         self._stopping = threading.Event()
+        # Batches answered whose figures have not reached the event loop yet, by ticket: a
+        # ModelStatistics asked after an answer is answered once that answer's batch is counted.
+        self._unobserved: set[int] = set()
+        self._unobserved_lock = threading.Lock()
+        self._last_ticket = 0
+        self._after_observed: list[tuple[int, Callable[[], None]]] = []
         # (name, spec, run, run_solo, stoppable) by the plane's model index; run and run_solo are
         # let go of once a retired version's runner ends (its sessions go with the last reference).
         self._models: list[tuple] = []
@@ -285,6 +295,15 @@ class NativePlane:
             reply(_UNAVAILABLE, "the server is stopping", b"")
 
     def _answer(self, method: str, data: bytes, reply) -> None:
+        if method == "ModelStatistics":  # after the batches answered before it are counted (_counted)
+            with self._unobserved_lock:
+                latest = max(self._unobserved, default=0)
+            if latest:
+                self._after_observed.append((latest, lambda: self._answer_now(method, data, reply)))
+                return
+        self._answer_now(method, data, reply)
+
+    def _answer_now(self, method: str, data: bytes, reply) -> None:
         request_type, answer = RELAYED[method]
         try:
             response = answer(self._request_path, request_type.FromString(data))
@@ -294,13 +313,17 @@ class NativePlane:
             return
         reply(0, "", response.SerializeToString())
 
+    def receive_figures(self) -> tuple[int, int, int]:
+        """The native port's receive slots: (slots, messages being received now, calls whose message waited)."""
+        return tuple(self._plane.receive_figures())
+
     def start(self, upstream: str | None = None, channel_args: list[tuple[str, int]] = ()) -> int:
         """Bind --port and start a runner thread per model; the bound port. upstream: the Python
         server's private socket ("unix:PATH"), where every call the plane does not serve goes
         (None: answered UNIMPLEMENTED); channel_args: the Python server's gRPC arguments."""
         cfg = self._config
         target = address(cfg.host, cfg.port)
-        self._plane.set_receive_quota(self._receiving_bytes)
+        self._plane.set_receive_slots(self._receive_slots)
         cert, key, client_ca = read_tls_files(cfg)
         token = read_token(cfg.auth_token_file) if cfg.auth_token_file is not None else b""
         self._plane.set_security(cert, key, client_ca, token, REFUSAL)
@@ -328,11 +351,13 @@ class NativePlane:
         return port
 
     def _start_runner(self, index: int) -> None:
+        """--batches-in-flight runner threads for model `index`: its runs at once, as the batcher's."""
         name, spec = self._models[index][:2]
-        thread = threading.Thread(target=self._run_forever, args=(index,), name=f"native-{name}-v{spec.version}",
-                                  daemon=True)
-        thread.start()
-        self._runners.append(thread)
+        for _ in range(max(self._config.batches_in_flight, 1)):
+            thread = threading.Thread(target=self._run_forever, args=(index,), name=f"native-{name}-v{spec.version}",
+                                      daemon=True)
+            thread.start()
+            self._runners.append(thread)
 
     async def _sync_forever(self) -> None:
         while not self._stopping.is_set():
@@ -365,6 +390,7 @@ class NativePlane:
                 continue
             started = time.perf_counter()
             solo = failed = terminated = False
+            ticket = self._handing_over()  # before any of its calls is answered
             # C++ calls stop.stop() once every call of the batch is cancelled (RunOptions.terminate).
             stop = RunStop()
             plane.on_stop(batch, stop.stop)
@@ -388,12 +414,31 @@ class NativePlane:
                     logger.exception("native data plane: a batch of %s failed", name)
                     plane.fail(batch, f"{type(err).__name__}: {err}")
                     failed = True
-            self._observe(index, batch, started, ran, solo, failed, terminated=terminated)
+            self._observe(index, batch, started, ran, solo, failed, terminated=terminated, ticket=ticket)
         run = run_solo = batch = None
         self._models[index] = (name, spec, None, None, False)  # its sessions go with the registry's last reference
 
+    def _handing_over(self) -> int:
+        """A ticket for a batch about to be answered, whose figures the event loop will count (0: none)."""
+        if not self._observers or self._loop is None:
+            return 0
+        with self._unobserved_lock:
+            self._last_ticket += 1
+            self._unobserved.add(self._last_ticket)
+            return self._last_ticket
+
+    def _counted(self, ticket: int) -> None:
+        """On the event loop: the batch's figures are counted; ModelStatistics that waited for it go on."""
+        with self._unobserved_lock:
+            self._unobserved.discard(ticket)
+            oldest = min(self._unobserved, default=self._last_ticket + 1)
+        ready = [answer for latest, answer in self._after_observed if latest < oldest]
+        self._after_observed = [(latest, answer) for latest, answer in self._after_observed if latest >= oldest]
+        for answer in ready:
+            answer()
+
     def _observe(self, index: int, batch, started: float, ran: float, solo: bool, failed: bool,
-                 terminated: bool = False) -> None:
+                 terminated: bool = False, ticket: int = 0) -> None:
         """The batch's figures to the event loop, which owns the metrics: once per batch."""
         if not self._observers or self._loop is None:
             return
@@ -405,15 +450,20 @@ class NativePlane:
                            compute_s=done - started, queue_s=tuple(batch.queue_s), failed=failed,
                            run_s=ran - started, split_s=done - ran, solo=solo, terminated=terminated)
         try:
-            self._loop.call_soon_threadsafe(self._observed, index, stats, tuple(batch.done_s), span_figures)
+            self._loop.call_soon_threadsafe(self._observed, index, stats, tuple(batch.done_s), span_figures, ticket)
         except RuntimeError:
             pass  # the loop is closed: the server is gone
 
-    def _observed(self, index: int, stats: BatchStats, done_s: tuple[float, ...], span_figures=None) -> None:
-        self._observers[index].on_batch(stats)
-        self._metrics.requests_answered(self._models[index][0], done_s)
-        if span_figures is not None and self._records is not None:
-            self._records.batch_done(self._tracers[index], stats, *span_figures)
+    def _observed(self, index: int, stats: BatchStats, done_s: tuple[float, ...], span_figures=None,
+                  ticket: int = 0) -> None:
+        try:
+            self._observers[index].on_batch(stats)
+            self._metrics.requests_answered(self._models[index][0], done_s)
+            if span_figures is not None and self._records is not None:
+                self._records.batch_done(self._tracers[index], stats, *span_figures)
+        finally:  # the statistics that wait for it are answered, whatever happened here
+            if ticket:
+                self._counted(ticket)
 
     def refresh_metrics(self) -> None:
         """At each scrape: attnserve_requests gets the native calls' final statuses (counted in

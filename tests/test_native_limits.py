@@ -12,8 +12,8 @@ the next call after each and the server's peak memory bounded:
   of calls that would not fit the budget together is answered whole;
 - a stream message that does not parse ends the stream with INVALID_ARGUMENT after the answers
   before it;
-- --max-receiving-bytes as gRPC's memory quota on the native port: concurrent messages over it
-  are refused RESOURCE_EXHAUSTED by gRPC, a lone one is received.
+- --max-receiving-bytes as the native port's receive slots (server.gate.ReceiveSlots' rule): a
+  message beyond them is held back by flow control until a slot is free, then read and answered.
 The native cost figures are checked against server.memory.costs.request_cost in-process.
 Skips, saying why, where the extension is not built (`make native`).
 """
@@ -37,6 +37,7 @@ from attnserve.server.repository import read_model_spec
 
 from attnserve.contract import ALL_OUTPUTS, HEAD_MASK_ALL_OUTPUTS, HEAD_MASK_OUTPUT_ONLY, OUTPUT_ONLY
 from tests.gated_server import GatedServer
+from tests.h2_client import RawGrpcClient, grpc_frame
 from tests.oip import infer_request
 from tests.server_process import ServerProcess
 from tests.test_mask_shapes import DIMS
@@ -50,6 +51,7 @@ TYPED_BYTES = 64 << 10
 BUDGET_BYTES = 48 * MiB
 PEAK_GROWTH_KIB = 256 << 10  # as the hostile tests bound it
 REACHED_WITHIN_S = 60.0  # a bound on waiting for a state the test caused, not a guess of speed
+INFER = "/inference.GRPCInferenceService/ModelInfer"
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
@@ -204,44 +206,57 @@ def test_a_stream_message_that_does_not_parse_ends_the_stream(bounded_server):
         _good(pb_grpc.GRPCInferenceServiceStub(ch))
 
 
-def test_receive_quota_sheds_concurrent_messages_over_it(bounded_server):
-    """--max-receiving-bytes (one 2 MiB message here) is the native port's gRPC memory quota. A lone
-    1.8 MB message is received; eight at once on separate connections pass the quota, and gRPC
-    refuses streams under that pressure (RST_STREAM ENHANCE_YOUR_CALM: RESOURCE_EXHAUSTED, or a
-    connection's GOAWAY "Buffers full": UNAVAILABLE) where the Python plane's receive slots would
-    queue them. Each call ends, with OK or one of those (RESOURCE_EXHAUSTED may be the budget's),
-    the peak memory stays bounded and the plane serves on."""
+def _receive_figures(proc: ServerProcess) -> dict[str, float]:
+    """attnserve_receive_* on /metrics: slots, messages, deferred."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    names = {"attnserve_receive_slots": "slots", "attnserve_receiving_messages": "messages",
+             "attnserve_receive_deferred_total": "deferred"}
+    return {names[line.split()[0]]: float(line.split()[1]) for line in text.splitlines()
+            if line.split() and line.split()[0] in names}
+
+
+def test_receive_slots_hold_a_second_message_back_until_the_first_is_read(bounded_server):
+    """--max-receiving-bytes (one 2 MiB message here) gives the native port one receive slot, the
+    Python port's rule and number (server.gate.ReceiveSlots): while a first call's 1.8 MB message is
+    incomplete, a second call's message is held back by HTTP/2 flow control (not read, not shed:
+    gRPC's ResourceQuota, which this replaced, refused such calls). Once the first is read, the
+    second is; both are answered, and the plane serves on."""
     request = infer_request("self_attention", outputs=("output",), **_x("self_attention", 1, 300, 300, "quota"))
-    before_kib = bounded_server.memory_kib("VmHWM")
-
-    def call(_: int) -> tuple[grpc.StatusCode, str]:
-        with _native_channel(bounded_server) as ch:
-            try:
-                pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(request, timeout=120)
-            except grpc.RpcError as err:
-                return err.code(), err.details()
-            return grpc.StatusCode.OK, ""
-
-    assert call(0) == (grpc.StatusCode.OK, "")
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        ended = list(pool.map(call, range(8)))
-    refused = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
-    assert {code for code, _ in ended} <= {grpc.StatusCode.OK, *refused}, ended
-    # the quota refused some: a stream reset, or its connection told to go away
-    assert any("RST_STREAM" in details or "GOAWAY" in details or code == grpc.StatusCode.UNAVAILABLE
-               for code, details in ended), ended
-    assert bounded_server.memory_kib("VmHWM") - before_kib < PEAK_GROWTH_KIB
-    # The plane serves on once gRPC has given the burst's memory back to the quota, which it does
-    # on its own time after the calls end: a refusal by the quota meanwhile is retried.
+    frame = grpc_frame(request.SerializeToString())
+    before = _receive_figures(bounded_server)
+    client = RawGrpcClient(bounded_server.port)
     deadline = time.monotonic() + REACHED_WITHIN_S
-    while True:
-        with _native_channel(bounded_server) as ch:
-            try:
-                _good(pb_grpc.GRPCInferenceServiceStub(ch))
-                break
-            except grpc.RpcError as err:
-                assert err.code() in refused and time.monotonic() < deadline, (err.code(), err.details())
-        time.sleep(0.05)
+
+    def pump_until(state, what: str) -> None:
+        while not state():
+            assert time.monotonic() < deadline, f"not within {REACHED_WITHIN_S}s: {what}"
+            assert not client.closed, "the server closed the connection"
+            client.pump(0.05)
+
+    try:
+        client.open_window()  # answers are read as they come
+        first = client.start_call(INFER, None)
+        client.send_bytes(first, frame[:-16])
+        second = client.start_call(INFER, None)
+        client.send_bytes(second, frame[:-16])
+        pump_until(lambda: client.unsent_bytes(first) == 0 and client.window_blocked(second),
+                   "the first message let in, the second held back")
+        held = _receive_figures(bounded_server)
+        assert held["slots"] == 1 and held["messages"] == 1, held
+        assert held["deferred"] - before["deferred"] == 1, (before, held)
+        client.send_bytes(first, frame[-16:], end=True)
+        pump_until(lambda: client.calls[first].ended and client.unsent_bytes(second) == 0,
+                   "the first answered, the second let in")
+        client.send_bytes(second, frame[-16:], end=True)
+        pump_until(lambda: client.calls[second].ended, "the second answered")
+    finally:
+        client.close()
+    for sid in (first, second):
+        assert client.calls[sid].status == 0, (client.calls[sid].status, client.calls[sid].message)
+    assert _receive_figures(bounded_server)["messages"] == 0
+    with _native_channel(bounded_server) as ch:
+        _good(pb_grpc.GRPCInferenceServiceStub(ch))
 
 
 # -- one budget, both planes (a gated server) --------------------------------------------------------

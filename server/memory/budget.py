@@ -113,6 +113,9 @@ class _LocalCounter:
         granted, self._granted = self._granted, []
         return granted
 
+    def went_idle(self) -> bool:
+        return False  # only the shared counter wakes the budget (MemoryBudget.wake)
+
     def reserved(self) -> int:
         return self._reserved
 
@@ -201,8 +204,11 @@ class MemoryBudget:
         return self._counter
 
     def wake(self) -> None:
-        """The shared counter granted some of this plane's waiters (a native release made room)."""
+        """The shared counter granted some of this plane's waiters (a native release made room), or
+        a release of either plane emptied it after a large use (on_idle is due)."""
         self._settle_granted()
+        if self._counter.went_idle():
+            self._high_water = max(self._high_water, self.IDLE_AFTER_BYTES)
         self._maybe_idle()
 
     @property
