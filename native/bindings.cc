@@ -199,8 +199,9 @@ PYBIND11_MODULE(_native, m) {
            "ModelInfer requests relayed to Python as they are: all, or those with one of these parameters")
       .def("token_refusals", &Plane::TokenRefusals, "calls refused for their token so far, and the latest's method")
       // Call records (records.h): the access log's and the spans' figures, drained in bulk.
-      .def("set_records", &Plane::SetRecords, py::arg("capacity"),
-           "keep a record of each call, up to `capacity` undrained (0: none); before start")
+      .def("set_records", &Plane::SetRecords, py::arg("capacity"), py::arg("arrivals") = false,
+           "keep a record of each call, up to `capacity` undrained (0: none), and of each arrival "
+           "(arrivals: the gate's lines); before start")
       .def("records_fd", [](const Plane& p) { return p.records() ? p.records()->wake_fd() : -1; },
            "readable once records wait to be taken (-1: not recording)")
       .def("records_dropped", [](const Plane& p) { return p.records() ? p.records()->dropped() : uint64_t{0}; },
@@ -219,7 +220,7 @@ PYBIND11_MODULE(_native, m) {
               py::bytes(r.request_id), py::bytes(r.traceparent), py::bytes(r.tracestate), r.code,
               py::bytes(r.details), r.start_ns, r.end_ns, r.admitted_ns, r.run_start_ns, r.run_end_ns, r.queue_s,
               r.run_s, r.batch_requests, r.rows, r.q_len, r.k_len, r.bytes_in, r.bytes_out, r.batch, r.model_chars,
-              r.version_chars, r.request_id_chars));
+              r.version_chars, r.request_id_chars, r.arrival));
         }
         return out;
       }, "every record held now, as tuples (server.native_records.RECORD_FIELDS' order); client text as bytes")

@@ -102,7 +102,34 @@ std::vector<CallRecord> Records::Take() {
 
 // -- the Plane's part ---------------------------------------------------------------------------
 
-void Plane::SetRecords(size_t capacity) { records_ = capacity > 0 ? std::make_unique<Records>(capacity) : nullptr; }
+void Plane::SetRecords(size_t capacity, bool arrivals) {
+  records_ = capacity > 0 ? std::make_unique<Records>(capacity) : nullptr;
+  arrivals_ = arrivals;
+}
+
+void Plane::RecordArrival(const char* method) {
+  if (!records_ || !arrivals_) return;
+  CallRecord r;
+  r.arrival = true;
+  r.traced = false;
+  r.method = std::string("/inference.GRPCInferenceService/") + method;
+  r.start_ns = r.end_ns = records_->EpochNs(Clock::now());
+  records_->Add(std::move(r));
+}
+
+void Plane::RecordTokenRefusal(const grpc::CallbackServerContext* context, const char* method) {
+  refusals_.Note(std::string("/inference.GRPCInferenceService/") + method);
+  if (!records_) return;
+  RecordArrival(method);
+  CallRecord r;
+  r.traced = false;  // the Python gate's line: the method and the peer, no model, no span
+  r.method = method;
+  r.peer = context->peer();
+  r.code = GRPC_STATUS_UNAUTHENTICATED;
+  r.details = security_.refusal.substr(0, 200);
+  r.start_ns = r.end_ns = records_->EpochNs(Clock::now());
+  records_->Add(std::move(r));
+}
 
 std::shared_ptr<CallNote> Plane::Note(const grpc::CallbackServerContext* context, const char* method,
                                       int64_t bytes_in) const {

@@ -36,6 +36,7 @@ struct CallRecord {
   double queue_s = -1, run_s = -1;
   int64_t batch_requests = 0, rows = 0, q_len = 0, k_len = 0, bytes_in = 0, bytes_out = 0;
   uint64_t batch = 0;
+  bool arrival = false;  // not a call's end: the gate's arrival line ("rpc <method>"), method its full path
 };
 
 // Client text kept in a record, in characters: more than the access line shows (server/quoting.py's

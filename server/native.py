@@ -204,6 +204,7 @@ class NativePlane:
         self._models: list[tuple] = []
         self._plane.set_priority_aging(config.priority_aging_batches)
         self._observers = []  # server.metrics.ModelObserver, by the plane's model index
+        self._computing: list[int] = []  # by model index: 1 while its runner computes a batch (read at scrapes)
         self._lanes: dict = {}  # LoadedVersion -> its model index, while the registry serves it
         self._routed: set[str] = set()
         if zeros or loop is None:  # the floor: the default versions, and tables made now
@@ -271,6 +272,7 @@ class NativePlane:
         self._plane.set_schedule(index, policy.priority_levels, policy.default_priority_level,
                                  policy.default_timeout_us, policy.allow_timeout_override)
         self._models.append((name, spec, lv.batcher.run_batch, lv.batcher.run_solo, lv.batcher.stoppable_runs))
+        self._computing.append(0)
         if self._tracing is not None:
             self._tracers.append(self._tracing.batch_tracer(name, spec.version, lv.limits.graphs))
         if self._metrics is not None:
@@ -367,6 +369,7 @@ class NativePlane:
                     break
                 continue
             started = time.perf_counter()
+            self._computing[index] = 1  # attnserve_runs_in_flight, until its answers are handed back
             solo = failed = terminated = False
             # C++ calls stop.stop() once every call of the batch is cancelled (RunOptions.terminate).
             stop = RunStop()
@@ -391,6 +394,7 @@ class NativePlane:
                     logger.exception("native data plane: a batch of %s failed", name)
                     plane.fail(batch, f"{type(err).__name__}: {err}")
                     failed = True
+            self._computing[index] = 0
             self._observe(index, batch, started, ran, solo, failed, terminated=terminated)
         run = run_solo = batch = None
         self._models[index] = (name, spec, None, None, False)  # its sessions go with the registry's last reference
@@ -420,8 +424,17 @@ class NativePlane:
 
     def refresh_metrics(self) -> None:
         """At each scrape: attnserve_requests gets the native calls' final statuses (counted in
-        C++) since the last one; attnserve_native_in_flight the calls queued or computing now."""
+        C++) since the last one; attnserve_native_in_flight the calls queued or computing now;
+        attnserve_queue_depth the calls queued in the plane now (beside the batchers')."""
         self._in_flight_gauge.set(self._plane.in_flight())
+        depths: dict[str, int] = {}  # the gauges' native parts: every version's queue and runner of a name
+        runs: dict[str, int] = {}
+        for index, (name, *_rest) in enumerate(self._models):
+            depths[name] = depths.get(name, 0) + self._plane.queued(index)
+            runs[name] = runs.get(name, 0) + self._computing[index]
+        for name, depth in depths.items():
+            self._metrics.set_queue_depth(name, "native", depth)
+            self._metrics.set_runs_in_flight(name, "native", runs[name])
         if self._records is not None:
             self._records.refresh_metrics()
         for name, codes in self._plane.final_codes_by_name().items():

@@ -21,6 +21,7 @@ import asyncio
 import logging
 
 from attnserve.server.errors import status_of_code
+from attnserve.server.gate import log_arrival
 from attnserve.server.graphs import GENERAL, HEADS, KEY_PADDING, NO_MASK
 from attnserve.server.tracing import TRACEPARENT, TRACESTATE, Call, Calls
 
@@ -31,7 +32,7 @@ DROPPED_METRIC = "attnserve_access_records_dropped_total"
 RECORD_FIELDS = ("traced", "method", "peer", "model", "version", "request_id", "traceparent", "tracestate", "code",
                  "details", "start_ns", "end_ns", "admitted_ns", "run_start_ns", "run_end_ns", "queue_s", "run_s",
                  "batch_requests", "rows", "q_len", "k_len", "bytes_in", "bytes_out", "batch", "model_chars",
-                 "version_chars", "request_id_chars")
+                 "version_chars", "request_id_chars", "arrival")
 MASKINGS = (NO_MASK, KEY_PADDING, GENERAL, HEADS)  # _native.Batch.masking's values
 _MAX_OPEN_BATCHES = 4096  # batches whose spans wait for their figures: a bound, should one never come
 
@@ -51,7 +52,7 @@ class NativeRecords:
         self._batch_spans: dict[int, list] = {}  # batch id -> its calls' sampled spans, until its figures come
         self._dropped_counted = 0
         self._dropped = None
-        plane.set_records(capacity)
+        plane.set_records(capacity, arrivals=calls.access_log)  # arrivals: the gate's "rpc <method>" lines
         if metrics is not None:
             from prometheus_client import Counter
 
@@ -91,7 +92,10 @@ class NativeRecords:
     def _write(self, record: tuple) -> None:
         (traced, method, peer, model, version, request_id, traceparent, tracestate, code, details, start_ns, end_ns,
          admitted_ns, _run_start_ns, run_end_ns, queue_s, run_s, batch_requests, rows, q_len, k_len, bytes_in,
-         bytes_out, batch, model_chars, version_chars, request_id_chars) = record
+         bytes_out, batch, model_chars, version_chars, request_id_chars, arrival) = record
+        if arrival:  # its headers were read: the gate's line, as the Python port writes it
+            log_arrival(method)
+            return
         status = status_of_code(code, _text(details))
         if not traced:  # refused before a request was read (its token, bytes that do not parse)
             if self._calls.access_log:
