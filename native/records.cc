@@ -66,20 +66,38 @@ void Records::Wake() {
   }
 }
 
+void Records::AddArrival(const std::string& method) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (held_.empty() && arrivals_.empty()) Wake();
+  arrivals_[method]++;
+}
+
+std::vector<CallRecord> Records::TakeAll(std::map<std::string, uint64_t>* arrivals) {
+  std::lock_guard<std::mutex> lock(mu_);
+  arrivals->swap(arrivals_);
+  arrivals_.clear();
+  std::vector<CallRecord> out;
+  uint64_t count = 0;
+  while (wake_fd_ >= 0 && read(wake_fd_, &count, sizeof count) > 0) {
+  }
+  out.swap(held_);
+  return out;
+}
+
 void Records::Add(CallRecord record) {
   std::lock_guard<std::mutex> lock(mu_);
   if (held_.size() >= capacity_) {
     dropped_++;
     return;
   }
-  if (held_.empty()) Wake();
+  if (held_.empty() && arrivals_.empty()) Wake();
   held_.push_back(std::move(record));
 }
 
 void Records::Add(std::vector<CallRecord>& records) {
   if (records.empty()) return;
   std::lock_guard<std::mutex> lock(mu_);
-  if (held_.empty() && held_.size() < capacity_) Wake();
+  if (held_.empty() && arrivals_.empty() && held_.size() < capacity_) Wake();
   for (auto& record : records) {
     if (held_.size() >= capacity_) {
       dropped_++;
@@ -109,12 +127,7 @@ void Plane::SetRecords(size_t capacity, bool arrivals) {
 
 void Plane::RecordArrival(const char* method) {
   if (!records_ || !arrivals_) return;
-  CallRecord r;
-  r.arrival = true;
-  r.traced = false;
-  r.method = std::string("/inference.GRPCInferenceService/") + method;
-  r.start_ns = r.end_ns = records_->EpochNs(Clock::now());
-  records_->Add(std::move(r));
+  records_->AddArrival(std::string("/inference.GRPCInferenceService/") + method);
 }
 
 void Plane::RecordTokenRefusal(const grpc::CallbackServerContext* context, const char* method) {

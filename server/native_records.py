@@ -32,7 +32,7 @@ DROPPED_METRIC = "attnserve_access_records_dropped_total"
 RECORD_FIELDS = ("traced", "method", "peer", "model", "version", "request_id", "traceparent", "tracestate", "code",
                  "details", "start_ns", "end_ns", "admitted_ns", "run_start_ns", "run_end_ns", "queue_s", "run_s",
                  "batch_requests", "rows", "q_len", "k_len", "bytes_in", "bytes_out", "batch", "model_chars",
-                 "version_chars", "request_id_chars", "arrival")
+                 "version_chars", "request_id_chars")
 MASKINGS = (NO_MASK, KEY_PADDING, GENERAL, HEADS)  # _native.Batch.masking's values
 _MAX_OPEN_BATCHES = 4096  # batches whose spans wait for their figures: a bound, should one never come
 
@@ -83,7 +83,11 @@ class NativeRecords:
 
     def drain(self) -> None:
         """Every record held now, written (lines) and exported (spans)."""
-        for record in self._plane.take_records():
+        arrivals, records = self._plane.take_arrivals_and_records()
+        for method, count in arrivals.items():  # headers read: the gate's lines, before any call's end
+            for _ in range(count):
+                log_arrival(method)
+        for record in records:
             try:
                 self._write(record)
             except Exception:  # one bad record must not stop the others' (nor the event loop's reader)
@@ -92,10 +96,7 @@ class NativeRecords:
     def _write(self, record: tuple) -> None:
         (traced, method, peer, model, version, request_id, traceparent, tracestate, code, details, start_ns, end_ns,
          admitted_ns, _run_start_ns, run_end_ns, queue_s, run_s, batch_requests, rows, q_len, k_len, bytes_in,
-         bytes_out, batch, model_chars, version_chars, request_id_chars, arrival) = record
-        if arrival:  # its headers were read: the gate's line, as the Python port writes it
-            log_arrival(method)
-            return
+         bytes_out, batch, model_chars, version_chars, request_id_chars) = record
         status = status_of_code(code, _text(details))
         if not traced:  # refused before a request was read (its token, bytes that do not parse)
             if self._calls.access_log:
