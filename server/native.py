@@ -16,18 +16,14 @@ the event loop as bytes and answered by the same RequestPath as the Python port:
 truth. The rest, and ModelInfer requests it does not carry (shared memory; recorded calls), go
 byte for byte to the Python gRPC server on a private Unix socket (native/relay.h). Metrics: each
 batch's figures go to the event loop once per batch; final statuses are counted in C++ by name.
-Request control, with the Python plane's semantics: each model's schedule policy (its
-QueuePolicy) and --priority-aging-batches are handed to C++, which reads `priority`/`timeout`,
-orders and expires its queue; a cancelled call leaves it at once, and a batch whose calls are
-all cancelled is stopped through the RunStop its runner registers (plane.on_stop); cancellations
-are counted in C++ and read into attnserve_cancelled_requests at scrape time.
-Memory: a native call reserves its cost from the process's one budget and, with a deadline, waits
-within it in the budget's one queue of waiters (both planes', in C++: share_budget), as the
-batcher's requests do; each model's queue is bounded by --max-queue-size and --max-queued-bytes.
-With workers, the final statuses are also read once a second (the supervisor's /metrics reads
-the multiprocess files). The port serves the Python port's TLS and bearer token
-(native/security.cc) and, with --workers, is shared by every worker (SO_REUSEPORT).
-docs/native-data-plane.md.
+Request control as on the Python plane: each model's QueuePolicy and --priority-aging-batches
+go to C++, which reads `priority`/`timeout`, orders and expires its queue; a cancelled call leaves
+it at once, a batch whose calls all left is stopped through its RunStop (plane.on_stop).
+Memory: a native call reserves its cost from the process's one budget and waits within its
+deadline in the budget's one queue of waiters (share_budget); --max-queue-size and
+--max-queued-bytes bound each queue. Counters kept in C++ are read at scrape time (with workers,
+once a second). The port serves the Python port's TLS and bearer token (native/security.cc) and,
+with --workers, is shared by every worker (SO_REUSEPORT). docs/native-data-plane.md.
 """
 
 from __future__ import annotations
