@@ -664,10 +664,9 @@ int Plane::MaskingOf(const Pending& p) {
 // server.codec._check_attention_bytes: the matrix of the graph this request would run alone.
 Status Plane::AttentionBound(const Queue& queue, const Pending& p, int64_t scores) const {
   const ModelLimits& m = queue.limits;
-  if (scores <= m.max_attention_bytes / 4) return Status::OK;  // under it on any graph: the mask is not read again
   const auto& rule = queue.bounds.attention.at(static_cast<size_t>(MaskingOf(p) * 2 + (p.want_probs ? 1 : 0)));
   const bool above = p.q_len * p.k_len >= rule.threshold_sq;
-  if (!(above ? rule.holds_above : rule.holds_below)) return Status::OK;
+  if (!(above ? rule.holds_above : rule.holds_below) || scores <= m.max_attention_bytes / 4) return Status::OK;
   return Invalid("request needs a " + Thousands(scores * 4) + "-byte attention matrix (batch " + std::to_string(p.rows) +
                  " x " + std::to_string(m.num_heads) + " heads x " + std::to_string(p.q_len) + " x " +
                  std::to_string(p.k_len) + " x 4: " + (above ? rule.why_above : rule.why_below) + "); the limit is " +
