@@ -183,18 +183,6 @@ PYBIND11_MODULE(_native, m) {
       }, py::arg("index"), py::arg("d_model"), py::arg("max_response_bytes"), py::arg("max_typed_bytes"),
          py::arg("response_overhead_bytes"), py::arg("max_queued_bytes") = 0,
          "answer, typed-contents and queued-bytes bounds of model `index` (0: none)")
-      .def("set_attention_rules", [](Plane& p, size_t index, const std::vector<py::tuple>& rules, std::string hint) {
-        if (index >= p.Models()) throw py::index_error("no such model");
-        if (rules.size() != 8) throw py::value_error("expected 8 rules (4 maskings x want_probs)");
-        std::vector<attnserve::ModelBounds::AttentionRule> taken;
-        for (const auto& r : rules) {
-          taken.push_back({r[0].cast<int64_t>(), r[1].cast<bool>(), r[2].cast<bool>(), r[3].cast<std::string>(),
-                           r[4].cast<std::string>()});
-        }
-        p.SetAttentionRules(index, std::move(taken), std::move(hint));
-      }, py::arg("index"), py::arg("rules"), py::arg("hint"),
-         "--max-attention-bytes by graph: (threshold_sq, holds_below, holds_above, why_below, why_above) "
-         "by masking x want_probs, and the refusal's hint")
       .def("cost", [](const Plane& p, size_t index, int64_t rows, int64_t q_len, int64_t k_len, int64_t input_bytes,
                       bool want_probs, bool heads_differ) {
         if (index >= p.Models()) throw py::index_error("no such model");

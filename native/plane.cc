@@ -529,10 +529,8 @@ Status Plane::Check(const Queue& queue, const inference::ModelInferRequest& requ
     return Invalid(c.key + ": k_len " + std::to_string(p.k_len) + " is over the limit " + std::to_string(m.max_kv_len));
   }
   int64_t row_heads = 0, scores = 0;
-  const bool overflow = __builtin_mul_overflow(p.rows, m.num_heads, &row_heads) ||
-                        __builtin_mul_overflow(row_heads, p.q_len * p.k_len, &scores);
-  // With the model's rules, the bound is checked once the graph is known (AttentionBound, below).
-  if (overflow || (queue.bounds.attention.empty() && scores > m.max_attention_bytes / 4)) {
+  if (__builtin_mul_overflow(p.rows, m.num_heads, &row_heads) ||
+      __builtin_mul_overflow(row_heads, p.q_len * p.k_len, &scores) || scores > m.max_attention_bytes / 4) {
     return Invalid("the attention matrix (" + std::to_string(p.rows) + ", " + std::to_string(m.num_heads) + ", " +
                    std::to_string(p.q_len) + ", " + std::to_string(p.k_len) + ") is over " +
                    std::to_string(m.max_attention_bytes) + " bytes (--max-attention-bytes)");
@@ -625,52 +623,7 @@ Status Plane::Check(const Queue& queue, const inference::ModelInferRequest& requ
     }
   }
   p.want_probs = std::find(p.order_probs.begin(), p.order_probs.end(), true) != p.order_probs.end();
-  if (!queue.bounds.attention.empty()) return AttentionBound(queue, p, scores);
   return Status::OK;
-}
-
-namespace {
-
-// Python's f"{n:,}".
-std::string Thousands(int64_t n) {
-  std::string digits = std::to_string(n), out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return out;
-}
-
-}  // namespace
-
-// server.tensors.Work's masking of one request: none (no mask, or all true), heads (they differ),
-// general (a query row masks every key, or the rows differ), else key_padding.
-int Plane::MaskingOf(const Pending& p) {
-  if (p.mask == nullptr) return 0;
-  if (p.heads_differ) return 3;
-  if (p.exact_k_len) return 2;
-  const int64_t items = p.mask_row_stride == 0 ? 1 : p.rows;
-  bool all_true = true;
-  for (int64_t b = 0; b < items; ++b) {
-    const uint8_t* first = p.mask + b * p.mask_row_stride;
-    for (int64_t i = 1; i < p.q_len; ++i) {
-      if (std::memcmp(first, first + i * p.k_len, static_cast<size_t>(p.k_len)) != 0) return 2;
-    }
-    all_true = all_true && std::find(first, first + p.k_len, uint8_t{0}) == first + p.k_len;
-  }
-  return all_true ? 0 : 1;
-}
-
-// server.codec._check_attention_bytes: the matrix of the graph this request would run alone.
-Status Plane::AttentionBound(const Queue& queue, const Pending& p, int64_t scores) const {
-  const ModelLimits& m = queue.limits;
-  const auto& rule = queue.bounds.attention.at(static_cast<size_t>(MaskingOf(p) * 2 + (p.want_probs ? 1 : 0)));
-  const bool above = p.q_len * p.k_len >= rule.threshold_sq;
-  if (!(above ? rule.holds_above : rule.holds_below) || scores <= m.max_attention_bytes / 4) return Status::OK;
-  return Invalid("request needs a " + Thousands(scores * 4) + "-byte attention matrix (batch " + std::to_string(p.rows) +
-                 " x " + std::to_string(m.num_heads) + " heads x " + std::to_string(p.q_len) + " x " +
-                 std::to_string(p.k_len) + " x 4: " + (above ? rule.why_above : rule.why_below) + "); the limit is " +
-                 Thousands(m.max_attention_bytes) + " bytes" + queue.bounds.attention_hint);
 }
 
 namespace {

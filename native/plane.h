@@ -69,17 +69,6 @@ struct ModelBounds {
   int64_t max_typed_bytes = 0;     // --max-typed-bytes: typed inputs or answer larger are refused
   int64_t response_overhead_bytes = 4096;  // codec._RESPONSE_OVERHEAD_BYTES
   int64_t max_queued_bytes = 0;  // --max-queued-bytes: input bytes queued beyond it are refused (0: none)
-  // --max-attention-bytes follows the graph a request would run alone (server.codec._check_attention_bytes):
-  // by masking (none, key_padding, general, heads) x want_probs, the graph server.graphs.GraphSet.graph_for
-  // picks below and from Lq*Lk = threshold_sq, whether it holds the matrix, and why (the refusal's words).
-  // Empty: every request counts its whole matrix.
-  struct AttentionRule {
-    int64_t threshold_sq = 0;
-    bool holds_below = true, holds_above = true;
-    std::string why_below, why_above;
-  };
-  std::vector<AttentionRule> attention;  // 8 rules, or none
-  std::string attention_hint;            // appended to a refusal (the fused graph exists)
 };
 
 // The process's one memory budget counter (--memory-limit-bytes), shared by both planes: Python's
@@ -262,10 +251,6 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   // the cost model's figures and a stream's share of the budget (service.STREAM_BUDGET_SHARE).
   void SetBudget(std::shared_ptr<SharedBudget> budget, const CostTerms& terms, double stream_share);
   void SetModelBounds(size_t index, const ModelBounds& bounds) { models_.at(index)->bounds = bounds; }
-  void SetAttentionRules(size_t index, std::vector<ModelBounds::AttentionRule> rules, std::string hint) {
-    models_.at(index)->bounds.attention = std::move(rules);
-    models_.at(index)->bounds.attention_hint = std::move(hint);
-  }
   // A request's cost (costs.request_cost): inputs, run, answer bytes.
   std::array<int64_t, 3> Cost(size_t index, int64_t rows, int64_t q_len, int64_t k_len, int64_t input_bytes,
                               bool want_probs, bool heads_differ) const;
@@ -406,8 +391,6 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   std::array<int64_t, 3> CostOf(const Queue& queue, int64_t rows, int64_t q_len, int64_t k_len, int64_t input_bytes,
                                 bool want_probs, bool heads_differ) const;
   grpc::Status Check(const Queue& queue, const inference::ModelInferRequest& request, Pending& p) const;
-  static int MaskingOf(const Pending& p);  // 0 none, 1 key_padding, 2 general, 3 heads (server.graphs.MASKINGS)
-  grpc::Status AttentionBound(const Queue& queue, const Pending& p, int64_t scores) const;
   void AnswerZeros(Pending& p, Queue& queue);
   // Admission's memory bounds, after Check: the answer against --max-message-bytes, typed contents
   // against --max-typed-bytes (codec's words), then the budget reservation (the batcher's words).

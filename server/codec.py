@@ -23,7 +23,7 @@ import numpy as np
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import wire
 from attnserve.server import shm
-from attnserve.server.graphs import HEADS, MASKINGS, UNFUSED, GraphSet, attention_bytes, scores_held
+from attnserve.server.graphs import HEADS, UNFUSED, GraphSet, attention_bytes
 from attnserve.server.memory import heap
 from attnserve.server.memory.budget import Reservation
 from attnserve.server.quoting import quoted
@@ -192,26 +192,6 @@ _WHY_HELD = {
 }
 
 
-_FLASH_HINT = " (without a mask and asking for `output` alone it would run on flash attention, which holds none)"
-
-
-def attention_rules(graphs: GraphSet) -> tuple[list[tuple[int, bool, bool, str, str]], str]:
-    """_check_attention_bytes as the native plane applies it (server.native): for each masking
-    (MASKINGS) and want_probs, the Lq*Lk from which graph_for picks its other graph (0: one graph at
-    every length), whether the graph below and from it holds the matrix and why; and the hint."""
-    rules = []
-    for masking in MASKINGS:
-        for want_probs in (False, True):
-            if masking == HEADS and not graphs.takes_head_masks:  # refused before the bound (heads_differ_refusal)
-                rules.append((0, True, True, "", ""))
-                continue
-            below, above = (graphs.graph_for(masking, want_probs, n, n) for n in (0, 1 << 31))
-            threshold_sq = graphs.crossover.get(above, 0) ** 2 if above != below else 0
-            rules.append((threshold_sq, scores_held(below, 1, 1, 1) > 0, scores_held(above, 1, 1, 1) > 0,
-                          _WHY_HELD.get(below, below), _WHY_HELD.get(above, above)))
-    return rules, _FLASH_HINT if FUSED in graphs.kinds else ""
-
-
 def _check_attention_bytes(work: Work, spec: ModelSpec, limits: Limits) -> None:
     """The attention matrix of the graph this request would run alone (server.graphs): the
     unfused graphs and the key padding one hold B*H*Lq*Lk*4 bytes, flash attention none. (Its
@@ -220,7 +200,8 @@ def _check_attention_bytes(work: Work, spec: ModelSpec, limits: Limits) -> None:
     kind = limits.graphs.graph_for(work.masking, work.want_probs, lq, lk)
     needed = attention_bytes(kind, b, spec.num_heads, lq, lk)
     if needed > limits.max_attention_bytes:
-        hint = _FLASH_HINT if FUSED in limits.graphs.kinds else ""
+        hint = (" (without a mask and asking for `output` alone it would run on flash attention, which holds none)"
+                if FUSED in limits.graphs.kinds else "")
         raise ValueError(f"request needs a {needed:,}-byte attention matrix (batch {b} x {spec.num_heads} "
                          f"heads x {lq} x {lk} x 4: {_WHY_HELD.get(kind, kind)}); the limit is "
                          f"{limits.max_attention_bytes:,} bytes{hint}")

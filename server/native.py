@@ -37,7 +37,7 @@ from pathlib import Path
 import grpc
 from attnserve.proto import inference_pb2 as pb
 from attnserve.server.batcher import QUEUED, RUNNING, TERMINATED, BatchStats
-from attnserve.server.codec import _RESPONSE_OVERHEAD_BYTES, attention_rules, heads_differ_refusal
+from attnserve.server.codec import _RESPONSE_OVERHEAD_BYTES, heads_differ_refusal
 from attnserve.server.errors import status_for
 from attnserve.server.listen import listen_addresses
 from attnserve.server.memory.costs import native_cost_terms
@@ -264,8 +264,6 @@ class NativePlane:
         d_model = spec.d_model or max(spec.query_dim, spec.kv_dim, spec.out_dim)  # as models.GraphCosting
         self._plane.set_model_bounds(index, d_model, config.max_message_bytes, config.max_typed_bytes or 0,
                                      _RESPONSE_OVERHEAD_BYTES, config.max_queued_bytes)
-        rules, hint = attention_rules(lv.limits.graphs)  # --max-attention-bytes by the graph it would take
-        self._plane.set_attention_rules(index, rules, hint)
         policy = spec.queue_policy  # the one source of the schedule's numbers (config.json)
         self._plane.set_schedule(index, policy.priority_levels, policy.default_priority_level,
                                  policy.default_timeout_us, policy.allow_timeout_override)
