@@ -26,6 +26,15 @@ py::array View(py::object self, std::vector<T>& buffer, std::vector<py::ssize_t>
   return py::array(py::dtype(dtype), shape, {}, buffer.data(), self);
 }
 
+// A call record as server.native_records.RECORD_FIELDS reads it; client text as bytes.
+py::tuple RecordTuple(const attnserve::CallRecord& r) {
+  return py::make_tuple(r.traced, r.method, py::bytes(r.peer), py::bytes(r.model), py::bytes(r.version),
+                        py::bytes(r.request_id), py::bytes(r.traceparent), py::bytes(r.tracestate), r.code,
+                        py::bytes(r.details), r.start_ns, r.end_ns, r.admitted_ns, r.run_start_ns, r.run_end_ns,
+                        r.queue_s, r.run_s, r.batch_requests, r.rows, r.q_len, r.k_len, r.bytes_in, r.bytes_out,
+                        r.batch, r.model_chars, r.version_chars, r.request_id_chars);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -224,8 +233,9 @@ PYBIND11_MODULE(_native, m) {
            "ModelInfer requests relayed to Python as they are: all, or those with one of these parameters")
       .def("token_refusals", &Plane::TokenRefusals, "calls refused for their token so far, and the latest's method")
       // Call records (records.h): the access log's and the spans' figures, drained in bulk.
-      .def("set_records", &Plane::SetRecords, py::arg("capacity"),
-           "keep a record of each call, up to `capacity` undrained (0: none); before start")
+      .def("set_records", &Plane::SetRecords, py::arg("capacity"), py::arg("arrivals") = false,
+           "keep a record of each call, up to `capacity` undrained (0: none), and of each arrival "
+           "(arrivals: the gate's lines); before start")
       .def("records_fd", [](const Plane& p) { return p.records() ? p.records()->wake_fd() : -1; },
            "readable once records wait to be taken (-1: not recording)")
       .def("records_dropped", [](const Plane& p) { return p.records() ? p.records()->dropped() : uint64_t{0}; },
@@ -238,16 +248,23 @@ PYBIND11_MODULE(_native, m) {
           py::gil_scoped_release release;
           taken = p.records()->Take();
         }
-        for (const auto& r : taken) {
-          out.append(py::make_tuple(
-              r.traced, r.method, py::bytes(r.peer), py::bytes(r.model), py::bytes(r.version),
-              py::bytes(r.request_id), py::bytes(r.traceparent), py::bytes(r.tracestate), r.code,
-              py::bytes(r.details), r.start_ns, r.end_ns, r.admitted_ns, r.run_start_ns, r.run_end_ns, r.queue_s,
-              r.run_s, r.batch_requests, r.rows, r.q_len, r.k_len, r.bytes_in, r.bytes_out, r.batch, r.model_chars,
-              r.version_chars, r.request_id_chars));
-        }
+        for (const auto& r : taken) out.append(RecordTuple(r));
         return out;
       }, "every record held now, as tuples (server.native_records.RECORD_FIELDS' order); client text as bytes")
+      .def("take_arrivals_and_records", [](Plane& p) {
+        py::dict arrivals;
+        py::list out;
+        if (!p.records()) return py::make_tuple(arrivals, out);
+        std::map<std::string, uint64_t> counted;
+        std::vector<attnserve::CallRecord> taken;
+        {
+          py::gil_scoped_release release;
+          taken = p.records()->TakeAll(&counted);
+        }
+        for (const auto& [method, count] : counted) arrivals[py::str(method)] = count;
+        for (const auto& r : taken) out.append(RecordTuple(r));
+        return py::make_tuple(arrivals, out);
+      }, "({method: arrivals}, records) held now: the arrivals' lines go before the records'")
       .def("start", &Plane::Start, py::call_guard<py::gil_scoped_release>())
       .def("next_batch", &Plane::NextBatch, py::call_guard<py::gil_scoped_release>(),
            "the next batch of model `index` (blocks up to timeout_ms), or None")

@@ -967,6 +967,13 @@ class ReceivedCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, infe
   std::atomic<bool> cancelled_{false}, cancel_told_{false};
 };
 
+// A stream refused before it reads anything (its token, checked by the handler when calls are recorded).
+class RefusedStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, inference::ModelStreamInferResponse> {
+ public:
+  explicit RefusedStream(const Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
+
 }  // namespace
 
 Plane::Plane(Contract contract) : contract_(std::move(contract)) {
@@ -998,19 +1005,32 @@ Plane::Plane(Contract contract) : contract_(std::move(contract)) {
                                 ->index();
   MarkMethodCallback(stream_method,
                      new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, inference::ModelStreamInferResponse>(
-                         [this](grpc::CallbackServerContext* context) { return new StreamCall(this, CallDeadline(context), context); }));
+                         [this](grpc::CallbackServerContext* context) -> grpc::ServerBidiReactor<grpc::ByteBuffer, inference::ModelStreamInferResponse>* {
+                           if (TokenDeferred() && !TokenAdmits(context)) {  // the processor let it through to us
+                             RecordTokenRefusal(context, "ModelStreamInfer");
+                             return new RefusedStream(Status(StatusCode::UNAUTHENTICATED, security_.refusal));
+                           }
+                           RecordArrival("ModelStreamInfer");
+                           return new StreamCall(this, CallDeadline(context), context);
+                         }));
 }
 
 grpc::ServerUnaryReactor* Plane::Infer(grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
                                        inference::ModelInferResponse* response) {
   const TimePoint deadline = CallDeadline(context);
   auto* call = new InferCall(this, deadline);
+  if (TokenDeferred() && !TokenAdmits(context)) {  // the processor let it through to us
+    RecordTokenRefusal(context, "ModelInfer");
+    call->Finish(Status(StatusCode::UNAUTHENTICATED, security_.refusal));
+    return call;
+  }
   std::shared_ptr<CallNote> note;
   if (records_) note = Note(context, "ModelInfer", static_cast<int64_t>(bytes->Length()));
   std::string why;
   if (!Parse(*bytes, &call->request, &why)) {
     counters_.requests++;
     counters_.refused++;
+    RecordArrival("ModelInfer");
     if (note) RecordUnparsed(*note, Bounded(Invalid(why)));
     Answer(call, nullptr, Invalid(why));
   } else if (upstream_ && ToPython(call->request)) {  // its message, as it came
@@ -1181,7 +1201,10 @@ void Plane::Admit(Pending p, bool again) {
       std::shared_lock<std::shared_mutex> routes(routes_mu_);
       status = Find(request, &known, &codes);
     }
-    if (refusing_) {  // draining: never computed, retry elsewhere (the Python plane's words)
+    const bool refusing = refusing_;
+    // The gate's arrival line, written once the drain's refusal was read, as the gate writes it.
+    if (!again && attempt == 0 && p.stream == nullptr && p.note) RecordArrival(p.note->method);
+    if (refusing) {  // draining: never computed, retry elsewhere (the Python plane's words)
       counters_.refused++;
       Settle(p, codes, Status(StatusCode::UNAVAILABLE, "server is shutting down; retry on another replica"));
       return;
@@ -2012,6 +2035,7 @@ class Reply {
 template <class Request, class Response>
 grpc::ServerUnaryReactor* Plane::Relayed(grpc::CallbackServerContext* context, const char* method,
                                          const Request& request, Response* response) {
+  RecordArrival(method);  // the gate's line, as the Python port writes it for these
   auto* reactor = context->DefaultReactor();
   auto reply = std::make_shared<Reply>(reactor, response);
   try {

@@ -285,7 +285,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   SharedBudget* budget() const { return budget_.get(); }
   // Call records (records.h) for the access log and spans: kept up to `capacity` (0: none kept, the
   // default, and no call pays for them); before Start.
-  void SetRecords(size_t capacity);
+  void SetRecords(size_t capacity, bool arrivals = false);  // arrivals: the gate's "rpc <method>" lines too
   Records* records() const { return records_.get(); }
   int64_t stream_share_bytes() const { return stream_share_bytes_; }
   // Requests of one ModelStreamInfer stream in the plane at once; reading pauses beyond it.
@@ -461,6 +461,12 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
                                  int64_t bytes_in) const;
   void Record(const Pending& p, const grpc::Status& status, std::vector<CallRecord>* into);
   void RecordUnparsed(const CallNote& note, const grpc::Status& status);
+  void RecordArrival(const char* method);  // the gate's arrival line of a ModelInfer call or a stream
+  // With records on, the token of ModelInfer and ModelStreamInfer is checked here (security.cc), where
+  // the call has its peer for the access line, instead of in the core's processor.
+  bool TokenDeferred() const { return records_ != nullptr && !security_.token.empty(); }
+  bool TokenAdmits(const grpc::CallbackServerContext* context) const;
+  void RecordTokenRefusal(const grpc::CallbackServerContext* context, const char* method);
   void Count(Queue* queue, const grpc::Status& status);
   void Count(Codes* codes, const grpc::Status& status);
   Queue& At(size_t index) const;  // queues are added while serving: looked up under models_mu_
@@ -535,6 +541,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   std::mutex parked_mu_;  // before any queue's mu
   std::map<int64_t, Parked> parked_;
   std::unique_ptr<Records> records_;  // nullptr: nothing recorded (neither --access-log nor tracing)
+  bool arrivals_ = false;             // records_ also gets each call's arrival (--access-log)
   std::atomic<uint64_t> batch_ids_{0};
 };
 

@@ -66,20 +66,38 @@ void Records::Wake() {
   }
 }
 
+void Records::AddArrival(const std::string& method) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (held_.empty() && arrivals_.empty()) Wake();
+  arrivals_[method]++;
+}
+
+std::vector<CallRecord> Records::TakeAll(std::map<std::string, uint64_t>* arrivals) {
+  std::lock_guard<std::mutex> lock(mu_);
+  arrivals->swap(arrivals_);
+  arrivals_.clear();
+  std::vector<CallRecord> out;
+  uint64_t count = 0;
+  while (wake_fd_ >= 0 && read(wake_fd_, &count, sizeof count) > 0) {
+  }
+  out.swap(held_);
+  return out;
+}
+
 void Records::Add(CallRecord record) {
   std::lock_guard<std::mutex> lock(mu_);
   if (held_.size() >= capacity_) {
     dropped_++;
     return;
   }
-  if (held_.empty()) Wake();
+  if (held_.empty() && arrivals_.empty()) Wake();
   held_.push_back(std::move(record));
 }
 
 void Records::Add(std::vector<CallRecord>& records) {
   if (records.empty()) return;
   std::lock_guard<std::mutex> lock(mu_);
-  if (held_.empty() && held_.size() < capacity_) Wake();
+  if (held_.empty() && arrivals_.empty() && held_.size() < capacity_) Wake();
   for (auto& record : records) {
     if (held_.size() >= capacity_) {
       dropped_++;
@@ -102,7 +120,29 @@ std::vector<CallRecord> Records::Take() {
 
 // -- the Plane's part ---------------------------------------------------------------------------
 
-void Plane::SetRecords(size_t capacity) { records_ = capacity > 0 ? std::make_unique<Records>(capacity) : nullptr; }
+void Plane::SetRecords(size_t capacity, bool arrivals) {
+  records_ = capacity > 0 ? std::make_unique<Records>(capacity) : nullptr;
+  arrivals_ = arrivals;
+}
+
+void Plane::RecordArrival(const char* method) {
+  if (!records_ || !arrivals_) return;
+  records_->AddArrival(std::string("/inference.GRPCInferenceService/") + method);
+}
+
+void Plane::RecordTokenRefusal(const grpc::CallbackServerContext* context, const char* method) {
+  refusals_.Note(std::string("/inference.GRPCInferenceService/") + method);
+  if (!records_) return;
+  RecordArrival(method);
+  CallRecord r;
+  r.traced = false;  // the Python gate's line: the method and the peer, no model, no span
+  r.method = method;
+  r.peer = context->peer();
+  r.code = GRPC_STATUS_UNAUTHENTICATED;
+  r.details = security_.refusal.substr(0, 200);
+  r.start_ns = r.end_ns = records_->EpochNs(Clock::now());
+  records_->Add(std::move(r));
+}
 
 std::shared_ptr<CallNote> Plane::Note(const grpc::CallbackServerContext* context, const char* method,
                                       int64_t bytes_in) const {

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -53,6 +54,10 @@ class Records {
   void Add(CallRecord record);
   void Add(std::vector<CallRecord>& records);  // one lock for a batch's calls
   std::vector<CallRecord> Take();              // everything held now; wake_fd read empty first
+  // Arrivals (the gate's "rpc <method>" lines) are counts by method, beside the records: they take
+  // none of the records' room. TakeAll takes both at once, so an arrival is written before its call's line.
+  void AddArrival(const std::string& method);
+  std::vector<CallRecord> TakeAll(std::map<std::string, uint64_t>* arrivals);
   int wake_fd() const { return wake_fd_; }
   uint64_t dropped() const { return dropped_.load(); }
   size_t capacity() const { return capacity_; }
@@ -65,6 +70,7 @@ class Records {
   const int64_t offset_ns_;
   std::mutex mu_;
   std::vector<CallRecord> held_;
+  std::map<std::string, uint64_t> arrivals_;  // by method: the plane's own methods, a fixed few
   std::atomic<uint64_t> dropped_{0};
   int wake_fd_ = -1;
 };

@@ -52,6 +52,17 @@ bool SameBytes(std::string_view given, std::string_view token) {
 
 // server.security.BearerToken.authorized: exactly one `authorization` value, "Bearer <token>"
 // (the scheme in any case), compared in constant time even when the scheme is wrong.
+bool AuthorizedValue(std::string_view value, int values, const std::string& token) {
+  if (values != 1) return false;
+  value = Strip(value);
+  const size_t space = value.find(' ');
+  std::string scheme(value.substr(0, space));
+  const std::string_view credential = space == std::string_view::npos ? std::string_view() : Strip(value.substr(space + 1));
+  const bool matches = SameBytes(credential, token);
+  for (char& c : scheme) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return matches && scheme == "bearer";
+}
+
 bool Authorized(const grpc_metadata* md, size_t count, const std::string& token) {
   std::string_view value;
   int values = 0;
@@ -61,14 +72,12 @@ bool Authorized(const grpc_metadata* md, size_t count, const std::string& token)
       values++;
     }
   }
-  if (values != 1) return false;
-  value = Strip(value);
-  const size_t space = value.find(' ');
-  std::string scheme(value.substr(0, space));
-  const std::string_view credential = space == std::string_view::npos ? std::string_view() : Strip(value.substr(space + 1));
-  const bool matches = SameBytes(credential, token);
-  for (char& c : scheme) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return matches && scheme == "bearer";
+  return AuthorizedValue(value, values, token);
+}
+
+// The plane's own inference methods, whose token Plane::TokenAdmits checks when calls are recorded.
+bool Deferred(std::string_view path) {
+  return path == "/inference.GRPCInferenceService/ModelInfer" || path == "/inference.GRPCInferenceService/ModelStreamInfer";
 }
 
 // Runs per call on gRPC's thread as the headers arrive, before any handler or message read.
@@ -87,7 +96,8 @@ struct TokenProcessor {
     // Probes and reflection stay open, as on the Python plane (server.security.OPEN).
     bool open = false;
     for (const std::string& prefix : self->open_prefixes) open = open || path.rfind(prefix, 0) == 0;
-    if (open || Authorized(md, count, self->token)) {
+    // Recorded calls to the plane's methods are checked by their handler, which knows the peer.
+    if (open || (self->records != nullptr && Deferred(path)) || Authorized(md, count, self->token)) {
       done(user_data, nullptr, 0, nullptr, 0, GRPC_STATUS_OK, nullptr);
       return;
     }
@@ -117,6 +127,17 @@ void Refusals::Note(std::string_view method) {
 std::pair<uint64_t, std::string> Refusals::Read() {
   std::lock_guard<std::mutex> lock(mu_);
   return {count_, latest_};
+}
+
+bool Plane::TokenAdmits(const grpc::CallbackServerContext* context) const {
+  std::string_view value;
+  int values = 0;
+  const auto& metadata = context->client_metadata();
+  for (auto [it, end] = metadata.equal_range("authorization"); it != end; ++it) {
+    value = std::string_view(it->second.data(), it->second.size());
+    values++;
+  }
+  return AuthorizedValue(value, values, security_.token);
 }
 
 std::shared_ptr<grpc::ServerCredentials> Plane::Credentials() {

@@ -45,6 +45,12 @@ from grpc_health.v1 import health_pb2
 logger = logging.getLogger(__name__)
 
 
+def log_arrival(method: str) -> None:
+    """A call's arrival line with --access-log (its headers read): the gate's, and the native
+    plane's calls' (server.native_records), on one logger."""
+    logger.info("rpc %s", method)
+
+
 def _refusal(error: Exception, on_call: Callable[[str], None] | None = None, relayed: bool = False
              ) -> grpc.RpcMethodHandler:
     """A handler that ends its call with `error` (on_call is given the peer first).
@@ -217,7 +223,7 @@ class CallGate(grpc.GenericRpcHandler):
         if handler is None:
             return None  # gRPC answers UNIMPLEMENTED
         if self._access_log:  # the call's headers are in; its access line comes once answered (server.tracing)
-            logger.info("rpc %s", method)
+            log_arrival(method)
         if method not in self._counted:
             return handler
         if self._draining.refusing:

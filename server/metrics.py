@@ -134,6 +134,10 @@ class Metrics:
                                  "why (client, deadline, disconnect) and where they were (queued, running, "
                                  "terminated, answered).", ["model", "reason", "stage"], registry=self.registry)
         self.statistics: dict[str, ModelStatistics] = {}
+        # (model, plane) -> requests queued / batches computing there: the gauges show each sum
+        # (set_queue_depth, set_runs_in_flight), so both planes' calls count in one series.
+        self._queue_depths: dict[tuple[str, str], int] = {}
+        self._runs: dict[tuple[str, str], int] = {}
         # `statistics` is written and read on the event loop thread only (batcher callbacks,
         # the servicer): no lock on the request path.
         self._shared_dir = shared_dir
@@ -204,6 +208,17 @@ class Metrics:
     def model_ready(self, model: str, seconds: float) -> None:
         self.model_ready_seconds.labels(model).set(seconds)
 
+    def set_queue_depth(self, model: str, plane: str, depth: int) -> None:
+        """`depth` requests of `model` wait in `plane`'s queues ("python": the batcher's, on each
+        change; "native": the plane's, read at each scrape): the gauge shows both planes' sum."""
+        self._queue_depths[model, plane] = depth
+        self.queue_depth.labels(model).set(sum(d for (m, _), d in self._queue_depths.items() if m == model))
+
+    def set_runs_in_flight(self, model: str, plane: str, running: int) -> None:
+        """`running` batches of `model` compute on `plane` now (as set_queue_depth)."""
+        self._runs[model, plane] = running
+        self.runs_in_flight.labels(model).set(sum(n for (m, _), n in self._runs.items() if m == model))
+
     def add_refresh(self, refresh) -> None:
         """refresh() is called on the event loop before each /metrics scrape: figures kept
         elsewhere (the native data plane's counters) are read into the collectors then."""
@@ -254,9 +269,8 @@ class ModelObserver:
         self._compute_duration = metrics.compute_duration.labels(model)
         self._batch_requests = metrics.batch_requests.labels(model)
         self._padding_ratio = metrics.padding_ratio.labels(model)
-        self._queue_depth = metrics.queue_depth.labels(model)
+        self._metrics = metrics
         self._solo_batches = metrics.solo_batches.labels(model)
-        self._runs_in_flight = metrics.runs_in_flight.labels(model)
 
     def on_batch(self, stats: BatchStats) -> None:
         self._compute_duration.observe(stats.compute_s)
@@ -282,10 +296,10 @@ class ModelObserver:
             self._shared.publish(self._model, s, stats.rows)
 
     def on_queue_depth(self, depth: int) -> None:
-        self._queue_depth.set(depth)
+        self._metrics.set_queue_depth(self._model, "python", depth)
 
     def on_runs(self, running: int) -> None:
-        self._runs_in_flight.set(running)
+        self._metrics.set_runs_in_flight(self._model, "python", running)
 
 
 class _BudgetCollector:

@@ -16,18 +16,14 @@ the event loop as bytes and answered by the same RequestPath as the Python port:
 truth. The rest, and ModelInfer requests it does not carry (shared memory; recorded calls), go
 byte for byte to the Python gRPC server on a private Unix socket (native/relay.h). Metrics: each
 batch's figures go to the event loop once per batch; final statuses are counted in C++ by name.
-Request control, with the Python plane's semantics: each model's schedule policy (its
-QueuePolicy) and --priority-aging-batches are handed to C++, which reads `priority`/`timeout`,
-orders and expires its queue; a cancelled call leaves it at once, and a batch whose calls are
-all cancelled is stopped through the RunStop its runner registers (plane.on_stop); cancellations
-are counted in C++ and read into attnserve_cancelled_requests at scrape time.
-Memory: a native call reserves its cost from the process's one budget and, with a deadline, waits
-within it in the budget's one queue of waiters (both planes', in C++: share_budget), as the
-batcher's requests do; each model's queue is bounded by --max-queue-size and --max-queued-bytes.
-With workers, the final statuses are also read once a second (the supervisor's /metrics reads
-the multiprocess files). The port serves the Python port's TLS and bearer token
-(native/security.cc) and, with --workers, is shared by every worker (SO_REUSEPORT).
-docs/native-data-plane.md.
+Request control as on the Python plane: each model's QueuePolicy and --priority-aging-batches
+go to C++, which reads `priority`/`timeout`, orders and expires its queue; a cancelled call leaves
+it at once, a batch whose calls all left is stopped through its RunStop (plane.on_stop).
+Memory: a native call reserves its cost from the process's one budget and waits within its
+deadline in the budget's one queue of waiters (share_budget); --max-queue-size and
+--max-queued-bytes bound each queue. Counters kept in C++ are read at scrape time (with workers,
+once a second). The port serves the Python port's TLS and bearer token (native/security.cc) and,
+with --workers, is shared by every worker (SO_REUSEPORT). docs/native-data-plane.md.
 """
 
 from __future__ import annotations
@@ -210,6 +206,8 @@ class NativePlane:
         self._models: list[tuple] = []
         self._plane.set_priority_aging(config.priority_aging_batches)
         self._observers = []  # server.metrics.ModelObserver, by the plane's model index
+        self._computing: list[int] = []  # by model index: its runners computing a batch (read at scrapes)
+        self._computing_lock = threading.Lock()  # --batches-in-flight runners per model
         self._lanes: dict = {}  # LoadedVersion -> its model index, while the registry serves it
         self._routed: set[str] = set()
         if zeros or loop is None:  # the floor: the default versions, and tables made now
@@ -278,6 +276,7 @@ class NativePlane:
         self._plane.set_schedule(index, policy.priority_levels, policy.default_priority_level,
                                  policy.default_timeout_us, policy.allow_timeout_override)
         self._models.append((name, spec, lv.batcher.run_batch, lv.batcher.run_solo, lv.batcher.stoppable_runs))
+        self._computing.append(0)
         if self._tracing is not None:
             self._tracers.append(self._tracing.batch_tracer(name, spec.version, lv.limits.graphs))
         if self._metrics is not None:
@@ -389,6 +388,8 @@ class NativePlane:
                     break
                 continue
             started = time.perf_counter()
+            with self._computing_lock:  # attnserve_runs_in_flight, until its answers are handed back
+                self._computing[index] += 1
             solo = failed = terminated = False
             ticket = self._handing_over()  # before any of its calls is answered
             # C++ calls stop.stop() once every call of the batch is cancelled (RunOptions.terminate).
@@ -414,6 +415,8 @@ class NativePlane:
                     logger.exception("native data plane: a batch of %s failed", name)
                     plane.fail(batch, f"{type(err).__name__}: {err}")
                     failed = True
+            with self._computing_lock:
+                self._computing[index] -= 1
             self._observe(index, batch, started, ran, solo, failed, terminated=terminated, ticket=ticket)
         run = run_solo = batch = None
         self._models[index] = (name, spec, None, None, False)  # its sessions go with the registry's last reference
@@ -467,8 +470,17 @@ class NativePlane:
 
     def refresh_metrics(self) -> None:
         """At each scrape: attnserve_requests gets the native calls' final statuses (counted in
-        C++) since the last one; attnserve_native_in_flight the calls queued or computing now."""
+        C++) since the last one; attnserve_native_in_flight the calls queued or computing now;
+        attnserve_queue_depth the calls queued in the plane now (beside the batchers')."""
         self._in_flight_gauge.set(self._plane.in_flight())
+        depths: dict[str, int] = {}  # the gauges' native parts: every version's queue and runner of a name
+        runs: dict[str, int] = {}
+        for index, (name, *_rest) in enumerate(self._models):
+            depths[name] = depths.get(name, 0) + self._plane.queued(index)
+            runs[name] = runs.get(name, 0) + self._computing[index]
+        for name, depth in depths.items():
+            self._metrics.set_queue_depth(name, "native", depth)
+            self._metrics.set_runs_in_flight(name, "native", runs[name])
         if self._records is not None:
             self._records.refresh_metrics()
         for name, codes in self._plane.final_codes_by_name().items():

@@ -21,6 +21,7 @@ import asyncio
 import logging
 
 from attnserve.server.errors import status_of_code
+from attnserve.server.gate import log_arrival
 from attnserve.server.graphs import GENERAL, HEADS, KEY_PADDING, NO_MASK
 from attnserve.server.tracing import TRACEPARENT, TRACESTATE, Call, Calls
 
@@ -51,7 +52,7 @@ class NativeRecords:
         self._batch_spans: dict[int, list] = {}  # batch id -> its calls' sampled spans, until its figures come
         self._dropped_counted = 0
         self._dropped = None
-        plane.set_records(capacity)
+        plane.set_records(capacity, arrivals=calls.access_log)  # arrivals: the gate's "rpc <method>" lines
         if metrics is not None:
             from prometheus_client import Counter
 
@@ -82,7 +83,11 @@ class NativeRecords:
 
     def drain(self) -> None:
         """Every record held now, written (lines) and exported (spans)."""
-        for record in self._plane.take_records():
+        arrivals, records = self._plane.take_arrivals_and_records()
+        for method, count in arrivals.items():  # headers read: the gate's lines, before any call's end
+            for _ in range(count):
+                log_arrival(method)
+        for record in records:
             try:
                 self._write(record)
             except Exception:  # one bad record must not stop the others' (nor the event loop's reader)

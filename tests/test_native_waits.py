@@ -296,7 +296,7 @@ def test_the_queue_bounds_refuse_as_on_the_python_port(model_repository, flag):
                 proc.gate.wait_started()
             for name, stub in stubs.items():
                 calls.append(pool.submit(stub.ModelInfer, _request(SMALL, f"queued {name}"), timeout=CALL_TIMEOUT_S))
-            _until(proc, "attnserve_queue_depth", 1, model=MODEL)  # the Python batcher's
+            _until(proc, "attnserve_queue_depth", 2, model=MODEL)  # one queued on each plane: the gauge sums them
             _until(proc, "attnserve_native_in_flight", 2)
             refusals = {name: _refusal(stub, _request(SMALL, "over"), timeout=CALL_TIMEOUT_S)
                         for name, stub in stubs.items()}

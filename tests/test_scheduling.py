@@ -277,7 +277,9 @@ def test_a_timeout_shorter_than_the_queue_ahead_is_refused_unrun_on_grpc_rest_an
         model_repository, tmp_path, capsys):
     from attnserve.client.__main__ import main as cli
 
-    with GatedServer(model_repository, "--max-batch-size", "1") as proc, proc.channel() as channel:
+    # One queue for gRPC and REST: on the native plane they queue apart (test_native_control has its gRPC case).
+    with GatedServer(model_repository, "--data-plane", "python", "--max-batch-size", "1") as proc, \
+            proc.channel() as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         pool = futures.ThreadPoolExecutor(max_workers=2)
         held = pool.submit(stub.ModelInfer, _grpc_request(1), timeout=WAIT_S)
@@ -302,7 +304,9 @@ def test_a_timeout_shorter_than_the_queue_ahead_is_refused_unrun_on_grpc_rest_an
 
 
 def test_higher_priority_leaves_first_behind_a_gated_batch_on_grpc_and_rest(model_repository):
-    with GatedServer(model_repository, "--max-batch-size", "1") as proc, proc.channel() as channel:
+    # One queue for gRPC and REST: on the native plane they queue apart (test_native_control has its gRPC case).
+    with GatedServer(model_repository, "--data-plane", "python", "--max-batch-size", "1") as proc, \
+            proc.channel() as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         pool = futures.ThreadPoolExecutor(max_workers=5)
         calls = [pool.submit(stub.ModelInfer, _grpc_request(1), timeout=WAIT_S)]
