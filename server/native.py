@@ -51,6 +51,7 @@ from attnserve.server.codec import (
 )
 from attnserve.server.data_plane import NATIVE_MISSING_NOTE, why_unavailable  # noqa: F401 (this module's API too)
 from attnserve.server.errors import status_for
+from attnserve.server.lifecycle import Arrivals
 from attnserve.server.listen import listen_addresses
 from attnserve.server.memory.costs import native_cost_terms
 from attnserve.server.metrics import SYNC_PERIOD_S
@@ -191,6 +192,10 @@ class NativePlane:
         self._records = None if calls is None or zeros or loop is None else NativeRecords(
             self._plane, calls, config.access_records_buffer, metrics)
         self._tracing = calls.tracing if self._records is not None else None
+        if self._records is not None and calls.access_log:  # "rpc METHOD" at each call's headers, as server.gate
+            self._plane.set_header_lines(True)
+        # A drain waits for a call whose message is still arriving as long as the Python plane does.
+        self._plane.set_arrival_timeout(Arrivals.TIMEOUT_S)
         self._tracers: list = []  # server.tracing.BatchTracer by the plane's model index (tracing on)
         if budget_counter is not None:
             from attnserve.server.service import STREAM_BUDGET_SHARE
@@ -498,11 +503,18 @@ class NativePlane:
         self._plane.refuse()
 
     def in_flight(self) -> int:
-        return self._plane.in_flight()
+        """Calls queued or computing, and those whose message is still arriving."""
+        return self._plane.in_flight() + self._plane.arriving()
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """Block up to timeout_s until no call is queued or computing; whether none is."""
+        """Block up to timeout_s until no call is queued, computing or arriving; whether none is."""
         return self._plane.wait_idle(max(int(timeout_s * 1000), 0))
+
+    def halt(self) -> None:
+        """At once: what is queued or still arriving is refused (UNAVAILABLE, never computed) and
+        no batch is formed any more; running batches finish (stop() follows)."""
+        self._stopping.set()
+        self._plane.halt()
 
     def stop(self, grace_s: float) -> None:
         """Refuse what is still queued (UNAVAILABLE), let running batches finish within grace_s,
