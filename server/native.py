@@ -340,7 +340,7 @@ class NativePlane:
             self._plane.set_fallback(python_serves_all(self._request_path), list(SHARED_MEMORY_PARAMETERS))
         port = self._plane.start(target, cfg.max_message_bytes, cfg.max_concurrent_streams)
         if port == 0:
-            raise OSError(f"native data plane: cannot listen on {target} (--port)")
+            raise OSError(f"native data plane: cannot listen on {target} (--host {cfg.host})")  # app.bind's words
         if self._records is not None:
             self._records.start(self._loop)
         if not self._zeros:
@@ -415,9 +415,11 @@ class NativePlane:
                 if stop.stopped:  # every call was cancelled: nobody to tell, no failure (answered CANCELLED)
                     plane.fail(batch, "stopped")
                     terminated = True
-                else:  # the batch's calls fail; the plane keeps serving
-                    logger.exception("native data plane: a batch of %s failed", name)
-                    plane.fail(batch, f"{type(err).__name__}: {err}")
+                else:  # the batch's calls fail; the plane keeps serving (server.batcher's line and words)
+                    logger.exception("model %s: batch of %d requests failed", name, batch.requests)
+                    # ONNX Runtime's text stays in the log, as the Python plane keeps it there.
+                    plane.fail(batch, f"model {name}: the batch this request was in failed "
+                                      f"({type(err).__name__}; the server log has the traceback)")
                     failed = True
             self._observe(index, batch, started, ran, solo, failed, terminated=terminated, ticket=ticket)
         run = run_solo = batch = None
