@@ -315,7 +315,7 @@ bool ReadVarint(google::protobuf::io::CodedInputStream& in, uint64_t* value, std
 }  // namespace
 
 Plane::~Plane() {
-  if (server_ && !stopping_) Stop(0);
+  if (server_) Stop(0);  // halted (Halt) but not stopped: its listener still closes
   StopTimer();
   if (budget_) budget_->SetNativeWake(nullptr);  // the budget may outlive the plane (Python holds it)
 }

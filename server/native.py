@@ -468,6 +468,8 @@ class NativePlane:
             self._metrics.requests_answered(self._models[index][0], done_s)
             if span_figures is not None and self._records is not None:
                 self._records.batch_done(self._tracers[index], stats, *span_figures)
+            if self._shared_port and self._metrics is not None:  # the supervisor's /metrics reads the files:
+                self._count_final_statuses()  # its calls there by the time ModelStatistics counts them
         finally:  # the statistics that wait for it are answered, whatever happened here
             if ticket:
                 self._counted(ticket)
@@ -478,13 +480,7 @@ class NativePlane:
         self._in_flight_gauge.set(self._plane.in_flight())
         if self._records is not None:
             self._records.refresh_metrics()
-        for name, codes in self._plane.final_codes_by_name().items():
-            for value, count in enumerate(codes):
-                key = (name or UNKNOWN_MODEL, _CODE_NAMES.get(value, "UNKNOWN"))
-                delta = count - self._codes_counted.get(key, 0)
-                if delta > 0:
-                    self._metrics.requests.labels(*key).inc(delta)
-                    self._codes_counted[key] = count
+        self._count_final_statuses()
         for index, (name, *_rest) in enumerate(self._models):
             for labels, count in zip(CANCEL_LABELS, self._plane.cancellations(index), strict=True):
                 key = (name, *labels)
@@ -492,6 +488,16 @@ class NativePlane:
                 if delta > 0:
                     self._metrics.cancelled.labels(*key).inc(delta)
                     self._cancels_counted[key] = count
+
+    def _count_final_statuses(self) -> None:
+        """On the event loop: attnserve_requests gets the native calls' final statuses since the last time."""
+        for name, codes in self._plane.final_codes_by_name().items():
+            for value, count in enumerate(codes):
+                key = (name or UNKNOWN_MODEL, _CODE_NAMES.get(value, "UNKNOWN"))
+                delta = count - self._codes_counted.get(key, 0)
+                if delta > 0:
+                    self._metrics.requests.labels(*key).inc(delta)
+                    self._codes_counted[key] = count
 
     def counters(self) -> dict[str, int]:
         return self._plane.counters()
