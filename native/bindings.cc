@@ -1,6 +1,9 @@
 // attnserve.server._native: the native data plane's few coarse calls, for server/native.py.
 #include <algorithm>
+#include <string>
 
+#include <grpc/grpc.h>
+#include <grpc/support/alloc.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -39,6 +42,15 @@ py::tuple RecordTuple(const attnserve::CallRecord& r) {
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "The native data plane: a C++ gRPC listener for ModelInfer handing Python one call per batch.";
+  // The plane's gRPC core's channelz, named as grpcio's cygrpc names its own: server.handover.CoreCalls
+  // reads either (the plane's core is not grpcio's).
+  auto channelz = [](char* json) {
+    std::string out(json != nullptr ? json : "{}");
+    gpr_free(json);
+    return py::bytes(out);
+  };
+  m.def("channelz_get_servers", [channelz](intptr_t start) { return channelz(grpc_channelz_get_servers(start)); });
+  m.def("channelz_get_server", [channelz](intptr_t id) { return channelz(grpc_channelz_get_server(id)); });
 
   py::class_<Batch, std::shared_ptr<Batch>>(m, "Batch")
       .def_property_readonly("model", [](const Batch& b) { return b.model; })
@@ -286,10 +298,16 @@ PYBIND11_MODULE(_native, m) {
       .def("in_flight", &Plane::InFlight, "calls queued or computing, every model")
       .def("queued", &Plane::Queued, "requests waiting for model `index`")
       .def("stop", &Plane::Stop, py::call_guard<py::gil_scoped_release>())
+      .def("halt", &Plane::Halt, py::call_guard<py::gil_scoped_release>(),
+           "what is queued or arriving refused UNAVAILABLE, no batch formed any more; running ones finish")
       .def("set_ready", &Plane::SetReady, "ServerReady and ModelReady answer this (false from a drain's start)")
       .def("refuse", &Plane::Refuse, "new ModelInfer calls refused UNAVAILABLE; queued and computing ones go on")
       .def("wait_idle", &Plane::WaitIdle, py::call_guard<py::gil_scoped_release>(),
-           "blocks up to timeout_ms until no call is queued or computing; whether none is")
+           "blocks up to timeout_ms until no call is queued, computing or arriving; whether none is")
+      .def("arriving", &Plane::Arriving, "ModelInfer calls whose headers came and whose message has not")
+      .def("set_arrival_timeout", &Plane::SetArrivalTimeout,
+           "an arriving call counts for a drain this long after its headers (lifecycle.Arrivals.TIMEOUT_S)")
+      .def("set_header_lines", &Plane::SetHeaderLines, "each inference call's headers make a record (--access-log)")
       .def("final_codes", [](const Plane& p, size_t index) {
         if (index > p.Models()) throw py::index_error("no such model");
         auto codes = p.FinalCodes(index);

@@ -88,6 +88,14 @@ enum CancelStage : size_t { kQueued = 0, kRunning = 1, kTerminated = 2, kAnswere
 constexpr char kLive = 0, kGone = 1, kSettled = 2, kLeft = 3;
 
 Status Cancelled() { return Status(StatusCode::CANCELLED, "the client went away"); }  // server.errors.CANCELLED
+// A call refused by the drain: never computed, retry elsewhere (server.gate's words).
+Status ShuttingDown() { return Status(StatusCode::UNAVAILABLE, "server is shutting down; retry on another replica"); }
+// A queued call the stop refuses (server.batcher.Batcher.close's words).
+Status NotStarted(const std::string& model) {
+  return Status(StatusCode::UNAVAILABLE, "model " + model +
+                                             ": shutting down, not started within the grace period; "
+                                             "retry on another replica");
+}
 
 // The call's gRPC deadline on the steady clock (kNever: none).
 TimePoint CallDeadline(const grpc::CallbackServerContext* context) {
@@ -307,7 +315,7 @@ bool ReadVarint(google::protobuf::io::CodedInputStream& in, uint64_t* value, std
 }  // namespace
 
 Plane::~Plane() {
-  if (server_ && !stopping_) Stop(0);
+  if (server_) Stop(0);  // halted (Halt) but not stopped: its listener still closes
   StopTimer();
   if (budget_) budget_->SetNativeWake(nullptr);  // the budget may outlive the plane (Python holds it)
 }
@@ -524,7 +532,44 @@ void Plane::Left(int64_t calls) {
 
 bool Plane::WaitIdle(int64_t timeout_ms) {
   std::unique_lock<std::mutex> lock(idle_mu_);
-  return idle_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return in_flight_ <= 0; });
+  return idle_.wait_for(lock, std::chrono::milliseconds(timeout_ms),
+                        [&] { return in_flight_ <= 0 && Arriving() == 0; });
+}
+
+int64_t Plane::Arriving() const {
+  const TimePoint since = Clock::now() - std::chrono::duration_cast<Clock::duration>(arrival_timeout_);
+  std::lock_guard<std::mutex> lock(arriving_mu_);
+  int64_t count = 0;
+  for (const auto& [call, arrival] : arriving_) count += arrival.came >= since;
+  return count;
+}
+
+bool Plane::Arrived(const void* call, std::function<void(const Status&)> refuse) {
+  std::lock_guard<std::mutex> lock(arriving_mu_);  // ordered with Halt's sweep: a call is either swept or admitted
+  arriving_.emplace(call, Arrival{Clock::now(), false, std::move(refuse)});
+  return !refusing_;
+}
+
+bool Plane::Claim(const void* call) {
+  std::lock_guard<std::mutex> lock(arriving_mu_);
+  auto found = arriving_.find(call);
+  if (found == arriving_.end()) return false;  // Halt refused it
+  found->second.claimed = true;
+  return true;
+}
+
+void Plane::ArrivalDone(const void* call) {
+  {
+    std::lock_guard<std::mutex> lock(arriving_mu_);
+    if (arriving_.erase(call) == 0) return;
+  }
+  { std::lock_guard<std::mutex> lock(idle_mu_); }  // a waiter between its check and its wait is woken
+  idle_.notify_all();
+}
+
+void Plane::HeadersLine(const char* method) {  // the gate's arrival line, among the arrival counts (records.h)
+  if (!records_ || !arrivals_) return;
+  records_->AddArrival(method);
 }
 
 std::array<uint64_t, kCodes> Plane::FinalCodes(size_t index) const {
@@ -536,6 +581,17 @@ std::array<uint64_t, kCodes> Plane::FinalCodes(size_t index) const {
 }
 
 void Plane::Stop(double grace_s) {
+  Halt();
+  if (server_) {
+    // Batches being computed finish meanwhile (their runner threads call Complete).
+    server_->Shutdown(std::chrono::system_clock::now() +
+                      std::chrono::microseconds(static_cast<int64_t>(grace_s * 1e6)));
+    server_.reset();
+  }
+  StopTimer();
+}
+
+void Plane::Halt() {
   stopping_ = true;
   refusing_ = true;
   ready_ = false;
@@ -552,7 +608,7 @@ void Plane::Stop(double grace_s) {
       queue->queued_bytes = 0;
     }
     queue->arrived.notify_all();
-    for (auto& p : refused) Settle(p, queue, Status(StatusCode::UNAVAILABLE, "the server is stopping; not computed"));
+    for (auto& p : refused) Settle(p, queue, NotStarted(queue->limits.name));
     if (!refused.empty()) Left(static_cast<int64_t>(refused.size()));
   }
   std::map<int64_t, Parked> waiting;  // calls waiting for memory: refused the same way
@@ -562,16 +618,31 @@ void Plane::Stop(double grace_s) {
   }
   for (auto& [ticket, parked] : waiting) {
     if (!budget_->Leave(ticket)) budget_->Give(parked.total);
-    Settle(parked.p, parked.queue, Status(StatusCode::UNAVAILABLE, "the server is stopping; not computed"));
+    Settle(parked.p, parked.queue, NotStarted(parked.queue->limits.name));
   }
   if (!waiting.empty()) Left(static_cast<int64_t>(waiting.size()));
-  if (server_) {
-    // Batches being computed finish meanwhile (their runner threads call Complete).
-    server_->Shutdown(std::chrono::system_clock::now() +
-                      std::chrono::microseconds(static_cast<int64_t>(grace_s * 1e6)));
-    server_.reset();
+  // Headers in, message not: refused, as a second signal refuses what has not started.
+  std::vector<std::function<void(const Status&)>> arriving;
+  {
+    std::lock_guard<std::mutex> lock(arriving_mu_);
+    for (auto it = arriving_.begin(); it != arriving_.end();) {
+      if (it->second.claimed) {
+        ++it;
+        continue;
+      }
+      arriving.push_back(std::move(it->second.refuse));
+      it = arriving_.erase(it);
+    }
   }
-  StopTimer();
+  for (auto& refuse : arriving) {
+    const Status status = Bounded(ShuttingDown());
+    Count(static_cast<Codes*>(nullptr), status);
+    refuse(status);
+  }
+  if (!arriving.empty()) {
+    { std::lock_guard<std::mutex> lock(idle_mu_); }  // a waiter between its check and its wait is woken
+    idle_.notify_all();
+  }
 }
 
 Status Plane::Check(const Queue& queue, const inference::ModelInferRequest& request, Pending& p) const {
@@ -914,26 +985,32 @@ class UnaryBinding final : public grpc::ServerCallbackUnary {
 };
 
 // ModelInfer's call as gRPC runs it. The method is registered as streaming (Plane::Plane), so gRPC
-// reads its one message only when asked: once a receive slot is free (server.gate's rule; until
-// then HTTP/2 flow control holds the message back at the stream's window). It then serves as an
-// InferCall (Plane::Infer), whose Finish writes the answer and ends the call.
+// hands the call over at its headers and reads its one message only when asked: once a receive slot
+// is free (server.gate's rule; until then HTTP/2 flow control holds the message back at the stream's
+// window). The plane holds it from its headers on, for the drain (docs/native-data-plane.md, "Drain").
+// It then serves as an InferCall (Plane::Infer), whose Finish writes the answer and ends the call.
 class ReceivedCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, inference::ModelInferResponse> {
  public:
   ReceivedCall(Plane* plane, grpc::CallbackServerContext* context)
       : plane_(plane),
         context_(context),
         binding_([this](grpc::Status s) { Answer(std::move(s)); }, [this] { StartSendInitialMetadata(); }) {
-    if (plane_->TakeReceiveSlot(this, [this] { StartRead(&bytes_); })) StartRead(&bytes_);
+    admitted_early_ = plane_->Arrived(this, [this](const grpc::Status& s) { Refused(s); });
+    plane_->HeadersLine(kModelInferMethod.c_str());
+    if (plane_->TakeReceiveSlot(this, [this] { Read(); })) Read();
   }
   void OnReadDone(bool ok) override {
     plane_->GiveReceiveSlot(this);
+    if (!plane_->Claim(this)) return;  // Halt refused it while its message was on its way
     if (!ok) {  // the client half-closed without a message, or went away (server.gate's words)
+      plane_->ArrivalDone(this);
       Finish(grpc::Status(StatusCode::INVALID_ARGUMENT, "the call sent no request message"));
       return;
     }
-    grpc::ServerUnaryReactor* call = plane_->Infer(context_, &bytes_, &response_);
+    grpc::ServerUnaryReactor* call = plane_->Infer(context_, &bytes_, &response_, admitted_early_);
     binding_.Bind(call);
     call_.store(call);
+    plane_->ArrivalDone(this);  // after it is queued (in flight): a drain never sees it in neither
     if (cancelled_.load() && !cancel_told_.exchange(true)) call->OnCancel();  // it went while being admitted
   }
   void OnCancel() override {
@@ -942,15 +1019,32 @@ class ReceivedCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, infe
       if (!cancel_told_.exchange(true)) call->OnCancel();
       return;
     }
-    if (plane_->GiveReceiveSlot(this)) Finish(Cancelled());  // still waiting for a slot: never read
+    // Still waiting for a slot (never read), and not refused by Halt meanwhile: answered here.
+    if (plane_->GiveReceiveSlot(this) && plane_->Claim(this)) {
+      plane_->ArrivalDone(this);
+      Finish(Cancelled());
+    }
   }
   void OnDone() override {
     plane_->GiveReceiveSlot(this);  // nothing of it stays in the slots
+    plane_->ArrivalDone(this);      // nor in the arriving calls
     if (grpc::ServerUnaryReactor* call = call_.load()) call->OnDone();
     delete this;
   }
 
  private:
+  void Read() {  // its slot is free: its message is read, unless Halt has refused the call meanwhile
+    std::lock_guard<std::mutex> lock(mu_);  // a read is never started after Halt's Finish
+    if (!refused_) StartRead(&bytes_);
+  }
+  void Refused(const grpc::Status& s) {  // Halt: its headers came, its message has not
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      refused_ = true;
+    }
+    plane_->GiveReceiveSlot(this);
+    Finish(s);
+  }
   void Answer(grpc::Status s) {
     if (s.ok()) {
       StartWriteAndFinish(&response_, grpc::WriteOptions(), s);
@@ -965,6 +1059,9 @@ class ReceivedCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, infe
   inference::ModelInferResponse response_;
   std::atomic<grpc::ServerUnaryReactor*> call_{nullptr};
   std::atomic<bool> cancelled_{false}, cancel_told_{false};
+  bool admitted_early_ = false;  // its headers came before the drain's refusal: served all the same
+  std::mutex mu_;
+  bool refused_ = false;  // Halt answered it (with mu_)
 };
 
 // A stream refused before it reads anything (its token, checked by the handler when calls are recorded).
@@ -1010,17 +1107,16 @@ Plane::Plane(Contract contract) : contract_(std::move(contract)) {
                              RecordTokenRefusal(context, "ModelStreamInfer");
                              return new RefusedStream(Status(StatusCode::UNAUTHENTICATED, security_.refusal));
                            }
-                           RecordArrival("ModelStreamInfer");
                            return new StreamCall(this, CallDeadline(context), context);
                          }));
 }
 
 grpc::ServerUnaryReactor* Plane::Infer(grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
-                                       inference::ModelInferResponse* response) {
+                                       inference::ModelInferResponse* response, bool admitted_early) {
   const TimePoint deadline = CallDeadline(context);
   auto* call = new InferCall(this, deadline);
   if (TokenDeferred() && !TokenAdmits(context)) {  // the processor let it through to us
-    RecordTokenRefusal(context, "ModelInfer");
+    RecordTokenRefusal(context, "ModelInfer", /*arrival=*/false);  // its headers line is written
     call->Finish(Status(StatusCode::UNAUTHENTICATED, security_.refusal));
     return call;
   }
@@ -1030,7 +1126,6 @@ grpc::ServerUnaryReactor* Plane::Infer(grpc::CallbackServerContext* context, con
   if (!Parse(*bytes, &call->request, &why)) {
     counters_.requests++;
     counters_.refused++;
-    RecordArrival("ModelInfer");
     if (note) RecordUnparsed(*note, Bounded(Invalid(why)));
     Answer(call, nullptr, Invalid(why));
   } else if (upstream_ && ToPython(call->request)) {  // its message, as it came
@@ -1041,7 +1136,7 @@ grpc::ServerUnaryReactor* Plane::Infer(grpc::CallbackServerContext* context, con
   } else {
     call->budget = budget_.get();
     Admit(call, &call->request, response, deadline, budget_ ? &call->reserved : nullptr,
-          &call->answered_by, std::move(note));
+          &call->answered_by, std::move(note), admitted_early);
   }
   return call;
 }
@@ -1169,8 +1264,9 @@ bool Plane::ToPython(const inference::ModelInferRequest& request) const {
 
 void Plane::Admit(grpc::ServerUnaryReactor* reactor, const inference::ModelInferRequest* request,
                   inference::ModelInferResponse* response, TimePoint call_deadline, int64_t* held,
-                  std::atomic<int64_t>* answered_by, std::shared_ptr<CallNote> note) {
+                  std::atomic<int64_t>* answered_by, std::shared_ptr<CallNote> note, bool admitted_early) {
   Pending p;
+  p.admitted_early = admitted_early;
   p.answered_by = answered_by;
   p.note = std::move(note);
   p.deadline = call_deadline;
@@ -1201,12 +1297,9 @@ void Plane::Admit(Pending p, bool again) {
       std::shared_lock<std::shared_mutex> routes(routes_mu_);
       status = Find(request, &known, &codes);
     }
-    const bool refusing = refusing_;
-    // The gate's arrival line, written once the drain's refusal was read, as the gate writes it.
-    if (!again && attempt == 0 && p.stream == nullptr && p.note) RecordArrival(p.note->method);
-    if (refusing) {  // draining: never computed, retry elsewhere (the Python plane's words)
+    if (refusing_ && !p.admitted_early) {  // draining: never computed, retry elsewhere (the Python plane's words)
       counters_.refused++;
-      Settle(p, codes, Status(StatusCode::UNAVAILABLE, "server is shutting down; retry on another replica"));
+      Settle(p, codes, ShuttingDown());
       return;
     }
     if (!status.ok()) {
@@ -1225,6 +1318,7 @@ void Plane::Admit(Pending p, bool again) {
     fresh.held = p.held;
     fresh.answered_by = p.answered_by;
     fresh.note = p.note;
+    fresh.admitted_early = p.admitted_early;
     p = std::move(fresh);
     p.started = started;
     status = Check(queue, request, p);
@@ -1270,7 +1364,7 @@ bool Plane::Enqueue(Queue& queue, Pending& p, bool granted, bool* retired, Statu
       return false;
     }
     if (stopping_) {  // Stop has refused the queues: nothing takes this one any more
-      *refusal = Status(StatusCode::UNAVAILABLE, "the server is stopping; not computed");
+      *refusal = NotStarted(queue.limits.name);
       return false;
     }
     if (!granted) {
@@ -1318,7 +1412,10 @@ const char* CodeName(StatusCode code) {
 
 StreamCall::StreamCall(Plane* plane, TimePoint call_deadline, grpc::CallbackServerContext* context)
     : plane_(plane), context_(context), deadline_(call_deadline) {
-  if (context != nullptr && plane_->records_) headers_ = plane_->Note(context, "ModelStreamInfer", 0);
+  if (context != nullptr && plane_->records_) {
+    headers_ = plane_->Note(context, "ModelStreamInfer", 0);
+    plane_->HeadersLine("/inference.GRPCInferenceService/ModelStreamInfer");
+  }
   StartRead(&incoming_);
 }
 

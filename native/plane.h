@@ -219,6 +219,7 @@ struct Pending {
   uint64_t priority = 1;
   uint64_t since = 0;  // its queue's batches formed when it arrived: how long it was passed over
   std::shared_ptr<CallNote> note;  // its access line's and span's figures (records.h); nullptr: not recorded
+  bool admitted_early = false;  // its headers came before the drain refused new calls: served all the same
 };
 
 // A formed batch: its requests and their merged, padded inputs, owned here, viewed by numpy.
@@ -322,8 +323,19 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   // attnserve_receive_*: slots (0: any), messages being received now, calls whose message waited.
   std::array<int64_t, 3> ReceiveFigures();
   // ModelInfer's handler once its message is read: parsed, then admitted, refused or relayed.
+  // admitted_early: its headers came before Refuse (a drain serves it).
   grpc::ServerUnaryReactor* Infer(grpc::CallbackServerContext* context, const grpc::ByteBuffer* bytes,
-                                  inference::ModelInferResponse* response);
+                                  inference::ModelInferResponse* response, bool admitted_early = false);
+  // A ModelInfer call from its headers to its message (docs/native-data-plane.md, "Drain"): whether the
+  // drain admits it (not refusing yet). Until Claim, Halt may refuse it through `refuse` (once, from
+  // Halt's thread, no plane lock held), having counted the status.
+  bool Arrived(const void* call, std::function<void(const grpc::Status&)> refuse);
+  bool Claim(const void* call);       // its message came (or it went away): false once Halt has refused it
+  void ArrivalDone(const void* call);  // answered or in the plane: no longer arriving
+  // With --access-log, each ModelInfer and ModelStreamInfer call's headers make a record (kHeadersCode),
+  // written as the Python plane's "rpc METHOD" line (server.gate).
+  void SetHeaderLines(bool on) { header_lines_ = on; }
+  void HeadersLine(const char* method);  // a call's headers came: SetHeaderLines' record, if on
   // Blocks up to timeout_ms for a batch of model `index`; nullptr on timeout, once stopping, or when
   // every queued call had expired (refused DEADLINE_EXCEEDED here).
   std::shared_ptr<Batch> NextBatch(size_t index, int64_t timeout_ms);
@@ -334,10 +346,18 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   // (UNAVAILABLE) while queued and computing ones finish; WaitIdle blocks until none is left.
   void SetReady(bool ready) { ready_ = ready; }
   void Refuse() { refusing_ = true; }
-  bool WaitIdle(int64_t timeout_ms);
+  bool WaitIdle(int64_t timeout_ms);  // arriving calls included
+  // ModelInfer calls whose headers came and whose message has not (lifecycle.Arrivals): a drain
+  // waits for them as for queued ones, for `timeout_s` from their headers (a message that never
+  // comes is forgotten then); Halt refuses those still arriving.
+  void SetArrivalTimeout(double timeout_s) { arrival_timeout_ = std::chrono::duration<double>(timeout_s); }
+  int64_t Arriving() const;  // arriving within the timeout
   // Refuses what is still queued (UNAVAILABLE), then GOAWAY and the listener closed; calls still
   // computing have grace_s to finish.
   void Stop(double grace_s);
+  // Stop's first half, at once (a second signal, the grace period over): what has not started is
+  // refused, no batch is formed any more; running ones finish. Stop calls it too.
+  void Halt();
   // Final statuses of model `index`'s calls by code; index == models: calls naming no known model.
   std::array<uint64_t, kCodes> FinalCodes(size_t index) const;
   // Final statuses by model name (every version's calls and the refusals naming it); "": no known model.
@@ -374,10 +394,11 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   // Checks one parsed ModelInfer call and queues it (or answers it, when it is refused or in zeros
   // mode); the request and response must outlive the call. The handler and the fuzzer's entry point.
   // held: where the call keeps its budget reservation until its answer is sent (nullptr: none taken).
+  // admitted_early: its headers came before Refuse (a drain serves it).
   void Admit(grpc::ServerUnaryReactor* reactor, const inference::ModelInferRequest* request,
              inference::ModelInferResponse* response, TimePoint call_deadline = kNever,
              int64_t* held = nullptr, std::atomic<int64_t>* answered_by = nullptr,
-             std::shared_ptr<CallNote> note = nullptr);
+             std::shared_ptr<CallNote> note = nullptr, bool admitted_early = false);
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,
                                        inference::ServerLiveResponse* response) override;
@@ -466,7 +487,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   // the call has its peer for the access line, instead of in the core's processor.
   bool TokenDeferred() const { return records_ != nullptr && !security_.token.empty(); }
   bool TokenAdmits(const grpc::CallbackServerContext* context) const;
-  void RecordTokenRefusal(const grpc::CallbackServerContext* context, const char* method);
+  void RecordTokenRefusal(const grpc::CallbackServerContext* context, const char* method, bool arrival = true);
   void Count(Queue* queue, const grpc::Status& status);
   void Count(Codes* codes, const grpc::Status& status);
   Queue& At(size_t index) const;  // queues are added while serving: looked up under models_mu_
@@ -523,6 +544,16 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   std::map<const void*, TimePoint> receiving_;
   std::deque<std::pair<const void*, std::function<void()>>> receive_waiting_;
   int64_t receive_deferred_ = 0;
+  // Arriving ModelInfer calls (Arrived): since when, whether claimed, how Halt refuses them.
+  struct Arrival {
+    TimePoint came;
+    bool claimed = false;  // its message came: the call is being handled, Halt leaves it
+    std::function<void(const grpc::Status&)> refuse;
+  };
+  mutable std::mutex arriving_mu_;  // after idle_mu_
+  std::map<const void*, Arrival> arriving_;
+  std::chrono::duration<double> arrival_timeout_{10.0};
+  bool header_lines_ = false;
   Counters counters_;
   uint64_t aging_batches_ = 4;
   std::thread timer_;

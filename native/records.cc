@@ -130,10 +130,10 @@ void Plane::RecordArrival(const char* method) {
   records_->AddArrival(std::string("/inference.GRPCInferenceService/") + method);
 }
 
-void Plane::RecordTokenRefusal(const grpc::CallbackServerContext* context, const char* method) {
+void Plane::RecordTokenRefusal(const grpc::CallbackServerContext* context, const char* method, bool arrival) {
   refusals_.Note(std::string("/inference.GRPCInferenceService/") + method);
   if (!records_) return;
-  RecordArrival(method);
+  if (arrival) RecordArrival(method);
   CallRecord r;
   r.traced = false;  // the Python gate's line: the method and the peer, no model, no span
   r.method = method;

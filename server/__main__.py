@@ -59,8 +59,8 @@ async def serve(config: ServerConfig, run_batch: RunBatchFactory | None = None,
     second = asyncio.create_task(signals.get())
     done, _pending = await asyncio.wait((stopping, second), return_when=asyncio.FIRST_COMPLETED)
     if second in done:
+        server.hurry()  # before the line: what has not started is refused once it is written
         logger.warning("%s received again: stopping now; what has not started is refused", second.result().name)
-        server.hurry()
         await stopping
     else:
         second.cancel()

@@ -363,6 +363,8 @@ class Server:
         """A second signal: end the drain delay and the grace period now; what has not started
         computing is refused with UNAVAILABLE (never computed), running batches finish."""
         self._draining.hurry()
+        if self._native is not None:  # at once: its runners would otherwise form the next batch meanwhile
+            self._native.halt()
 
     async def stop(self, grace_s: float, drain_delay_s: float = 0.0) -> None:
         """Drain, in three steps:
@@ -398,9 +400,12 @@ class Server:
         if finished and self._native is not None:
             finished = await self._native_idle(refused_at + grace_left)
         if not finished:
+            unfinished = self._admission.in_flight + (self._native.in_flight() if self._native is not None else 0)
+            if self._native is not None:  # what has not started is refused before the line says so
+                self._native.halt()
             logger.warning("%s with %d call(s) unfinished; refusing queued ones",
                            "second signal" if self._draining.hurried.is_set() else f"grace period {grace_s:.1f}s over",
-                           self._admission.in_flight + (self._native.in_flight() if self._native is not None else 0))
+                           unfinished)
         if self._native is not None:  # what is still queued refused; GOAWAY; running batches finish
             # Watch streams, relayed through the plane, end first: its stop waits for its calls.
             watches = await self._gate.end_watches() if self._gate is not None else 0

@@ -222,7 +222,9 @@ class CallGate(grpc.GenericRpcHandler):
         handler = self._handlers.get(method)
         if handler is None:
             return None  # gRPC answers UNIMPLEMENTED
-        if self._access_log:  # the call's headers are in; its access line comes once answered (server.tracing)
+        # The call's headers are in; its access line comes once answered (server.tracing). Behind the
+        # native plane, the plane wrote the inference calls' lines at their headers (server.native_records).
+        if self._access_log and not (self._relayed and method in self._counted):
             log_arrival(method)
         if method not in self._counted:
             return handler

@@ -11,6 +11,8 @@ waiting, and a stop begun at once (without giving the loop a turn) cancels none.
 
 channelz is on by default in gRPC core; grpcio-channelz serves these same numbers. Where it is
 off or its shape differs, started() is None and the stop gives the loop a short pause instead.
+`channelz` is grpcio's core (cygrpc) unless given: the native data plane's module reads its own
+core's the same way (attnserve.server._native.channelz_get_server).
 """
 
 from __future__ import annotations
@@ -24,16 +26,17 @@ logger = logging.getLogger(__name__)
 
 
 class CoreCalls:
-    def __init__(self, server_id: int) -> None:
+    def __init__(self, server_id: int, channelz=cygrpc) -> None:
         self.server_id = server_id
+        self._channelz = channelz
 
     @staticmethod
-    def server_ids() -> set[int]:
+    def server_ids(channelz=cygrpc) -> set[int]:
         """The channelz ids of this process's gRPC servers (empty if channelz cannot tell)."""
         try:
             ids, start = set(), 0
             while True:
-                page = json.loads(cygrpc.channelz_get_servers(start))
+                page = json.loads(channelz.channelz_get_servers(start))
                 ids.update(int(s["ref"]["serverId"]) for s in page.get("server", []))
                 if page.get("end", True) or not ids:
                     return ids
@@ -52,7 +55,7 @@ class CoreCalls:
     def started(self) -> int | None:
         """Calls core has received on this server since it started; None if it cannot tell."""
         try:
-            data = json.loads(cygrpc.channelz_get_server(self.server_id))["server"]["data"]
+            data = json.loads(self._channelz.channelz_get_server(self.server_id))["server"]["data"]
             return int(data.get("callsStarted", 0))  # proto3 JSON leaves out a 0
         except Exception:  # noqa: BLE001
             logger.debug("channelz cannot read server %d", self.server_id, exc_info=True)

@@ -47,6 +47,7 @@ from attnserve.server.codec import (
 )
 from attnserve.server.data_plane import NATIVE_MISSING_NOTE, why_unavailable  # noqa: F401 (this module's API too)
 from attnserve.server.errors import status_for
+from attnserve.server.lifecycle import Arrivals
 from attnserve.server.listen import listen_addresses
 from attnserve.server.memory.costs import native_cost_terms
 from attnserve.server.metrics import SYNC_PERIOD_S
@@ -187,6 +188,10 @@ class NativePlane:
         self._records = None if calls is None or zeros or loop is None else NativeRecords(
             self._plane, calls, config.access_records_buffer, metrics)
         self._tracing = calls.tracing if self._records is not None else None
+        if self._records is not None and calls.access_log:  # "rpc METHOD" at each call's headers, as server.gate
+            self._plane.set_header_lines(True)
+        # A drain waits for a call whose message is still arriving as long as the Python plane does.
+        self._plane.set_arrival_timeout(Arrivals.TIMEOUT_S)
         self._tracers: list = []  # server.tracing.BatchTracer by the plane's model index (tracing on)
         if budget_counter is not None:
             from attnserve.server.service import STREAM_BUDGET_SHARE
@@ -466,6 +471,8 @@ class NativePlane:
             self._metrics.requests_answered(self._models[index][0], done_s)
             if span_figures is not None and self._records is not None:
                 self._records.batch_done(self._tracers[index], stats, *span_figures)
+            if self._shared_port and self._metrics is not None:  # the supervisor's /metrics reads the files:
+                self._count_final_statuses()  # its calls there by the time ModelStatistics counts them
         finally:  # the statistics that wait for it are answered, whatever happened here
             if ticket:
                 self._counted(ticket)
@@ -485,13 +492,7 @@ class NativePlane:
             self._metrics.set_runs_in_flight(name, "native", runs[name])
         if self._records is not None:
             self._records.refresh_metrics()
-        for name, codes in self._plane.final_codes_by_name().items():
-            for value, count in enumerate(codes):
-                key = (name or UNKNOWN_MODEL, _CODE_NAMES.get(value, "UNKNOWN"))
-                delta = count - self._codes_counted.get(key, 0)
-                if delta > 0:
-                    self._metrics.requests.labels(*key).inc(delta)
-                    self._codes_counted[key] = count
+        self._count_final_statuses()
         for index, (name, *_rest) in enumerate(self._models):
             for labels, count in zip(CANCEL_LABELS, self._plane.cancellations(index), strict=True):
                 key = (name, *labels)
@@ -499,6 +500,16 @@ class NativePlane:
                 if delta > 0:
                     self._metrics.cancelled.labels(*key).inc(delta)
                     self._cancels_counted[key] = count
+
+    def _count_final_statuses(self) -> None:
+        """On the event loop: attnserve_requests gets the native calls' final statuses since the last time."""
+        for name, codes in self._plane.final_codes_by_name().items():
+            for value, count in enumerate(codes):
+                key = (name or UNKNOWN_MODEL, _CODE_NAMES.get(value, "UNKNOWN"))
+                delta = count - self._codes_counted.get(key, 0)
+                if delta > 0:
+                    self._metrics.requests.labels(*key).inc(delta)
+                    self._codes_counted[key] = count
 
     def counters(self) -> dict[str, int]:
         return self._plane.counters()
@@ -512,11 +523,18 @@ class NativePlane:
         self._plane.refuse()
 
     def in_flight(self) -> int:
-        return self._plane.in_flight()
+        """Calls queued or computing, and those whose message is still arriving."""
+        return self._plane.in_flight() + self._plane.arriving()
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """Block up to timeout_s until no call is queued or computing; whether none is."""
+        """Block up to timeout_s until no call is queued, computing or arriving; whether none is."""
         return self._plane.wait_idle(max(int(timeout_s * 1000), 0))
+
+    def halt(self) -> None:
+        """At once: what is queued or still arriving is refused (UNAVAILABLE, never computed) and
+        no batch is formed any more; running batches finish (stop() follows)."""
+        self._stopping.set()
+        self._plane.halt()
 
     def stop(self, grace_s: float) -> None:
         """Refuse what is still queued (UNAVAILABLE), let running batches finish within grace_s,

@@ -139,16 +139,22 @@ def _gated_engine_factory(directory: Path, intra_op_threads: int):
     return factory
 
 
-def _stall_on_sigusr1(directory: Path) -> None:
+def _stall_on_sigusr1(directory: Path, native: bool) -> None:
     """SIGUSR1 runs, on the event loop's thread, a handler that blocks it: it reads a count n
-    from DIR/unstall, then waits (at most 60 s) until gRPC's core has received n more calls."""
+    from DIR/unstall, then waits (at most 60 s) until gRPC's core has received n more calls
+    (native: the core of the native data plane, which serves --port)."""
     from attnserve.server.handover import CoreCalls
 
     stalled = os.open(directory / "stalled", os.O_WRONLY)
     unstall = os.open(directory / "unstall", os.O_RDONLY)
 
     def stall(signum, frame) -> None:
-        core = CoreCalls(max(CoreCalls.server_ids()))  # the one gRPC server of this process
+        if native:
+            from attnserve.server import _native
+
+            core = CoreCalls(max(CoreCalls.server_ids(_native)), _native)  # the plane's one gRPC server
+        else:
+            core = CoreCalls(max(CoreCalls.server_ids()))  # the one gRPC server of this process
         base = core.started()
         os.write(stalled, b"stalled\n")
         line = b""
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     if default_workers(config) > 1 and WorkerContext.from_env() is None:
         return run(config, argv, command)  # the supervisor: each of its workers is a gated server
     factory = _gated_engine_factory(Path(os.environ[GATE_ENV]), config.intra_op_threads)
-    _stall_on_sigusr1(Path(os.environ[GATE_ENV]))
+    _stall_on_sigusr1(Path(os.environ[GATE_ENV]), native=config.data_plane == "native")
     return run(config, argv, command, run_batch=factory)
 
 
