@@ -179,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     if default_workers(config) > 1 and WorkerContext.from_env() is None:
         return run(config, argv, command)  # the supervisor: each of its workers is a gated server
     factory = _gated_engine_factory(Path(os.environ[GATE_ENV]), config.intra_op_threads)
-    _stall_on_sigusr1(Path(os.environ[GATE_ENV]), native=config.data_plane == "native")
+    from attnserve.server.data_plane import choose_data_plane
+
+    plane, _ = choose_data_plane(config.data_plane)  # auto (the default) resolved as the server will
+    _stall_on_sigusr1(Path(os.environ[GATE_ENV]), native=plane == "native")
     return run(config, argv, command, run_batch=factory)
 
 
