@@ -307,7 +307,6 @@ PYBIND11_MODULE(_native, m) {
       .def("arriving", &Plane::Arriving, "ModelInfer calls whose headers came and whose message has not")
       .def("set_arrival_timeout", &Plane::SetArrivalTimeout,
            "an arriving call counts for a drain this long after its headers (lifecycle.Arrivals.TIMEOUT_S)")
-      .def("set_header_lines", &Plane::SetHeaderLines, "each inference call's headers make a record (--access-log)")
       .def("final_codes", [](const Plane& p, size_t index) {
         if (index > p.Models()) throw py::index_error("no such model");
         auto codes = p.FinalCodes(index);

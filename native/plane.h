@@ -332,10 +332,9 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   bool Arrived(const void* call, std::function<void(const grpc::Status&)> refuse);
   bool Claim(const void* call);       // its message came (or it went away): false once Halt has refused it
   void ArrivalDone(const void* call);  // answered or in the plane: no longer arriving
-  // With --access-log, each ModelInfer and ModelStreamInfer call's headers make a record (kHeadersCode),
-  // written as the Python plane's "rpc METHOD" line (server.gate).
-  void SetHeaderLines(bool on) { header_lines_ = on; }
-  void HeadersLine(const char* method);  // a call's headers came: SetHeaderLines' record, if on
+  // With --access-log, a ModelInfer or ModelStreamInfer call's headers count among the arrivals
+  // (records.h), written as the Python plane's "rpc METHOD" line (server.gate).
+  void HeadersLine(const char* method);
   // Blocks up to timeout_ms for a batch of model `index`; nullptr on timeout, once stopping, or when
   // every queued call had expired (refused DEADLINE_EXCEEDED here).
   std::shared_ptr<Batch> NextBatch(size_t index, int64_t timeout_ms);
@@ -553,7 +552,6 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   mutable std::mutex arriving_mu_;  // after idle_mu_
   std::map<const void*, Arrival> arriving_;
   std::chrono::duration<double> arrival_timeout_{10.0};
-  bool header_lines_ = false;
   Counters counters_;
   uint64_t aging_batches_ = 4;
   std::thread timer_;

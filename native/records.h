@@ -39,9 +39,6 @@ struct CallRecord {
   uint64_t batch = 0;
 };
 
-// A record's code for a call's headers (Plane::SetHeaderLines): an access-log line, no call yet.
-constexpr int kHeadersCode = -1;
-
 // Client text kept in a record, in characters: more than the access line shows (server/quoting.py's
 // QUOTED_CHARS), so a record's size is bounded whatever the client sends.
 constexpr size_t kKeptChars = 128;

@@ -188,8 +188,6 @@ class NativePlane:
         self._records = None if calls is None or zeros or loop is None else NativeRecords(
             self._plane, calls, config.access_records_buffer, metrics)
         self._tracing = calls.tracing if self._records is not None else None
-        if self._records is not None and calls.access_log:  # "rpc METHOD" at each call's headers, as server.gate
-            self._plane.set_header_lines(True)
         # A drain waits for a call whose message is still arriving as long as the Python plane does.
         self._plane.set_arrival_timeout(Arrivals.TIMEOUT_S)
         self._tracers: list = []  # server.tracing.BatchTracer by the plane's model index (tracing on)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from attnserve.server import gate
 from attnserve.server.errors import status_of_code
 from attnserve.server.gate import log_arrival
 from attnserve.server.graphs import GENERAL, HEADS, KEY_PADDING, NO_MASK
@@ -36,8 +35,6 @@ RECORD_FIELDS = ("traced", "method", "peer", "model", "version", "request_id", "
                  "version_chars", "request_id_chars")
 MASKINGS = (NO_MASK, KEY_PADDING, GENERAL, HEADS)  # _native.Batch.masking's values
 _MAX_OPEN_BATCHES = 4096  # batches whose spans wait for their figures: a bound, should one never come
-HEADERS_CODE = -1  # native/records.h's kHeadersCode: a record that is a call's headers line
-_gate_logger = logging.getLogger(gate.__name__)  # whose "rpc METHOD" lines these are
 
 
 def _text(raw: bytes) -> str:
@@ -100,9 +97,6 @@ class NativeRecords:
         (traced, method, peer, model, version, request_id, traceparent, tracestate, code, details, start_ns, end_ns,
          admitted_ns, _run_start_ns, run_end_ns, queue_s, run_s, batch_requests, rows, q_len, k_len, bytes_in,
          bytes_out, batch, model_chars, version_chars, request_id_chars) = record
-        if code == HEADERS_CODE:  # a call's headers came: the Python plane's line (server.gate), no call yet
-            _gate_logger.info("rpc %s", method)
-            return
         status = status_of_code(code, _text(details))
         if not traced:  # refused before a request was read (its token, bytes that do not parse)
             if self._calls.access_log:

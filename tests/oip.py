@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
+import pytest
 from attnserve.proto import inference_pb2 as pb
 
 _DATATYPE = {np.dtype(np.float32): "FP32", np.dtype(np.bool_): "BOOL"}
@@ -88,3 +90,10 @@ def rest_infer(client, model: str, x: dict[str, np.ndarray | None], binary: bool
     requested = [httpclient.InferRequestedOutput(name, binary_data=binary) for name in outputs]
     result = client.infer(model, inputs, outputs=requested)
     return {name: result.as_numpy(name) for name in outputs}
+
+
+def refusal(stub, request: pb.ModelInferRequest, timeout: float | None = 60) -> tuple[grpc.StatusCode, str]:
+    """The status code and details of a ModelInfer the test expects to be refused."""
+    with pytest.raises(grpc.RpcError) as exc:
+        stub.ModelInfer(request, timeout=timeout)
+    return exc.value.code(), exc.value.details()

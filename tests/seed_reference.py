@@ -83,3 +83,13 @@ def trained_like_(module: nn.Module, seed: int, gain: float = 1.5) -> nn.Module:
             std = gain / math.sqrt(param.shape[1]) if param.dim() == 2 else 0.1
             param.copy_(torch.randn(param.shape, generator=generator) * std)
     return module
+
+
+def served_references(eager_modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """What served answers are checked against: seed 000's own class carrying the served
+    self_attention weights, and our cross_attention module (seed 002's math, tested elsewhere)."""
+    ours = eager_modules["self_attention"]
+    seed = Seed000MultiHeadAttention(d_model=512, n_heads=8, dropout=0.1)
+    names = {"to_q": "Wq", "to_k": "Wk", "to_v": "Wv", "to_out": "Wo"}
+    seed.load_state_dict({f"{names[k.split('.')[0]]}.{k.split('.')[1]}": v for k, v in ours.state_dict().items()})
+    return {"self_attention": seed.eval(), "cross_attention": eager_modules["cross_attention"]}

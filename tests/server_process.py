@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -122,6 +123,11 @@ class ServerProcess:
     def reset_memory_peak(self) -> None:
         """VmHWM := VmRSS (Linux's /proc/PID/clear_refs), so the next peak read is from here on."""
         Path(f"/proc/{self.proc.pid}/clear_refs").write_text("5")
+
+    def scrape(self) -> str:
+        """The Prometheus exposition on the metrics port, as text."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30) as r:
+            return r.read().decode()
 
     def health(self, service: str = "") -> int:
         with self.channel() as ch:

@@ -101,12 +101,16 @@ def test_without_the_extension_the_default_serves_on_the_python_plane_and_says_w
         proc.stop()
 
 
-def test_native_asked_for_without_the_extension_refuses_to_start(model_repository, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "attnserve", "serve", "--model-repository", str(model_repository),
+def _serve_native_without_the_extension(model_repository, tmp_path, workers: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "attnserve", "serve", "--model-repository", str(model_repository),
                            "--host", "127.0.0.1", "--port", "0", "--http-port", "-1", "--metrics-port", "-1",
-                           "--workers", "1", "--data-plane", "native"],
+                           "--workers", str(workers), "--data-plane", "native"],
                           cwd=REPO_ROOT, env={**os.environ, **without_native_env(tmp_path)}, capture_output=True,
                           text=True, timeout=120)
+
+
+def test_native_asked_for_without_the_extension_refuses_to_start(model_repository, tmp_path):
+    done = _serve_native_without_the_extension(model_repository, tmp_path, workers=1)
     assert done.returncode == 3, done.stderr
     assert "cannot start: --data-plane native: attnserve.server._native is not built or does not load" in done.stderr
     assert "build it with `make native`" in done.stderr and "serving" not in done.stderr, done.stderr
@@ -128,11 +132,7 @@ def test_the_supervisor_chooses_once_and_every_worker_serves_on_that_plane(model
 
 
 def test_workers_asked_for_native_without_the_extension_are_refused_before_any_starts(model_repository, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "attnserve", "serve", "--model-repository", str(model_repository),
-                           "--host", "127.0.0.1", "--port", "0", "--http-port", "-1", "--metrics-port", "-1",
-                           "--workers", "2", "--data-plane", "native"],
-                          cwd=REPO_ROOT, env={**os.environ, **without_native_env(tmp_path)}, capture_output=True,
-                          text=True, timeout=120)
+    done = _serve_native_without_the_extension(model_repository, tmp_path, workers=2)
     assert done.returncode == 3, done.stderr
     assert "cannot start: --data-plane native: attnserve.server._native is not built" in done.stderr, done.stderr
     assert "[worker" not in done.stderr, done.stderr  # the supervisor refused: no worker started

@@ -38,7 +38,7 @@ from attnserve.server.repository import read_model_spec
 from attnserve.contract import ALL_OUTPUTS, HEAD_MASK_ALL_OUTPUTS, HEAD_MASK_OUTPUT_ONLY, OUTPUT_ONLY
 from tests.gated_server import GatedServer
 from tests.h2_client import RawGrpcClient, grpc_frame
-from tests.oip import infer_request
+from tests.oip import infer_request, refusal
 from tests.server_process import ServerProcess
 from tests.test_mask_shapes import DIMS
 
@@ -69,17 +69,6 @@ def _x(model: str, b: int, lq: int, lk: int, seed: str) -> dict:
             "value": rng.standard_normal((b, lk, width), dtype=np.float32)}
 
 
-def _refusal(stub, request, timeout: float | None = 60) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as exc:
-        stub.ModelInfer(request, timeout=timeout)
-    return exc.value.code(), exc.value.details()
-
-
-def _scrape(proc: ServerProcess) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=30) as r:
-        return r.read().decode()
-
-
 def _metric(text: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
@@ -87,8 +76,8 @@ def _metric(text: str, name: str) -> float:
 def _until_reserved_is_zero(proc: ServerProcess) -> None:
     """Answers are released once sent (the call's end, just after the client has it)."""
     deadline = time.monotonic() + REACHED_WITHIN_S
-    while _metric(_scrape(proc), "attnserve_memory_reserved_bytes") != 0:
-        assert time.monotonic() < deadline, _scrape(proc)
+    while _metric(proc.scrape(), "attnserve_memory_reserved_bytes") != 0:
+        assert time.monotonic() < deadline, proc.scrape()
         time.sleep(0.01)
 
 
@@ -178,8 +167,8 @@ def test_a_bound_is_refused_with_the_python_planes_words(bounded_server, python_
     before_kib = bounded_server.memory_kib("VmHWM")
     with _native_channel(bounded_server) as ch, python_bounded_server.channel() as python_ch:
         stub = pb_grpc.GRPCInferenceServiceStub(ch)
-        got = _refusal(stub, request)
-        want = _refusal(pb_grpc.GRPCInferenceServiceStub(python_ch), request)
+        got = refusal(stub, request)
+        want = refusal(pb_grpc.GRPCInferenceServiceStub(python_ch), request)
         assert got == want, (got, want)
         assert got[0] == grpc.StatusCode.INVALID_ARGUMENT and got[1].startswith(words), got
         _good(stub)
@@ -299,7 +288,7 @@ def test_both_planes_take_from_one_budget(gated, held_cost, holder):
         first = pool.submit(stubs[holder].ModelInfer, _held_request("held"), timeout=120)
         assert gated.gate.wait_started() == 1
         # No deadline: shed at once rather than waiting within one.
-        refusals = {name: _refusal(stub, _held_request("second"), timeout=None) for name, stub in stubs.items()}
+        refusals = {name: refusal(stub, _held_request("second"), timeout=None) for name, stub in stubs.items()}
         gated.gate.release()
         assert len(first.result(timeout=120).outputs) == 2
         _until_reserved_is_zero(gated)

@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import zlib
 
 import grpc
@@ -363,11 +362,6 @@ def test_version_says_whether_the_native_plane_can_serve():
 
 # -- metrics -----------------------------------------------------------------------------------------
 
-def _scrape(proc: ServerProcess) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=30) as r:
-        return r.read().decode()
-
-
 def _metric(text: str, name: str, **labels: str) -> float:
     """The sum of `name`'s samples with these labels (0 before any)."""
     wanted = "".join(rf'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
@@ -389,7 +383,7 @@ def test_native_calls_move_the_metrics(native_server, stub):
              "computed": ("attnserve_compute_duration_seconds_count", {"model": model})}
 
     def read() -> dict[str, float]:
-        text = _scrape(native_server)
+        text = native_server.scrape()
         return {key: _metric(text, name, **labels) for key, (name, labels) in names.items()}
 
     before = read()
@@ -403,7 +397,7 @@ def test_native_calls_move_the_metrics(native_server, stub):
     while (delta := {k: v - before[k] for k, v in read().items()}) != want_delta:
         assert time.monotonic() < deadline, delta
         time.sleep(0.01)
-    assert re.search(r"^attnserve_native_in_flight 0\.0$", _scrape(native_server), re.M)
+    assert re.search(r"^attnserve_native_in_flight 0\.0$", native_server.scrape(), re.M)
     with native_server.channel() as ch:  # Triton's statistics on the Python port count the native run too
         stats = pb_grpc.GRPCInferenceServiceStub(ch).ModelStatistics(pb.ModelStatisticsRequest(name=model), timeout=30)
     assert stats.model_stats[0].inference_stats.success.count >= 1
@@ -483,8 +477,8 @@ def test_a_drain_finishes_admitted_native_calls_and_refuses_new_ones(model_repos
                                    timeout=120) for x in cases]
             assert proc.gate.wait_started() == 1
             deadline = time.monotonic() + QUEUED_WITHIN_S
-            while _metric(_scrape(proc), "attnserve_native_in_flight") < len(cases):  # admitted: the state reached
-                assert time.monotonic() < deadline, _scrape(proc)
+            while _metric(proc.scrape(), "attnserve_native_in_flight") < len(cases):  # admitted: the state reached
+                assert time.monotonic() < deadline, proc.scrape()
                 time.sleep(0.01)
             proc.signal(signal.SIGTERM)
             proc.wait_for_log("refusing new calls (UNAVAILABLE)")
@@ -557,8 +551,8 @@ def test_a_drain_answers_a_streams_admitted_requests_and_refuses_later_ones_in_t
                 outgoing.put(infer_request("self_attention", request_id=f"r{i}", outputs=("output",), **x))
             assert proc.gate.wait_started() == 1
             deadline = time.monotonic() + QUEUED_WITHIN_S
-            while _metric(_scrape(proc), "attnserve_native_in_flight") < 3:  # admitted: the state reached
-                assert time.monotonic() < deadline, _scrape(proc)
+            while _metric(proc.scrape(), "attnserve_native_in_flight") < 3:  # admitted: the state reached
+                assert time.monotonic() < deadline, proc.scrape()
                 time.sleep(0.01)
             proc.signal(signal.SIGTERM)
             proc.wait_for_log("refusing new calls (UNAVAILABLE)")

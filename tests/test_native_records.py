@@ -17,7 +17,6 @@ import concurrent.futures
 import json
 import re
 import time
-import urllib.request
 
 import grpc
 import numpy as np
@@ -49,18 +48,14 @@ def _inputs(rows: int = 1, length: int = 4) -> dict[str, np.ndarray]:
     return {name: rng.standard_normal((rows, length, 512), dtype=np.float32) for name in ("query", "key", "value")}
 
 
-def _scrape(proc: ServerProcess) -> str:
-    return urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
-
-
 def _sum(text: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 def _wait_metric(proc: ServerProcess, name: str, at_least: float) -> None:
     deadline = time.monotonic() + WAIT_S
-    while _sum(_scrape(proc), name) < at_least:
-        assert time.monotonic() < deadline, f"{name} never reached {at_least}:\n{_scrape(proc)}"
+    while _sum(proc.scrape(), name) < at_least:
+        assert time.monotonic() < deadline, f"{name} never reached {at_least}:\n{proc.scrape()}"
         time.sleep(0.01)
 
 
@@ -102,7 +97,7 @@ def _one_of_each(proc: GatedServer, channel: grpc.Channel, header: str) -> None:
     answers = list(stub.ModelStreamInfer(iter(stream), metadata=AUTH, timeout=WAIT_S))
     assert [a.infer_response.id for a in answers] == ["s-0", "s-1"] and answers[1].error_message
     proc.gate.wait_started()
-    cancelled_before = _sum(_scrape(proc), "attnserve_cancelled_requests_total")
+    cancelled_before = _sum(proc.scrape(), "attnserve_cancelled_requests_total")
     future = stub.ModelInfer.future(infer_request("self_attention", request_id="cancelled", **_inputs(1, 4)),
                                     metadata=AUTH, timeout=WAIT_S)
     proc.gate.wait_started()  # its batch runs (held)
@@ -233,7 +228,7 @@ def test_a_burst_over_the_record_buffer_drops_and_counts_records_and_the_plane_s
         while not any(line["request_id"] == "after" for line in _access_lines(proc)):
             assert time.monotonic() < deadline, proc.log()
             time.sleep(0.01)
-        dropped = _sum(_scrape(proc), "attnserve_access_records_dropped_total")
+        dropped = _sum(proc.scrape(), "attnserve_access_records_dropped_total")
     # Every call is either written or counted: first, the burst, after.
     assert len(_access_lines(proc)) + dropped == burst + 2, (dropped, _access_lines(proc))
 

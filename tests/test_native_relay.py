@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tests.gated_server import GatedServer
 from tests.oip import CASES, WIDTHS, infer_request, outputs_of, random_inputs
-from tests.seed_reference import Seed000MultiHeadAttention
+from tests.seed_reference import served_references
 from tests.server_process import ServerProcess
 from tests.test_cancellation import _metrics, _sample, _wait_metric
 from tests.test_shared_memory import _check, _Regions, _shm_infer, _want
@@ -59,22 +59,13 @@ def native_server(model_repository):
 
 @pytest.fixture(scope="module")
 def references(eager_modules):
-    """As tests/test_shared_memory.py's: seed 000's class with the served weights, our cross module."""
-    ours = eager_modules["self_attention"]
-    seed = Seed000MultiHeadAttention(d_model=512, n_heads=8, dropout=0.1)
-    names = {"to_q": "Wq", "to_k": "Wk", "to_v": "Wv", "to_out": "Wo"}
-    seed.load_state_dict({f"{names[k.split('.')[0]]}.{k.split('.')[1]}": v for k, v in ours.state_dict().items()})
-    return {"self_attention": seed.eval(), "cross_attention": eager_modules["cross_attention"]}
+    return served_references(eager_modules)
 
 
 @pytest.fixture()
 def regions():
-    create = _Regions()
-    yield create
-    import tritonclient.utils.shared_memory as shm
-
-    for handle in create.made:
-        shm.destroy_shared_memory_region(handle)
+    with _Regions() as create:
+        yield create
 
 
 def test_one_port_the_python_server_listens_on_a_private_socket_only(native_server):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import concurrent.futures
 import re
 import time
-import urllib.request
 import zlib
 
 import grpc
@@ -34,7 +33,7 @@ from attnserve.server.repository import read_model_spec
 from attnserve.contract import OUTPUT_ONLY
 from tests.gated_server import GatedServer
 from tests.h2_client import RawGrpcClient
-from tests.oip import infer_request
+from tests.oip import infer_request, refusal
 from tests.server_process import ServerProcess
 
 WHY_NOT = native.why_unavailable()
@@ -78,17 +77,6 @@ def _request(shape: tuple[int, int, int], seed: str, request_id: str = "", outpu
     return request
 
 
-def _refusal(stub, request, timeout: float | None) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as exc:
-        stub.ModelInfer(request, timeout=timeout)
-    return exc.value.code(), exc.value.details()
-
-
-def _scrape(proc: ServerProcess) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=30) as r:
-        return r.read().decode()
-
-
 def _sample(text: str, name: str, **labels: str) -> float:
     """The sum of `name`'s samples whose labels include these (0 when none)."""
     total = 0.0
@@ -101,7 +89,7 @@ def _sample(text: str, name: str, **labels: str) -> float:
 
 def _until(proc: ServerProcess, name: str, value: float, **labels: str) -> None:
     deadline = time.monotonic() + REACHED_WITHIN_S
-    while (got := _sample(_scrape(proc), name, **labels)) != value:
+    while (got := _sample(proc.scrape(), name, **labels)) != value:
         assert time.monotonic() < deadline, f"{name}{labels} is {got}, not {value}"
         time.sleep(0.01)
 
@@ -171,6 +159,21 @@ def _hold(pool, proc, stub, seed: str):
     return held
 
 
+def _refusals_while_held(proc, holder: str, request, timeout: float | None) -> dict:
+    """Each port's refusal of `request` while a BIG call that came by `holder`'s port is held
+    (none of them computed), then the held call released and answered."""
+    stubs, channels = _stubs(proc)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = _hold(pool, proc, stubs[holder], "held")
+        refusals = {name: refusal(stub, request, timeout=timeout) for name, stub in stubs.items()}
+        assert not proc.gate.has_started()
+        proc.gate.release()
+        held.result(timeout=CALL_TIMEOUT_S)
+    for channel in channels:
+        channel.close()
+    return refusals
+
+
 @pytest.mark.parametrize("order", [("native", "python"), ("python", "native")])
 def test_native_and_python_waiters_are_served_in_one_arrival_order(waiting_server, order):
     """With a call held, a native call and a Python call with deadlines both wait (counted in
@@ -178,7 +181,7 @@ def test_native_and_python_waiters_are_served_in_one_arrival_order(waiting_serve
     came by. Before: the native call was shed at once, or passed by the Python waiter."""
     proc = waiting_server
     _until(proc, "attnserve_memory_reserved_bytes", 0)
-    waits = _sample(_scrape(proc), "attnserve_memory_waits_total")
+    waits = _sample(proc.scrape(), "attnserve_memory_waits_total")
     stubs, channels = _stubs(proc)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         held = _hold(pool, proc, stubs["native"], "held")
@@ -198,7 +201,7 @@ def test_native_and_python_waiters_are_served_in_one_arrival_order(waiting_serve
         assert second.result(timeout=CALL_TIMEOUT_S).id == "second"
     for channel in channels:
         channel.close()
-    text = _scrape(proc)
+    text = proc.scrape()
     assert _sample(text, "attnserve_memory_waits_total") == waits + 2
     assert _sample(text, "attnserve_memory_waiters") == 0 and _sample(text, "attnserve_memory_waiting_bytes") == 0
 
@@ -207,14 +210,7 @@ def test_a_call_without_a_deadline_is_shed_with_the_python_planes_words(waiting_
     """Both ports answer RESOURCE_EXHAUSTED with the same words, the deadline hint included."""
     proc = waiting_server
     _until(proc, "attnserve_memory_reserved_bytes", 0)
-    stubs, channels = _stubs(proc)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        held = _hold(pool, proc, stubs["python"], "held")
-        refusals = {name: _refusal(stub, _request(BIG, "shed"), timeout=None) for name, stub in stubs.items()}
-        proc.gate.release()
-        held.result(timeout=CALL_TIMEOUT_S)
-    for channel in channels:
-        channel.close()
+    refusals = _refusals_while_held(proc, "python", _request(BIG, "shed"), timeout=None)
     assert refusals["native"] == refusals["python"], refusals
     code, details = refusals["native"]
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(
@@ -228,21 +224,12 @@ def test_a_waiting_call_past_its_timeout_is_refused_as_on_the_python_port(waitin
     attnserve_memory_wait_timeouts_total."""
     proc = waiting_server
     _until(proc, "attnserve_memory_reserved_bytes", 0)
-    timeouts = _sample(_scrape(proc), "attnserve_memory_wait_timeouts_total")
-    stubs, channels = _stubs(proc)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        held = _hold(pool, proc, stubs["native"], "held")
-        refusals = {name: _refusal(stub, _request(BIG, "late", timeout=300_000), timeout=CALL_TIMEOUT_S)
-                    for name, stub in stubs.items()}
-        assert not proc.gate.has_started()
-        proc.gate.release()
-        held.result(timeout=CALL_TIMEOUT_S)
-    for channel in channels:
-        channel.close()
+    timeouts = _sample(proc.scrape(), "attnserve_memory_wait_timeouts_total")
+    refusals = _refusals_while_held(proc, "native", _request(BIG, "late", timeout=300_000), timeout=CALL_TIMEOUT_S)
     assert refusals["native"] == refusals["python"] == (
         grpc.StatusCode.DEADLINE_EXCEEDED,
         f"model {MODEL}: deadline passed while waiting for memory ({big_cost.total:,} bytes); not computed"), refusals
-    assert _sample(_scrape(proc), "attnserve_memory_wait_timeouts_total") == timeouts + 2
+    assert _sample(proc.scrape(), "attnserve_memory_wait_timeouts_total") == timeouts + 2
 
 
 def test_a_cancelled_waiting_call_leaves_the_queue_at_once(waiting_server):
@@ -254,7 +241,7 @@ def test_a_cancelled_waiting_call_leaves_the_queue_at_once(waiting_server):
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         held = _hold(pool, proc, stubs["python"], "held")
         for name in ("native", "python"):
-            before = _sample(_scrape(proc), "attnserve_cancelled_requests_total", reason="client", stage="queued")
+            before = _sample(proc.scrape(), "attnserve_cancelled_requests_total", reason="client", stage="queued")
             waiting = stubs[name].ModelInfer.future(_request(BIG, f"cancelled {name}"), timeout=CALL_TIMEOUT_S)
             _until(proc, "attnserve_memory_waiters", 1)
             waiting.cancel()
@@ -298,7 +285,7 @@ def test_the_queue_bounds_refuse_as_on_the_python_port(model_repository, flag):
                 calls.append(pool.submit(stub.ModelInfer, _request(SMALL, f"queued {name}"), timeout=CALL_TIMEOUT_S))
             _until(proc, "attnserve_queue_depth", 2, model=MODEL)  # one queued on each plane: the gauge sums them
             _until(proc, "attnserve_native_in_flight", 2)
-            refusals = {name: _refusal(stub, _request(SMALL, "over"), timeout=CALL_TIMEOUT_S)
+            refusals = {name: refusal(stub, _request(SMALL, "over"), timeout=CALL_TIMEOUT_S)
                         for name, stub in stubs.items()}
             proc.gate.release(4)
             assert all(c.result(timeout=CALL_TIMEOUT_S).outputs for c in calls)
@@ -320,7 +307,7 @@ def test_a_call_gone_before_its_answer_is_sent_counts_as_answered(model_reposito
     proc = ServerProcess(model_repository, "--data-plane", "native")
     try:
         for port, counted in ((native_port(proc), 1),):  # the Python plane sits behind a socket: not raw HTTP/2 here
-            before = _sample(_scrape(proc), "attnserve_cancelled_requests_total", stage="answered")
+            before = _sample(proc.scrape(), "attnserve_cancelled_requests_total", stage="answered")
             client = RawGrpcClient(port)
             try:
                 sid = client.start_call(INFER, request, timeout_s=CALL_TIMEOUT_S)
@@ -334,7 +321,7 @@ def test_a_call_gone_before_its_answer_is_sent_counts_as_answered(model_reposito
             finally:
                 client.close()
         _until(proc, "attnserve_memory_reserved_bytes", 0)  # both answers' memory went back
-        assert _sample(_scrape(proc), "attnserve_cancelled_requests_total", stage="answered") == 1
-        assert _sample(_scrape(proc), "attnserve_cancelled_requests_total", stage="answered", reason="client") == 1
+        assert _sample(proc.scrape(), "attnserve_cancelled_requests_total", stage="answered") == 1
+        assert _sample(proc.scrape(), "attnserve_cancelled_requests_total", stage="answered", reason="client") == 1
     finally:
         proc.stop()

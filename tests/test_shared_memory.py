@@ -28,7 +28,7 @@ from tritonclient.utils import InferenceServerException
 from attnserve.contract import DATATYPES, INPUT_NAMES, OUTPUT_NAMES
 from tests.gated_server import GatedServer
 from tests.oip import CASES, WIDTHS, eager, random_inputs
-from tests.seed_reference import Seed000MultiHeadAttention
+from tests.seed_reference import Seed000MultiHeadAttention, served_references
 from tests.server_process import ServerProcess
 
 TOLERANCE = 1e-5
@@ -72,10 +72,8 @@ def http_client(shm_server):
 @pytest.fixture()
 def regions():
     """Regions this test created; destroyed (unlinked) after it."""
-    create = _Regions()
-    yield create
-    for handle in create.made:
-        shm.destroy_shared_memory_region(handle)
+    with _Regions() as create:
+        yield create
 
 
 class _Regions:
@@ -87,15 +85,17 @@ class _Regions:
         self.made.append(handle)
         return handle
 
+    def __enter__(self) -> _Regions:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.made:
+            shm.destroy_shared_memory_region(handle)
+
 
 @pytest.fixture(scope="module")
 def references(eager_modules):
-    """Seed 000's own class with the served weights for self_attention; our module for cross."""
-    ours = eager_modules["self_attention"]
-    seed = Seed000MultiHeadAttention(d_model=512, n_heads=8, dropout=0.1)
-    names = {"to_q": "Wq", "to_k": "Wk", "to_v": "Wv", "to_out": "Wo"}
-    seed.load_state_dict({f"{names[k.split('.')[0]]}.{k.split('.')[1]}": v for k, v in ours.state_dict().items()})
-    return {"self_attention": seed.eval(), "cross_attention": eager_modules["cross_attention"]}
+    return served_references(eager_modules)
 
 
 def _want(module, x: dict) -> dict:
