@@ -142,6 +142,7 @@ class Metrics:
         # the servicer): no lock on the request path.
         self._shared_dir = shared_dir
         self._refreshes: list = []  # called before each scrape (add_refresh)
+        self._before_statistics: list = []  # called before statistics are read (add_before_statistics)
         self._mirror: _Mirror | None = None
         self.shared: StatisticsFile | None = None
         if shared_dir is not None:
@@ -153,6 +154,8 @@ class Metrics:
 
     def model_statistics(self, model: str) -> ModelStatistics:
         """The server's statistics of `model`: this process's, or every worker's summed."""
+        for count in self._before_statistics:
+            count()
         if self._shared_dir is None:
             return self.statistics[model]
         from attnserve.server.shared_stats import gather
@@ -223,6 +226,11 @@ class Metrics:
         """refresh() is called on the event loop before each /metrics scrape: figures kept
         elsewhere (the native data plane's counters) are read into the collectors then."""
         self._refreshes.append(refresh)
+
+    def add_before_statistics(self, count) -> None:
+        """count() is called on the event loop before statistics are read: figures held
+        elsewhere (the native data plane's batches) are counted first."""
+        self._before_statistics.append(count)
 
     def refresh(self) -> None:
         for refresh in self._refreshes:

@@ -74,6 +74,7 @@ assert contract.OUTPUT_NAMES == ("output", "attn_probs")
 _WAIT_MS = 100  # how often an idle runner thread looks whether the plane is stopping
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}  # as the Python plane labels them
 IN_FLIGHT_METRIC = "attnserve_native_in_flight"  # registered only while the plane serves
+OBSERVE_EVERY_S = 0.05  # how long a batch's figures may wait for the event loop (NativePlane._observe)
 UNKNOWN_MODEL = "_unknown"  # the label of calls naming no known model (server.request_path's)
 # plane.cancellations(index)'s order (native/plane.h's kCancelReasons x kCancelStages).
 CANCEL_LABELS = tuple((reason, stage) for reason in (CLIENT, DEADLINE)
@@ -204,6 +205,10 @@ class NativePlane:
         self._unobserved_lock = threading.Lock()
         self._last_ticket = 0
         self._after_observed: list[tuple[int, Callable[[], None]]] = []
+        # Batches' figures not yet counted, drained on the event loop every OBSERVE_EVERY_S (or at
+        # once when a ModelStatistics waits): a wake per batch cost a c=1 call more than the run.
+        self._pending: list[tuple] = []
+        self._drain_scheduled = False
         # (name, spec, run, run_solo, stoppable) by the plane's model index; run and run_solo are
         # let go of once a retired version's runner ends (its sessions go with the last reference).
         self._models: list[tuple] = []
@@ -229,6 +234,7 @@ class NativePlane:
                                           "data plane (--data-plane native).", registry=metrics.registry,
                                           multiprocess_mode="livesum")  # workers: the live ones' sum
             metrics.add_refresh(self.refresh_metrics)
+            metrics.add_before_statistics(self.count_pending)
 
     # -- model changes (docs/native-data-plane.md, "Model changes and the rare RPCs") ---------
 
@@ -298,11 +304,12 @@ class NativePlane:
 
     def _answer(self, method: str, data: bytes, reply) -> None:
         if method == "ModelStatistics":  # after the batches answered before it are counted (_counted)
+            self.count_pending()
             with self._unobserved_lock:
                 latest = max(self._unobserved, default=0)
-            if latest:
-                self._after_observed.append((latest, lambda: self._answer_now(method, data, reply)))
-                return
+                if latest:  # its batch's figures wake the loop at once (_observe)
+                    self._after_observed.append((latest, lambda: self._answer_now(method, data, reply)))
+                    return
         self._answer_now(method, data, reply)
 
     def _answer_now(self, method: str, data: bytes, reply) -> None:
@@ -440,14 +447,16 @@ class NativePlane:
         with self._unobserved_lock:
             self._unobserved.discard(ticket)
             oldest = min(self._unobserved, default=self._last_ticket + 1)
-        ready = [answer for latest, answer in self._after_observed if latest < oldest]
-        self._after_observed = [(latest, answer) for latest, answer in self._after_observed if latest >= oldest]
+            ready = [answer for latest, answer in self._after_observed if latest < oldest]
+            self._after_observed = [(latest, answer) for latest, answer in self._after_observed if latest >= oldest]
         for answer in ready:
             answer()
 
     def _observe(self, index: int, batch, started: float, ran: float, solo: bool, failed: bool,
                  terminated: bool = False, ticket: int = 0) -> None:
-        """The batch's figures to the event loop, which owns the metrics: once per batch."""
+        """The batch's figures to the event loop, which owns the metrics: counted there within
+        OBSERVE_EVERY_S, at once when a ModelStatistics waits for them, and before any scrape or
+        statistics read (count_pending)."""
         if not self._observers or self._loop is None:
             return
         done = time.perf_counter()
@@ -457,10 +466,26 @@ class NativePlane:
         stats = BatchStats(requests=batch.requests, rows=batch.rows, padding_ratio=batch.padding_ratio,
                            compute_s=done - started, queue_s=tuple(batch.queue_s), failed=failed,
                            run_s=ran - started, split_s=done - ran, solo=solo, terminated=terminated)
+        with self._unobserved_lock:
+            self._pending.append((index, stats, tuple(batch.done_s), span_figures, ticket))
+            now = bool(self._after_observed)
+            later = not now and not self._drain_scheduled
+            self._drain_scheduled = self._drain_scheduled or later
         try:
-            self._loop.call_soon_threadsafe(self._observed, index, stats, tuple(batch.done_s), span_figures, ticket)
+            if now:
+                self._loop.call_soon_threadsafe(self.count_pending)
+            elif later:
+                self._loop.call_soon_threadsafe(self._loop.call_later, OBSERVE_EVERY_S, self.count_pending)
         except RuntimeError:
             pass  # the loop is closed: the server is gone
+
+    def count_pending(self) -> None:
+        """On the event loop: the batches' figures held so far, counted (metrics, statistics, spans)."""
+        with self._unobserved_lock:
+            pending, self._pending = self._pending, []
+            self._drain_scheduled = False
+        for item in pending:
+            self._observed(*item)
 
     def _observed(self, index: int, stats: BatchStats, done_s: tuple[float, ...], span_figures=None,
                   ticket: int = 0) -> None:
@@ -479,6 +504,7 @@ class NativePlane:
         """At each scrape: attnserve_requests gets the native calls' final statuses (counted in
         C++) since the last one; attnserve_native_in_flight the calls queued or computing now;
         attnserve_queue_depth the calls queued in the plane now (beside the batchers')."""
+        self.count_pending()  # the batches' figures held for the event loop (_observe)
         self._in_flight_gauge.set(self._plane.in_flight())
         depths: dict[str, int] = {}  # the gauges' native parts: every version's queue and runner of a name
         runs: dict[str, int] = {}
@@ -541,6 +567,11 @@ class NativePlane:
         self._plane.stop(grace_s)
         for thread in self._runners:
             thread.join()
+        if self._loop is not None:  # the last batches' figures, before the last lines, spans and figures below
+            try:
+                self._loop.call_soon_threadsafe(self.count_pending)
+            except RuntimeError:
+                pass  # the loop is closed: the server is gone
         if self._records is not None:  # the last calls' lines and spans, on the event loop
             try:
                 self._loop.call_soon_threadsafe(self._records.stop)
