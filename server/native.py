@@ -468,7 +468,8 @@ class NativePlane:
                            run_s=ran - started, split_s=done - ran, solo=solo, terminated=terminated)
         with self._unobserved_lock:
             self._pending.append((index, stats, tuple(batch.done_s), span_figures, ticket))
-            now = bool(self._after_observed)
+            # With --workers, the others read this worker's statistics from its file: written at once.
+            now = bool(self._after_observed) or self._shared_port
             later = not now and not self._drain_scheduled
             self._drain_scheduled = self._drain_scheduled or later
         try:
