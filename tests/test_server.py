@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
+import time
 import urllib.request
 import zlib
 from pathlib import Path
@@ -17,6 +18,7 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from tests.gated_server import GatedServer
 from tests.oip import eager, infer_request, outputs_of, random_inputs
 
 TOLERANCE = 1e-5
@@ -367,25 +369,45 @@ def test_metrics_contract(server, stub):
     assert _metric(server, "attnserve_requests_total", "cross_attention", 'code="INVALID_ARGUMENT"') >= 1
 
 
-def test_one_stream_batches_its_requests_and_answers_in_order(stub, eager_modules):
+def test_one_stream_batches_its_requests_and_answers_in_order(model_repository, eager_modules):
     """Requests of one ModelStreamInfer stream are submitted as they arrive, so they share
-    ONNX Runtime runs; the answers still come back in request order."""
+    ONNX Runtime runs; the answers still come back in request order. A run is held at a gate
+    until the rest of the requests wait in the queue, so they must share runs on any machine."""
     rng = np.random.default_rng(12)
     xs = [_inputs("cross_attention", rng, 1, 16, 9) for _ in range(24)]
-
-    def executions() -> int:
-        stats = stub.ModelStatistics(pb.ModelStatisticsRequest(name="cross_attention"), timeout=10)
-        return stats.model_stats[0].execution_count
-
-    before = executions()
-    responses = list(stub.ModelStreamInfer(
-        iter([infer_request("cross_attention", request_id=str(i), **x) for i, x in enumerate(xs)]), timeout=60))
-    runs = executions() - before
+    with GatedServer(model_repository) as proc, proc.channel() as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answers = pool.submit(lambda: list(stub.ModelStreamInfer(
+                iter([infer_request("cross_attention", request_id=str(i), **x) for i, x in enumerate(xs)]),
+                timeout=120)))
+            # A stream reads its next request only once the first is answered (until then it does
+            # not know what an answer holds of the memory budget): the first run goes alone.
+            assert proc.gate.wait_started() == 1
+            proc.gate.release()
+            held = proc.gate.wait_started()  # the second run, held while the rest arrive and queue
+            _wait_for_queue_depth(proc, "cross_attention", 23 - held)
+            proc.gate.release(24)
+            responses = answers.result(120)
+        runs = 2
+        while proc.gate.has_started():
+            proc.gate.wait_started(0)
+            runs += 1
     assert [r.infer_response.id for r in responses] == [str(i) for i in range(24)]
     for x, r in zip(xs, responses, strict=True):
         assert not r.error_message
         _assert_close(outputs_of(r.infer_response), eager(eager_modules["cross_attention"], **x))
     assert runs < 24, "the stream's requests never shared a run"
+
+
+def _wait_for_queue_depth(proc: GatedServer, model: str, depth: int, timeout_s: float = 60.0) -> None:
+    """Until the server's own gauge says `depth` requests wait in the model's queue (a state, not a guess)."""
+    deadline = time.monotonic() + timeout_s
+    line = f'attnserve_queue_depth{{model="{model}"}} '
+    while (got := next((float(row[len(line):]) for row in proc.scrape().splitlines() if row.startswith(line)),
+                       None)) != depth:
+        assert time.monotonic() < deadline, f"queue depth {got}, expected {depth}"
+        time.sleep(0.01)
 
 
 def test_a_stream_message_that_does_not_parse_ends_it_after_the_answers_before_it(server):
