@@ -252,17 +252,6 @@ PYBIND11_MODULE(_native, m) {
            "readable once records wait to be taken (-1: not recording)")
       .def("records_dropped", [](const Plane& p) { return p.records() ? p.records()->dropped() : uint64_t{0}; },
            "records dropped so far because the buffer was full")
-      .def("take_records", [](Plane& p) {
-        py::list out;
-        if (!p.records()) return out;
-        std::vector<attnserve::CallRecord> taken;
-        {
-          py::gil_scoped_release release;
-          taken = p.records()->Take();
-        }
-        for (const auto& r : taken) out.append(RecordTuple(r));
-        return out;
-      }, "every record held now, as tuples (server.native_records.RECORD_FIELDS' order); client text as bytes")
       .def("take_arrivals_and_records", [](Plane& p) {
         py::dict arrivals;
         py::list out;

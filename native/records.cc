@@ -108,16 +108,6 @@ void Records::Add(std::vector<CallRecord>& records) {
   records.clear();
 }
 
-std::vector<CallRecord> Records::Take() {
-  std::vector<CallRecord> out;
-  std::lock_guard<std::mutex> lock(mu_);
-  uint64_t count = 0;
-  while (wake_fd_ >= 0 && read(wake_fd_, &count, sizeof count) > 0) {
-  }
-  out.swap(held_);
-  return out;
-}
-
 // -- the Plane's part ---------------------------------------------------------------------------
 
 void Plane::SetRecords(size_t capacity, bool arrivals) {

@@ -53,9 +53,9 @@ class Records {
   Records& operator=(const Records&) = delete;
   void Add(CallRecord record);
   void Add(std::vector<CallRecord>& records);  // one lock for a batch's calls
-  std::vector<CallRecord> Take();              // everything held now; wake_fd read empty first
   // Arrivals (the gate's "rpc <method>" lines) are counts by method, beside the records: they take
-  // none of the records' room. TakeAll takes both at once, so an arrival is written before its call's line.
+  // none of the records' room. TakeAll takes both at once, so an arrival is written before its call's
+  // line; wake_fd is read empty first.
   void AddArrival(const std::string& method);
   std::vector<CallRecord> TakeAll(std::map<std::string, uint64_t>* arrivals);
   int wake_fd() const { return wake_fd_; }

@@ -28,7 +28,7 @@ from attnserve.server.tracing import TRACEPARENT, TRACESTATE, Call, Calls
 logger = logging.getLogger(__name__)
 
 DROPPED_METRIC = "attnserve_access_records_dropped_total"
-# _native.Plane.take_records' tuples (native/bindings.cc); client text comes as bytes.
+# _native.Plane.take_arrivals_and_records' tuples (native/bindings.cc); client text comes as bytes.
 RECORD_FIELDS = ("traced", "method", "peer", "model", "version", "request_id", "traceparent", "tracestate", "code",
                  "details", "start_ns", "end_ns", "admitted_ns", "run_start_ns", "run_end_ns", "queue_s", "run_s",
                  "batch_requests", "rows", "q_len", "k_len", "bytes_in", "bytes_out", "batch", "model_chars",

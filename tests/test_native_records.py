@@ -243,7 +243,8 @@ def test_a_batchs_records_go_over_at_once_into_a_bounded_buffer(model_repository
     spec = read_model_spec(model_repository / "self_attention")
     cfg = ServerConfig()
     unasked = native.new_plane()
-    assert unasked.records_fd() == -1 and unasked.take_records() == [] and unasked.records_dropped() == 0
+    assert unasked.records_fd() == -1 and unasked.records_dropped() == 0
+    assert unasked.take_arrivals_and_records() == ({}, [])
     plane = native.new_plane()
     plane.set_records(2)
     index = plane.add_model(spec.name, str(spec.version), spec.query_dim, spec.kv_dim, spec.out_dim, spec.num_heads,
@@ -271,7 +272,7 @@ def test_a_batchs_records_go_over_at_once_into_a_bounded_buffer(model_repository
                 future.result()
     finally:
         plane.stop(1.0)
-    records = [dict(zip(RECORD_FIELDS, r, strict=True)) for r in plane.take_records()]
+    records = [dict(zip(RECORD_FIELDS, r, strict=True)) for r in plane.take_arrivals_and_records()[1]]
     assert len(records) == 2 and plane.records_dropped() == calls - 2
     for r in records:
         assert (r["traced"], r["method"], r["model"], r["version"], r["code"]) == (
@@ -281,4 +282,4 @@ def test_a_batchs_records_go_over_at_once_into_a_bounded_buffer(model_repository
         assert 0 < r["start_ns"] <= r["admitted_ns"] <= r["run_start_ns"] <= r["run_end_ns"] <= r["end_ns"]
         assert r["queue_s"] >= 0 and r["run_s"] > 0 and r["bytes_in"] > 0 and r["bytes_out"] > 0
         assert abs(r["start_ns"] - time.time_ns()) < 3600e9  # the epoch clock, not the plane's steady one
-    assert plane.take_records() == []
+    assert plane.take_arrivals_and_records()[1] == []
