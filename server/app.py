@@ -215,6 +215,7 @@ class Server:
                                  "poll to load models later")
         self.registry.started_at = started
         self.registry.listener = self._model_changed
+        self.registry.follow = self._native_follows
         if self._warm_up_hold is not None:
             self.registry.warm_up_hold = functools.partial(self._warm_up_hold, self)
         self.registry.start()
@@ -313,8 +314,7 @@ class Server:
         After the start, a change may retire a version: what freeze_gc() left out of the
         collector's walks becomes collectable again (server.memory.heap.unfreeze_gc).
         The native plane follows first, before any await: both ports change in the same turn."""
-        if self._native is not None:
-            self._native.sync()
+        self._native_follows()
         if self._gc_frozen:
             heap.unfreeze_gc()
             self._gc_frozen = False
@@ -326,6 +326,12 @@ class Server:
         overall = serving if self.registry is not None and self.registry.ready_names() else not_serving
         await self._health.set("", overall)
         await self._health.set(SERVICE_NAME, overall)
+
+    def _native_follows(self) -> None:
+        """The native plane serves what the registry serves now: before the change's ready line is
+        logged (the registry's `follow`), since its calls do not wait for the event loop."""
+        if self._native is not None:
+            self._native.sync()
 
     def _start_native(self, request_path: RequestPath, token: BearerToken | None, upstream: str,
                       channel_args: list[tuple[str, int]]) -> int:

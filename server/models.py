@@ -178,6 +178,9 @@ class ModelRegistry:
         runs on the engine's solo sessions: server.batcher, "Solo runs").
         run_batch: makes each model's run instead of an ONNX Runtime Engine (bench.floor).
         listener: told of each change (the server's health service).
+        follow (attribute): called at once, before a change's ready lines are logged, by whatever
+        serves calls off the event loop (the native data plane), so nothing that reads the log
+        reaches a port still serving what was there before.
         budget: the process's memory budget, shared by every version's batcher."""
         self.config = config or ServerConfig()
         self._device = device
@@ -188,6 +191,7 @@ class ModelRegistry:
         self._budget = budget
         self._tracing = tracing
         self.listener = listener
+        self.follow: Callable[[], None] | None = None
         self._models: dict[str, _Model] = {}
         self._lock = asyncio.Lock()  # one load or unload at a time
         self._retiring: set[LoadedVersion] = set()  # replaced or unloaded, finishing their calls
@@ -422,6 +426,7 @@ class ModelRegistry:
                     del self._warming_loads[name]
             retired = [lv for v, lv in old.versions.items() if keep.get(v) is not lv]
             self._models[name] = new
+            self._followed()
             for line in ready_lines:
                 logger.info(*line)
             for lv in retired:
@@ -442,6 +447,7 @@ class ModelRegistry:
                                         unloaded_versions=tuple(sorted(model.versions)) or model.unloaded_versions)
             for lv in model.versions.values():
                 self._retire(lv)
+            self._followed()
             logger.info("model %s unloaded (versions %s)", name, sorted(model.versions))
         await self._tell(name)
 
@@ -559,6 +565,7 @@ class ModelRegistry:
                 self._models[name] = _Model(reason=reason, seen=model.seen)
             else:
                 model.warming = False
+                self._followed()
                 self._record_ready(name, time.monotonic() - self.started_at, "the server's start")
             await self._tell(name)
 
@@ -640,6 +647,10 @@ class ModelRegistry:
         task = asyncio.get_running_loop().create_task(finish(), name=f"retire-{name}-{version}")
         self._retire_tasks.add(task)
         task.add_done_callback(self._retire_tasks.discard)
+
+    def _followed(self) -> None:
+        if self.follow is not None:
+            self.follow()
 
     async def _tell(self, name: str) -> None:
         if self.listener is not None:
