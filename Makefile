@@ -10,7 +10,7 @@ PIP_FIND_LINKS_OPT := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 MODELS ?= $(or $(ATTNSERVE_MODEL_REPOSITORY),models)
 PRESETS := self_attention cross_attention
 
-.PHONY: native native-deps native-if-possible test-native-asan fuzz-native fuzz-deps install test test-fast test-python-plane test-native-plane docs lint test-ray test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-goals bench-peers bench-sweep bench-shm bench-ort-c bench-tools clean nginx
+.PHONY: native native-deps native-if-possible test-native-asan fuzz-native fuzz-deps install test test-fast test-python-plane test-native-plane docs lint test-ray test-containers test-ecosystem test-deps-oldest test-deps-newest serve export proto bench bench-goals bench-peers bench-stages bench-sweep bench-shm bench-ort-c bench-tools clean nginx
 
 install: $(STAMP)
 
@@ -267,6 +267,12 @@ $(PYTRITON_VENV)/.installed: $(STAMP)
 	$(PYTRITON_VENV)/bin/python -m pip install --quiet 'nvidia-pytriton==$(PYTRITON_VERSION)' \
 	  "onnxruntime==$$($(PY) -c 'import onnxruntime; print(onnxruntime.__version__)')"
 	touch $@
+
+# Where a native-plane request's time goes (bench/stages.py: the plane's own counters per stage, a
+# fresh server per model, --batches-in-flight value and concurrency); STAGES_ARGS="--device cuda
+# --batches-in-flight 1,2". JSON to bench/results/stages-<device>.json.
+bench-stages: export bench-tools
+	$(PY) -m bench.stages --repository $(MODELS) $(STAGES_ARGS)
 
 bench-sweep: export
 	$(PY) -m bench.sweep --repository $(MODELS) $(SWEEP_ARGS)

@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.goals                          # both models, 2 rounds of 2 s windows
     .venv/bin/python -m bench.goals --models self_attention --rounds 1 --seconds 1 --sides native_floor,native
     .venv/bin/python -m bench.goals --peers pytriton         # and PyTriton at c=32 (make bench-peers)
+    .venv/bin/python -m bench.goals --device cuda            # the servers and in-process ONNX Runtime on CUDA
 
 For each model (self_attention with one (1, 10, 512) sequence per request, cross_attention at
 its preset shapes: bench.inprocess.SHAPES), in alternating rounds (the order of the sides turns
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -139,7 +141,9 @@ def pytriton_command(repository: Path, models: list[str]) -> list[str]:
     return command
 
 
-def start(name: str, repository: Path, workdir: Path, models: list[str]) -> Process:
+def start(name: str, repository: Path, workdir: Path, models: list[str], device: str = "cpu",
+          server_args: tuple[str, ...] = ()) -> Process:
+    """One serving process; `device` and `server_args` reach the two servers (the floors compute nothing)."""
     if name == "native_floor":
         return Process(name, _server_command("bench.native_floor", repository, "--data-plane", "native"),
                                              workdir, "grpc_port")
@@ -147,10 +151,11 @@ def start(name: str, repository: Path, workdir: Path, models: list[str]) -> Proc
         return Process(name, _server_command("bench.aio_floor", repository), workdir, "grpc_port")
     if name == "python":
         return Process(name, _server_command("attnserve.server", repository, "--data-plane", "python",
-                                             "--http-port", "0"), workdir, "grpc_port")
+                                             "--http-port", "0", "--device", device, *server_args),
+                       workdir, "grpc_port")
     if name == "native":
-        return Process(name, _server_command("attnserve.server", repository, "--data-plane", "native"),
-                                             workdir, "grpc_port")
+        return Process(name, _server_command("attnserve.server", repository, "--data-plane", "native",
+                                             "--device", device, *server_args), workdir, "grpc_port")
     if name == "aiohttp_floor":
         return Process(name, [sys.executable, "-m", "bench.aiohttp_floor", "--model-repository", str(repository)],
                        workdir, "http_port")
@@ -312,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--in-process-s", type=float, default=1.0, help="in-process window per batch size")
     p.add_argument("--load-generator", choices=("auto", "python"), default="auto",
                    help="python: bench.loadgen for gRPC sides even where perf_analyzer runs")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="ONNX Runtime's device for the servers and the in-process figures")
+    p.add_argument("--server-args", default="", help="more flags for the two servers, e.g. '--batches-in-flight 2'")
     p.add_argument("--output", type=Path, default=REPO_ROOT / "bench" / "results")
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -322,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     peers = [s for s in args.peers.split(",") if s]
     if set(peers) - {"pytriton"}:
         p.error(f"unknown peers {peers}; the one peer is pytriton")
+    if peers and args.device != "cpu":
+        p.error("the PyTriton peer serves on CPU only (bench/pytriton_peer.py)")
     if peers and not PYTRITON_PYTHON.exists():
         raise SystemExit(f"bench.goals: {PYTRITON_PYTHON} is missing: `make bench-peers` installs PyTriton there")
     specs = {m: read_model_spec(args.repository / m) for m in models}
@@ -334,21 +344,24 @@ def main(argv: list[str] | None = None) -> int:
     if why_not_native is not None:
         print(f"bench.goals: no native sides: {why_not_native}", flush=True)
         chosen = [s for s in chosen if SIDES[s][0] not in ("native", "native_floor")]
+    providers = ("CUDAExecutionProvider",) if args.device == "cuda" else ("CPUExecutionProvider",)
     host = machine()
     load_before = os.getloadavg()
     print(f"bench.goals: {host['cpu_model']}, {host['cores']} cores, load {' '.join(f'{x:.2f}' for x in load_before)}; "
-          f"{'perf_analyzer' if found else 'bench.loadgen'}; {args.rounds} rounds of {args.seconds:g} s; sides "
-          f"{','.join(chosen + peers)}", flush=True)
+          f"{'perf_analyzer' if found else 'bench.loadgen'}; {args.rounds} rounds of {args.seconds:g} s; "
+          f"device {args.device}; sides {','.join(chosen + peers)}", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench-goals-"))
     needed = list(dict.fromkeys([SIDES[s][0] for s in chosen] + peers))
     procs: dict[str, Process] = {}
     results: dict = {"machine": host, "generator": "perf_analyzer" if found else "bench.loadgen",
-                     "rounds": args.rounds, "seconds": args.seconds, "load_before": load_before,
+                     "rounds": args.rounds, "seconds": args.seconds, "device": args.device,
+                     "server_args": args.server_args, "load_before": load_before,
                      "sides": chosen + peers, "models": {}}
     try:
         for name in needed:
             print(f"starting {name} ...", flush=True)
-            procs[name] = start(name, args.repository, workdir, models)
+            procs[name] = start(name, args.repository, workdir, models, args.device,
+                                tuple(shlex.split(args.server_args)))
 
         def drive(side: str, model: str, c: int) -> dict:
             spec, shape = specs[model], SHAPES[model]
@@ -384,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                 got: dict = {"sides": {}}
                 order = chosen + peers if r % 2 == 0 else list(reversed(chosen + peers))
                 if r % 2 == 0:
-                    got["in_process"] = inprocess.measure(specs[model], SHAPES[model], (1, 32), args.in_process_s)
+                    got["in_process"] = inprocess.measure(specs[model], SHAPES[model], (1, 32), args.in_process_s,
+                                                          providers=providers)
                 for side in order:
                     for c in ((32,) if side == "pytriton" else LEVELS):
                         try:
@@ -400,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                               f"  p50 {figures['p50_ms']:7.3f} ms  CPU {figures['cpu_ms_per_req']:.3f} ms/req"
                               f"  load {figures['load']:.2f}", flush=True)
                 if r % 2 == 1:
-                    got["in_process"] = inprocess.measure(specs[model], SHAPES[model], (1, 32), args.in_process_s)
+                    got["in_process"] = inprocess.measure(specs[model], SHAPES[model], (1, 32), args.in_process_s,
+                                                          providers=providers)
                 print(f"round {r + 1} {model:15s} in-process: b1 call {got['in_process'][1]['ms_per_call']:.3f} ms, "
                       f"b32 {got['in_process'][32]['requests_per_s']:,.0f} req/s", flush=True)
                 got["derived"] = derive(got["in_process"], got["sides"])
@@ -417,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(report(model, SHAPES[model], data)))
     print(f"\n{host['cpu_model']}, {host['cores']} cores; load average before "
           f"{' '.join(f'{x:.2f}' for x in load_before)}, after {' '.join(f'{x:.2f}' for x in results['load_after'])}; "
-          f"medians of {args.rounds} alternating rounds")
+          f"medians of {args.rounds} alternating rounds; device {args.device}")
     args.output.mkdir(parents=True, exist_ok=True)
     out = args.output / "goals.json"
     out.write_text(json.dumps(results, indent=1, default=str))

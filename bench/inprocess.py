@@ -42,6 +42,8 @@ def measure(spec: ModelSpec, shape: Shape, batches: tuple[int, ...], seconds: fl
     thread per core, spinning on): the best a caller in-process gets, not the server's choices."""
     graph = spec.graph_all_outputs if want_probs else spec.graph_output_only
     session = ort.InferenceSession(str(graph), providers=list(providers))
+    if session.get_providers()[0] != providers[0]:  # ONNX Runtime falls back to the CPU with a warning alone
+        raise RuntimeError(f"in-process session asked for {providers[0]} runs on {session.get_providers()}")
     rng = np.random.default_rng(0)
     results = {}
     for k in batches:

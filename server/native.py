@@ -568,6 +568,8 @@ class NativePlane:
         self._plane.stop(grace_s)
         for thread in self._runners:
             thread.join()
+        # Every batch has run: the totals are final (bench.stages reads this line).
+        logger.info("native data plane stopped: %s", self.counters())
         if self._loop is not None:  # the last batches' figures, before the last lines, spans and figures below
             try:
                 self._loop.call_soon_threadsafe(self.count_pending)
@@ -587,4 +589,3 @@ class NativePlane:
     def _last_sync(self) -> None:
         self._sync_task.cancel()
         self._sync_counts()
-        logger.info("native data plane stopped: %s", self.counters())
