@@ -95,11 +95,12 @@ class Engine:
     """Every graph of one model version, on the chosen device.
 
     The graph with attn_probs is required; the others are optimisations, served without when
-    missing (an older export) or unloadable, with the reason logged once. On CUDA every run goes
-    through I/O binding: inputs are bound from host memory and outputs are allocated by ONNX
-    Runtime on the device, then copied back once. `io_binding=True` takes the same path on the
-    CPU provider (how CI exercises it without a GPU). The fused graphs are chosen by the same
-    rule on CUDA as on CPU (server.graphs), with the crossover measured on CPU at export.
+    missing (an older export) or unloadable, with the reason logged once. Runs take numpy feeds
+    and return numpy outputs on either provider (`session.run`): on CUDA, I/O binding (inputs
+    bound from host memory, outputs allocated on the device and copied back) measured slower per
+    call on an H200 (docs/performance.md, "On a GPU"). `io_binding=True` takes that path on
+    either provider. The fused graphs are chosen by the same rule on CUDA as on CPU
+    (server.graphs), with the crossover measured on CPU at export.
 
     Solo sessions (`solo=True`, CPU only): a second session of each unfused graph (those short
     sequences take, below the fused graphs' crossover) whose pool threads spin while idle, for
@@ -117,7 +118,7 @@ class Engine:
     (docs/server.md, "Row chunks"). A version without those graphs runs unchunked."""
 
     def __init__(self, spec: ModelSpec, device: DeviceChoice, intra_op_threads: int = 0,
-                 io_binding: bool | None = None, solo: bool = False, chunk_rows: int = 0) -> None:
+                 io_binding: bool = False, solo: bool = False, chunk_rows: int = 0) -> None:
         """chunk_rows: a fused run of more query rows than this is computed in chunks of at most
         this many (the row-chunk graphs, where the version has them; CPU only; 0: never)."""
         if chunk_rows < 0:
@@ -179,7 +180,7 @@ class Engine:
         self.chunk_rows, self.row_chunks_run = chunk_rows, 0
         self._row_sessions: dict[str, ort.InferenceSession] = {}
         self.why_no_row_chunks = self._open_row_graphs(options, device, on_cuda) if chunk_rows else "chunk_rows is 0"
-        self._io_binding = on_cuda if io_binding is None else io_binding
+        self._io_binding = io_binding
         # Runs write into given host arrays on the CPU provider only: on CUDA that would be a
         # device-to-host copy ONNX Runtime makes, untested here (docs/shared-memory.md, CUDA).
         self._writes_into = not on_cuda

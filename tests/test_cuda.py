@@ -36,12 +36,14 @@ def test_cuda_probe_runs_on_cuda():
     assert why_cuda_cannot_run() is None
 
 
+@pytest.mark.parametrize("io_binding", [False, True], ids=["plain", "io_binding"])
 @pytest.mark.parametrize("model", ["self_attention", "cross_attention"])
-def test_cuda_engine_runs_with_io_binding_and_matches_the_cpu(model_repository, model):
+def test_cuda_engine_matches_the_cpu(model_repository, model, io_binding):
+    """The served path (plain runs, numpy in and out) and I/O binding, each against the CPU."""
     spec = read_model_spec(model_repository / model)
-    gpu = Engine(spec, choose_device("cuda"))
+    gpu = Engine(spec, choose_device("cuda"), io_binding=io_binding)
     cpu = Engine(spec, choose_device("cpu"))
-    assert gpu.providers[0] == CUDA and gpu._io_binding
+    assert gpu.providers[0] == CUDA and gpu._io_binding == io_binding
     rng = np.random.default_rng(21)
     b, lq, lk = 5, 40, 17
     mask = rng.random((b, lq, lk)) < 0.7
