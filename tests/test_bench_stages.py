@@ -32,6 +32,7 @@ def test_the_counters_are_read_from_the_last_stopped_line():
         stages.counters_from_log("... INFO attnserve.server.app: stopped after 0.11s\n")
 
 
+@pytest.mark.e2e  # starts servers
 def test_a_tiny_stages_run_writes_its_report(model_repository, tmp_path):
     from attnserve.server.native import why_unavailable
 
