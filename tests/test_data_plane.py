@@ -123,8 +123,8 @@ def test_the_supervisor_chooses_once_and_every_worker_serves_on_that_plane(model
     monkeypatch.delenv(DATA_PLANE_ENV, raising=False)
     proc = ServerProcess(model_repository, "--workers", "2")
     try:
-        log = proc.log()
-        assert "serving with 2 workers" in log and "(data plane native, REST" in log, log
+        log = proc.wait_for_log("serving with 2 workers")  # the supervisor logs it just after the ready file
+        assert "(data plane native, REST" in log, log
         assert log.count(NATIVE_LINE) == 2, log  # each worker's own start line
         assert NATIVE_DATA_PLANE in _extensions(proc)
     finally:
