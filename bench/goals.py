@@ -66,8 +66,10 @@ SIDES = {
     "rest_binary_aiohttp": ("python", "rest_binary"),
     "rest_json": ("python", "rest_json"),
     "aiohttp_floor": ("aiohttp_floor", "rest_binary"),
+    # Asked for by name only: the native floor answering from a thread of its own (what a handoff costs).
+    "native_floor_handoff": ("native_floor_handoff", "grpc"),
 }
-DEFAULT_SIDES = ",".join(SIDES)
+DEFAULT_SIDES = ",".join(s for s in SIDES if s != "native_floor_handoff")
 
 
 class Process:
@@ -147,6 +149,10 @@ def start(name: str, repository: Path, workdir: Path, models: list[str], device:
     if name == "native_floor":
         return Process(name, _server_command("bench.native_floor", repository, "--data-plane", "native"),
                                              workdir, "grpc_port")
+    if name == "native_floor_handoff":
+        command = _server_command("bench.native_floor", repository, "--data-plane", "native")
+        command.insert(3, "--handoff")  # the module's own flag, before the server's
+        return Process(name, command, workdir, "grpc_port")
     if name == "aio_floor":
         return Process(name, _server_command("bench.aio_floor", repository), workdir, "grpc_port")
     if name == "python":
@@ -310,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.goals", description=__doc__.split("\n\n")[0])
     p.add_argument("--repository", type=Path, default=REPO_ROOT / "models")
     p.add_argument("--models", default="self_attention,cross_attention")
-    p.add_argument("--sides", default=DEFAULT_SIDES, help=f"of {DEFAULT_SIDES}")
+    p.add_argument("--sides", default=DEFAULT_SIDES, help=f"of {DEFAULT_SIDES} (the default), native_floor_handoff")
     p.add_argument("--peers", default="", help="pytriton: also PyTriton at c=32 (make bench-peers installs it)")
     p.add_argument("--seconds", type=float, default=2.0, help="measurement window per level")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds; figures are their medians")
@@ -343,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     why_not_native = why_unavailable()
     if why_not_native is not None:
         print(f"bench.goals: no native sides: {why_not_native}", flush=True)
-        chosen = [s for s in chosen if SIDES[s][0] not in ("native", "native_floor")]
+        chosen = [s for s in chosen if SIDES[s][0] not in ("native", "native_floor", "native_floor_handoff")]
     providers = ("CUDAExecutionProvider",) if args.device == "cuda" else ("CPUExecutionProvider",)
     host = machine()
     load_before = os.getloadavg()

@@ -7,6 +7,9 @@ measures against it is what gRPC's C++ core costs per call on this machine, the 
 native data plane; bench.floor is the same for the Python stack. ModelMetadata, ModelConfig and
 ModelStatistics answer from the tables the real server would make (perf_analyzer asks them).
 Writes --ready-file with {"grpc_port": the native port} and serves until SIGTERM or SIGINT.
+
+`--handoff` (first): each call is answered from one thread of the plane's own instead of gRPC's,
+as the native plane's runner threads answer: the floor plus the cost of that handoff.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from attnserve.files import write_json_atomic
 from bench.floor import zeros
 
 
-async def serve(config) -> int:
+async def serve(config, handoff: bool = False) -> int:
     why = why_unavailable()
     if why is not None:
         print(f"python -m bench.native_floor: {why}", file=sys.stderr)
@@ -38,6 +41,8 @@ async def serve(config) -> int:
     registry = ModelRegistry.from_repository(config, DeviceChoice(("CPUExecutionProvider",), None), metrics,
                                              run_batch=zeros)
     plane = NativePlane(config, registry, RequestPath(registry, metrics, Draining()), zeros=True)
+    if handoff:
+        plane.answer_from_own_thread()
     port = plane.start()
     if config.ready_file is not None:
         write_json_atomic(config.ready_file, {"grpc_port": port})
@@ -51,9 +56,11 @@ async def serve(config) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = load_config(argv, prog="python -m bench.native_floor")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    handoff = argv[:1] == ["--handoff"]
+    config = load_config(argv[handoff:], prog="python -m bench.native_floor")
     configure_logging(config)
-    return asyncio.run(serve(config))
+    return asyncio.run(serve(config, handoff))
 
 
 if __name__ == "__main__":

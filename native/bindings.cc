@@ -178,6 +178,7 @@ PYBIND11_MODULE(_native, m) {
         return out;
       }, "calls finished by model name, by gRPC status code (lists of 17)")
       .def("set_zeros", &Plane::SetZeros)
+      .def("set_zeros_handoff", &Plane::SetZerosHandoff)
       .def("set_budget", [](Plane& p, std::shared_ptr<SharedBudget> budget, py::dict terms, double stream_share) {
         CostTerms t;
         t.safety = terms["safety"].cast<double>();
@@ -347,6 +348,7 @@ PYBIND11_MODULE(_native, m) {
         d["python_ns"] = c.python_ns.load();
         d["split_ns"] = c.split_ns.load();
         d["finish_ns"] = c.finish_ns.load();
+        d["handed_off"] = c.handed_off.load();
         return d;
       });
 }

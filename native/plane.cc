@@ -317,6 +317,7 @@ bool ReadVarint(google::protobuf::io::CodedInputStream& in, uint64_t* value, std
 Plane::~Plane() {
   if (server_) Stop(0);  // halted (Halt) but not stopped: its listener still closes
   StopTimer();
+  StopHandoff();
   if (budget_) budget_->SetNativeWake(nullptr);  // the budget may outlive the plane (Python holds it)
 }
 
@@ -586,6 +587,7 @@ void Plane::Stop(double grace_s) {
     // Batches being computed finish meanwhile (their runner threads call Complete).
     server_->Shutdown(std::chrono::system_clock::now() +
                       std::chrono::microseconds(static_cast<int64_t>(grace_s * 1e6)));
+    StopHandoff();
     server_.reset();
   }
   StopTimer();
@@ -897,6 +899,33 @@ float* AddOutput(inference::ModelInferResponse* response, const std::string& nam
 }
 
 }  // namespace
+
+void Plane::SetZerosHandoff() {
+  if (handoff_thread_.joinable()) return;
+  handoff_thread_ = std::thread([this] {
+    std::unique_lock<std::mutex> lock(handoff_mu_);
+    for (;;) {
+      handoff_cv_.wait(lock, [this] { return handoff_stop_ || !handoff_.empty(); });
+      if (handoff_.empty()) return;  // stopping, and every call answered
+      Handoff next = std::move(handoff_.front());
+      handoff_.pop_front();
+      lock.unlock();
+      AnswerZeros(next.p, *next.queue);
+      counters_.handed_off++;
+      lock.lock();
+    }
+  });
+}
+
+void Plane::StopHandoff() {
+  if (!handoff_thread_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(handoff_mu_);
+    handoff_stop_ = true;
+  }
+  handoff_cv_.notify_one();
+  handoff_thread_.join();
+}
 
 void Plane::AnswerZeros(Pending& p, Queue& queue) {
   const ModelLimits& m = queue.limits;
@@ -1340,6 +1369,14 @@ void Plane::Admit(Pending p, bool again) {
     counters_.check_ns += NanosSince(started);
     if (zeros_) {
       p.arrived = Clock::now();
+      if (handoff_thread_.joinable()) {
+        {
+          std::lock_guard<std::mutex> lock(handoff_mu_);
+          handoff_.push_back({std::move(p), &queue});
+        }
+        handoff_cv_.notify_one();
+        return;
+      }
       AnswerZeros(p, queue);
       return;
     }

@@ -250,6 +250,7 @@ struct Batch {
 struct Counters {
   std::atomic<uint64_t> requests{0}, refused{0}, batches{0}, rows{0};
   std::atomic<uint64_t> check_ns{0}, queue_ns{0}, merge_ns{0}, python_ns{0}, split_ns{0}, finish_ns{0};
+  std::atomic<uint64_t> handed_off{0};  // the floor's calls answered from its own thread (SetZerosHandoff)
 };
 
 class Plane final : public inference::GRPCInferenceService::CallbackService {
@@ -276,6 +277,8 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   // Serialized answers of the rare RPCs, by method and model name ("" for server-wide ones).
   void SetAnswer(const std::string& method, const std::string& name, std::string bytes);
   void SetZeros(bool zeros) { zeros_ = zeros; }  // the native floor: answer zeros, no Python
+  // The native floor answers from one thread of its own, as the runner threads do (bench.native_floor --handoff).
+  void SetZerosHandoff();
   // The memory bounds (admission, docs/native-data-plane.md "Memory bounds"): the shared budget,
   // the cost model's figures and a stream's share of the budget (service.STREAM_BUDGET_SHARE).
   void SetBudget(std::shared_ptr<SharedBudget> budget, const CostTerms& terms, double stream_share);
@@ -531,6 +534,16 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   std::condition_variable idle_;
   Codes unknown_codes_{};
   bool zeros_ = false;
+  struct Handoff {
+    Pending p;
+    Queue* queue;
+  };
+  std::mutex handoff_mu_;
+  std::condition_variable handoff_cv_;
+  std::deque<Handoff> handoff_;
+  bool handoff_stop_ = false;
+  std::thread handoff_thread_;
+  void StopHandoff();
   int64_t stream_window_ = 64;
   MessageBounds message_bounds_;
   std::shared_ptr<SharedBudget> budget_;

@@ -322,6 +322,10 @@ class NativePlane:
             return
         reply(0, "", response.SerializeToString())
 
+    def answer_from_own_thread(self) -> None:
+        """The floor (zeros) only: its calls answered from one thread of the plane's, not gRPC's."""
+        self._plane.set_zeros_handoff()
+
     def receive_figures(self) -> tuple[int, int, int]:
         """The native port's receive slots: (slots, messages being received now, calls whose message waited)."""
         return tuple(self._plane.receive_figures())

@@ -197,7 +197,7 @@ def test_a_tiny_goals_run_writes_its_report(model_repository, tmp_path):
 
     native = why_unavailable() is None
     sides = ["aio_floor", "python", "rest_binary_aiohttp", "rest_json", "aiohttp_floor",
-             *(["native_floor", "native"] if native else [])]
+             *(["native_floor", "native_floor_handoff", "native"] if native else [])]
     done = subprocess.run(
         [sys.executable, "-m", "bench.goals", "--repository", str(model_repository), "--models", "self_attention",
          "--sides", ",".join(sides), "--rounds", "1", "--seconds", "0.3", "--in-process-s", "0.05",
@@ -221,3 +221,47 @@ def test_a_tiny_goals_run_writes_its_report(model_repository, tmp_path):
         assert "native: c32 >= 0.7 x 1/(1/native floor + 1/in-process b32)" in done.stdout
     else:
         assert data["goals"] == {} and "no native sides" in done.stdout
+
+
+def test_the_native_floor_answers_zeros_from_its_own_thread_with_handoff(model_repository):
+    """bench.native_floor's plane with `--handoff`: every call answered, with zeros of the
+    request's shapes, by the plane's own thread (concurrent calls queue there)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    from attnserve.client import InferenceClient
+    from attnserve.server.config import load_config
+    from attnserve.server.engine import DeviceChoice
+    from attnserve.server.lifecycle import Draining
+    from attnserve.server.metrics import Metrics
+    from attnserve.server.models import ModelRegistry
+    from attnserve.server.native import NativePlane, why_unavailable
+    from attnserve.server.request_path import RequestPath
+
+    from bench.floor import zeros
+
+    if why_unavailable() is not None:
+        pytest.skip(f"the native data plane is not built: {why_unavailable()}")
+    config = load_config(["--model-repository", str(model_repository), "--host", "127.0.0.1", "--port", "0",
+                          "--data-plane", "native"])
+    metrics = Metrics()
+    registry = ModelRegistry.from_repository(config, DeviceChoice(("CPUExecutionProvider",), None), metrics,
+                                             run_batch=zeros)
+    plane = NativePlane(config, registry, RequestPath(registry, metrics, Draining()), zeros=True)
+    plane.answer_from_own_thread()
+    port = plane.start()
+    shapes = [1, 2, 3, 4] * 4
+    try:
+        with InferenceClient(f"127.0.0.1:{port}") as client:
+            def call(rows: int) -> dict:
+                x = np.ones((rows, 3 + rows, 512), np.float32)
+                return client.infer("self_attention", x, x, x, outputs=("output", "attn_probs"))
+
+            with ThreadPoolExecutor(8) as pool:
+                answers = list(pool.map(call, shapes))
+        assert plane.counters()["handed_off"] == len(shapes)
+    finally:
+        plane.stop(1.0)
+    for rows, got in zip(shapes, answers, strict=True):
+        assert got["output"].shape == (rows, 3 + rows, 512) and not got["output"].any()
+        assert got["attn_probs"].shape == (rows, 8, 3 + rows, 3 + rows) and not got["attn_probs"].any()
