@@ -19,10 +19,11 @@ import sys
 import grpc
 from attnserve.proto import inference_pb2 as pb
 from attnserve.proto import inference_pb2_grpc as pb_grpc
-from attnserve.server.__main__ import configure_logging
+from attnserve.server.__main__ import configure_logging, start_on_huge_pages
 from attnserve.server.config import load_config
 from attnserve.server.engine import DeviceChoice
 from attnserve.server.lifecycle import Draining
+from attnserve.server.memory import heap
 from attnserve.server.metrics import Metrics
 from attnserve.server.models import ModelRegistry
 from attnserve.server.repository import ModelSpec
@@ -103,6 +104,8 @@ async def serve(config) -> int:
 def main(argv: list[str] | None = None) -> int:
     config = load_config(argv, prog="python -m bench.aio_floor")
     configure_logging(config)
+    start_on_huge_pages()  # the server's heap settings (server.memory.heap): its answers are as large
+    heap.configure_allocator()
     return asyncio.run(serve(config))
 
 

@@ -18,10 +18,11 @@ import asyncio
 import signal
 import sys
 
-from attnserve.server.__main__ import configure_logging
+from attnserve.server.__main__ import configure_logging, start_on_huge_pages
 from attnserve.server.config import load_config
 from attnserve.server.engine import DeviceChoice
 from attnserve.server.lifecycle import Draining
+from attnserve.server.memory import heap
 from attnserve.server.metrics import Metrics
 from attnserve.server.models import ModelRegistry
 from attnserve.server.native import NativePlane, why_unavailable
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     handoff = argv[:1] == ["--handoff"]
     config = load_config(argv[handoff:], prog="python -m bench.native_floor")
     configure_logging(config)
+    start_on_huge_pages()  # the server's heap settings (server.memory.heap): its answers are as large
+    heap.configure_allocator()
     return asyncio.run(serve(config, handoff))
 
 
