@@ -179,10 +179,11 @@ def test_requests_that_run_together_get_one_batch_span_linked_to_each(model_repo
         first = pool.submit(stub.ModelInfer, infer_request("self_attention", **_inputs(1, 3)), timeout=WAIT_S)
         assert proc.gate.wait_started() == 1  # the first batch runs, held: the next three queue behind it
         parents = [traceparent() for _ in range(3)]
-        calls = [pool.submit(stub.ModelInfer, infer_request("self_attention", **_inputs(1, 3 + i)),
-                             metadata=(("traceparent", header),), timeout=WAIT_S)
-                 for i, (header, _t, _s) in enumerate(parents)]
-        _wait_queue_depth(proc, "self_attention", 3)
+        calls = []
+        for i, (header, _t, _s) in enumerate(parents):  # one at a time: their order in the queue is known
+            calls.append(pool.submit(stub.ModelInfer, infer_request("self_attention", **_inputs(1, 3 + i)),
+                                     metadata=(("traceparent", header),), timeout=WAIT_S))
+            _wait_queue_depth(proc, "self_attention", i + 1)
         proc.gate.release()
         assert proc.gate.wait_started() == 3  # one batch of the three
         proc.gate.release()
