@@ -254,8 +254,11 @@ def test_queue_full_sheds_with_resource_exhausted(model_repository, eager_module
     with GatedServer(model_repository, "--max-queue-size", "1", "--max-batch-size", "2") as proc, \
             proc.channel() as channel, concurrent.futures.ThreadPoolExecutor(12) as pool:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        futures = _submit_all(pool, stub, cases)
+        # The first one running before the others come: sent together, the second could find the
+        # first still queued and be shed too.
+        futures = _submit_all(pool, stub, cases[:1])
         proc.gate.wait_started()
+        futures += _submit_all(pool, stub, cases[1:])
         shed = [f for f in futures if _code_when_done(f, futures) == grpc.StatusCode.RESOURCE_EXHAUSTED]
         assert len(shed) == 10 and all("max_queue_size" in f.exception().details() for f in shed)
         proc.gate.release(2)
