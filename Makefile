@@ -143,7 +143,8 @@ NATIVE_ASAN_BUILD := build/native-asan
 NATIVE_ASAN_TESTS ?= tests/test_native_plane.py tests/test_native_control.py tests/test_native_models.py \
   tests/test_native_limits.py tests/test_native_security.py tests/test_native_waits.py \
   tests/test_native_records.py tests/test_native_relay.py tests/test_fuzz.py tests/test_hostile_grpc.py \
-  tests/test_mask_shapes.py
+  tests/test_mask_shapes.py \
+  tests/test_bench_goals.py::test_the_native_floor_answers_zeros_from_its_own_thread_with_handoff
 # libstdc++ preloaded too: else ASan, starting before anything loads it, cannot intercept
 # __cxa_throw and aborts at the first C++ exception (onnx's, at import).
 NATIVE_ASAN_ENV = LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libstdc++.so)" \
