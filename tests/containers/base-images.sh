@@ -5,7 +5,7 @@
 #   localhost/python:3.11-slim-bookworm    for python:3.11-slim-bookworm (deploy/Dockerfile):
 #                                          Debian's Python 3.11 at /usr/bin (the official image has
 #                                          its own build at /usr/local/bin)
-#   localhost/attnserve-ci/cuda-standin    for nvidia/cuda:*-cudnn-runtime-ubuntu22.04
+#   localhost/attnserve-ci/cuda-standin    for nvidia/cuda:*-cudnn-runtime-ubuntu24.04
 #                                          (deploy/Dockerfile.cuda): a bare Debian with apt, no CUDA
 #   localhost/attnserve-ci/nginx           for nginx:1.28-alpine: Debian sid's nginx (the first
 #                                          Debian nginx with `server ... resolve`, >= 1.27.3) + wget

@@ -398,10 +398,28 @@ def check_rest(port: int, modules, rng) -> None:
           f"nginx balanced the REST calls over the replicas: {served}", str(served))
 
 
-def check_cuda_image_without_cuda() -> None:
+def run_on_loopback(name: str, image: str, *env: str) -> int:
+    """Start `image` detached on the host network, listening on 127.0.0.1 at free ports; its gRPC port."""
+    ports = {"PORT": free_port(), "HTTP_PORT": free_port(), "METRICS_PORT": free_port()}
+    podman("run", "-d", "--name", name, "--network", "host", "-e", "ATTNSERVE_HOST=127.0.0.1",
+           *[f"--env=ATTNSERVE_{k}={v}" for k, v in ports.items()], *env, "-v", f"{VOLUME}:/models:ro", image)
+    return ports["PORT"]
+
+
+def check_calls_equal_eager(port: int, modules, rng, who: str) -> None:
+    from attnserve.client import InferenceClient
+
+    with InferenceClient(f"127.0.0.1:{port}", timeout_s=30.0) as client:
+        infer_and_check(client, modules, "self_attention", rng, 2, 7, 13, True)
+        infer_and_check(client, modules, "cross_attention", rng, 1, 16, 5, False)
+    check(True, f"{who} equal eager PyTorch (atol {TOLERANCE}) on both presets")
+
+
+def check_cuda_image_without_cuda(modules, rng) -> None:
     """The CUDA image on its stand-in base: onnxruntime-gpu lists CUDAExecutionProvider, whose
     library cannot load there (no CUDA or cuDNN libraries). With ATTNSERVE_DEVICE=cuda (the
-    image's) the server exits 3 saying why; with auto it serves on CPU, saying why."""
+    image's) the server exits 3 saying why; with auto it serves on CPU, saying why, on the native
+    data plane (built in the image's build stage), and its calls equal eager PyTorch."""
     name = "attnserve-ci-cuda-standin"
     podman("rm", "-f", "-t", "0", name, check_rc=False)
     try:
@@ -416,8 +434,7 @@ def check_cuda_image_without_cuda() -> None:
               f"not load: {lines[0].split('cannot start: ', 1)[-1][:200] if lines else ''}",
               f"exit {run.returncode}: {text[-1500:]}")
         podman("rm", "-f", "-t", "0", name, check_rc=False)
-        podman("run", "-d", "--name", name, "--network", "none", "-e", "ATTNSERVE_DEVICE=auto",
-               "-v", f"{VOLUME}:/models:ro", "attnserve:cuda-standin")
+        port = run_on_loopback(name, "attnserve:cuda-standin", "-e", "ATTNSERVE_DEVICE=auto")
         took = wait_healthy(name)
         # Healthy once its models serve; the start line ("serving 2 model(s)") follows it.
         deadline = time.monotonic() + 60
@@ -427,6 +444,9 @@ def check_cuda_image_without_cuda() -> None:
               and re.search(r"serving 2 model\(s\)", text) is not None,
               f"attnserve:cuda-standin with ATTNSERVE_DEVICE=auto serves both models on CPU, saying why "
               f"(healthy after {took:.0f} s)", text[-1500:])
+        check("data plane native, python behind it" in text,
+              "attnserve:cuda-standin serves on the native data plane by default", text[-1500:])
+        check_calls_equal_eager(port, modules, rng, "attnserve:cuda-standin's calls")
     finally:
         podman("rm", "-f", "-t", "0", name, check_rc=False)
 
@@ -447,12 +467,9 @@ def check_native_plane(modules, rng) -> None:
     check("native data plane: available (--data-plane native)" in version
           and "serve's data plane by default (--data-plane auto): native" in version,
           "attnserve:cpu --version: the native data plane is available and the default", version)
-    ports = {"PORT": free_port(), "HTTP_PORT": free_port(), "METRICS_PORT": free_port()}
-    env = [f"--env=ATTNSERVE_{k}={v}" for k, v in ports.items()]
     podman("rm", "-f", "-t", "0", name, check_rc=False)
     try:
-        podman("run", "-d", "--name", name, "--network", "host", "-e", "ATTNSERVE_HOST=127.0.0.1",
-               *env, "-v", f"{VOLUME}:/models:ro", "attnserve:cpu")
+        port = run_on_loopback(name, "attnserve:cpu")
         took = wait_healthy(name)
         line = "data plane native, python behind it"
         deadline = time.monotonic() + HEALTHY_TIMEOUT_S  # the start line follows the last model's warm-up
@@ -461,12 +478,7 @@ def check_native_plane(modules, rng) -> None:
         check(line in text,
               f"attnserve:cpu serves on the native plane by default (healthy after {took:.0f} s)",
               text[-1500:])
-        from attnserve.client import InferenceClient
-
-        with InferenceClient(f"127.0.0.1:{ports['PORT']}", timeout_s=30.0) as client:
-            infer_and_check(client, modules, "self_attention", rng, 2, 7, 13, True)
-            infer_and_check(client, modules, "cross_attention", rng, 1, 16, 5, False)
-        check(True, f"calls on the container's port equal eager PyTorch (atol {TOLERANCE}) on both presets")
+        check_calls_equal_eager(port, modules, rng, "calls on the container's port")
     finally:
         podman("rm", "-f", "-t", "0", name, check_rc=False)
 
@@ -539,7 +551,7 @@ def main() -> int:
             check_scale(compose, client, modules, rng)
             check_rest(compose.http_port, modules, rng)
             check_drain(compose.port, compose.http_port, modules, replicas[0])
-        check_cuda_image_without_cuda()
+        check_cuda_image_without_cuda(modules, rng)
         check_native_plane(modules, rng)
     except Exception as err:  # noqa: BLE001 - Failed, AssertionError, or a client's own: logs kept either way
         log(f"FAIL: {type(err).__name__ + ': ' if not isinstance(err, Failed) else ''}{err}")

@@ -24,12 +24,14 @@ for image in attnserve:cpu attnserve:cuda-standin; do
 done
 pass "serving images: HEALTHCHECK runs /opt/attnserve/healthcheck.py (grpc.health.v1), SIGTERM stops, no torch, no compiler, no gRPC headers"
 
-# The native data plane: built in the build stage, it loads in the serving image with only the
+# The native data plane: built in the build stage, it loads in each serving image with only the
 # run-time libraries (compose_check.py serves calls on it).
-so=$(podman run --rm --network none --no-healthcheck --entrypoint sh attnserve:cpu -c 'ls /opt/venv/lib/python3*/site-packages/attnserve/server/_native*.so')
-missing=$(podman run --rm --network none --no-healthcheck --entrypoint ldd attnserve:cpu "$so" | grep 'not found' || true)
-[ -z "$missing" ] || fail "attnserve:cpu: $so links libraries the image lacks: $missing"
-pass "attnserve:cpu: the native data plane's extension is in the image and ldd finds every library it links"
+for image in attnserve:cpu attnserve:cuda-standin; do
+    so=$(podman run --rm --network none --no-healthcheck --entrypoint sh "$image" -c 'ls /opt/venv/lib/python3*/site-packages/attnserve/server/_native*.so')
+    missing=$(podman run --rm --network none --no-healthcheck --entrypoint ldd "$image" "$so" | grep 'not found' || true)
+    [ -z "$missing" ] || fail "$image: $so links libraries the image lacks: $missing"
+done
+pass "attnserve:cpu, attnserve:cuda-standin: the native data plane's extension is in the image and ldd finds every library it links"
 
 in_image attnserve-export:cpu 'import torch, sys; print(torch.__version__); sys.exit(not (torch.__version__.startswith("2.13.0") and torch.version.cuda is None))' \
     || fail "attnserve-export:cpu does not have the CPU build of torch 2.13.0"
@@ -48,6 +50,6 @@ pass "attnserve:cuda-standin: onnxruntime-gpu in place of onnxruntime; providers
 # (onnxruntime-gpu >= 1.27 on PyPI links CUDA 13: it would not load on the CUDA 12 base).
 cuda_major=$(sed -n 's/^ARG CUDA_IMAGE=nvidia\/cuda:\([0-9]*\)\..*/\1/p' deploy/Dockerfile.cuda)
 linked=$(podman run --rm --network none --no-healthcheck --entrypoint sh attnserve:cuda-standin -c \
-    'ldd /opt/venv/lib/python3.11/site-packages/onnxruntime/capi/libonnxruntime_providers_cuda.so' | grep -o 'libcudart\.so\.[0-9]*' | sort -u)
+    'ldd /opt/venv/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime_providers_cuda.so' | grep -o 'libcudart\.so\.[0-9]*' | sort -u)
 [ "$linked" = "libcudart.so.$cuda_major" ] || fail "the CUDA provider links $linked, the base image (CUDA_IMAGE) is CUDA $cuda_major"
 pass "attnserve:cuda-standin: the CUDA provider links libcudart.so.$cuda_major, the CUDA major version of CUDA_IMAGE"

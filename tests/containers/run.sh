@@ -95,10 +95,10 @@ else
     torch_source=()
 fi
 build attnserve-export:cpu deploy/Dockerfile export "${python_image[@]}" "${torch_source[@]}"
-# NVIDIA's CUDA base cannot be pulled: a bare Debian bookworm stands in (its apt has python3.11 and
-# python3.11-venv, the packages the Dockerfile installs). This proves the Dockerfile's steps, not
-# CUDA: the stand-in has no CUDA or cuDNN libraries (compose_check.py shows the image refusing to
-# start with ATTNSERVE_DEVICE=cuda because of that).
+# NVIDIA's CUDA base cannot be pulled: a bare Debian bookworm stands in for its Ubuntu 24.04 (both
+# have the packages the Dockerfile installs, gRPC C++ 1.51 among them, so the native plane builds).
+# This proves the Dockerfile's steps, not CUDA: the stand-in has no CUDA or cuDNN libraries
+# (compose_check.py shows the image refusing to start with ATTNSERVE_DEVICE=cuda because of that).
 build attnserve:cuda-standin deploy/Dockerfile.cuda serve --build-arg CUDA_IMAGE=localhost/attnserve-ci/cuda-standin
 "$HERE/image_checks.sh"
 
