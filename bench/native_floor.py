@@ -32,16 +32,21 @@ from attnserve.files import write_json_atomic
 from bench.floor import zeros
 
 
+def zeros_plane(config) -> NativePlane:
+    """The native plane answering zeros for `config`'s models, not started."""
+    metrics = Metrics()
+    # Batches "computed" by zeros: no ONNX Runtime session is opened for the tables' sake.
+    registry = ModelRegistry.from_repository(config, DeviceChoice(("CPUExecutionProvider",), None), metrics,
+                                             run_batch=zeros)
+    return NativePlane(config, registry, RequestPath(registry, metrics, Draining()), zeros=True)
+
+
 async def serve(config, handoff: bool = False) -> int:
     why = why_unavailable()
     if why is not None:
         print(f"python -m bench.native_floor: {why}", file=sys.stderr)
         return 2
-    metrics = Metrics()
-    # Batches "computed" by zeros: no ONNX Runtime session is opened for the tables' sake.
-    registry = ModelRegistry.from_repository(config, DeviceChoice(("CPUExecutionProvider",), None), metrics,
-                                             run_batch=zeros)
-    plane = NativePlane(config, registry, RequestPath(registry, metrics, Draining()), zeros=True)
+    plane = zeros_plane(config)
     if handoff:
         plane.answer_from_own_thread()
     port = plane.start()

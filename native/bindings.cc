@@ -267,7 +267,9 @@ PYBIND11_MODULE(_native, m) {
         for (const auto& r : taken) out.append(RecordTuple(r));
         return py::make_tuple(arrivals, out);
       }, "({method: arrivals}, records) held now: the arrivals' lines go before the records'")
-      .def("start", &Plane::Start, py::call_guard<py::gil_scoped_release>())
+      .def("start", &Plane::Start, py::call_guard<py::gil_scoped_release>(),
+           "listen on every address (one port) and serve: the port, or 0 (unbound() says which failed)")
+      .def("unbound", &Plane::Unbound, "the address the last start could not bind (empty: its credentials)")
       .def("next_batch", &Plane::NextBatch, py::call_guard<py::gil_scoped_release>(),
            "the next batch of model `index` (blocks up to timeout_ms), or None")
       .def("complete", [](Plane& p, Batch& batch, py::array_t<float, py::array::c_style> output,

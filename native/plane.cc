@@ -472,12 +472,14 @@ void Plane::SetAnswer(const std::string& method, const std::string& name, std::s
   answers_[{method, name}] = std::move(bytes);
 }
 
-int Plane::Start(const std::string& address, int max_message_bytes, int max_concurrent_streams) {
+int Plane::Start(const std::vector<std::string>& addresses, int max_message_bytes, int max_concurrent_streams) {
   grpc::ServerBuilder builder;
-  int port = 0;
+  unbound_.clear();
   auto credentials = Credentials();
-  if (!credentials) return 0;
-  builder.AddListeningPort(address, credentials, &port);
+  if (!credentials || addresses.empty()) return 0;
+  // gRPC binds them in this order when the server starts; one that fails leaves its port 0 and stops the start.
+  std::vector<int> ports(addresses.size(), 0);
+  for (size_t i = 0; i < addresses.size(); ++i) builder.AddListeningPort(addresses[i], credentials, &ports[i]);
   builder.SetMaxReceiveMessageSize(max_message_bytes);
   builder.SetMaxSendMessageSize(max_message_bytes);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, max_concurrent_streams);
@@ -489,12 +491,15 @@ int Plane::Start(const std::string& address, int max_message_bytes, int max_conc
                                                    : no_upstream_.get());
   builder.RegisterService(this);
   server_ = builder.BuildAndStart();
-  if (!server_ || port == 0) {
+  const auto unbound = std::find_if(ports.begin(), ports.end(), [&](int p) { return p == 0 || p != ports[0]; });
+  if (!server_ || unbound != ports.end()) {
+    if (server_) server_->Shutdown();
     server_.reset();
+    unbound_ = addresses[unbound != ports.end() ? unbound - ports.begin() : 0];
     return 0;
   }
   if (!timer_.joinable()) timer_ = std::thread([this] { Reap(); });
-  return port;
+  return ports[0];
 }
 
 void Plane::Count(Queue* queue, const Status& status) {

@@ -312,7 +312,10 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   // Worker processes share the port (SO_REUSEPORT); alone, a port in use is an error.
   void SetReusePort(bool reuse) { reuse_port_ = reuse; }
   std::pair<uint64_t, std::string> TokenRefusals() { return refusals_.Read(); }
-  int Start(const std::string& address, int max_message_bytes, int max_concurrent_streams);
+  // Listens on every address ("host:port", all one port; 0 only with one address) and serves; the
+  // port, or 0 with Unbound() naming the address that could not be bound (empty: the credentials).
+  int Start(const std::vector<std::string>& addresses, int max_message_bytes, int max_concurrent_streams);
+  const std::string& Unbound() const { return unbound_; }
   // server.gate.ReceiveSlots on the native port (--max-receiving-bytes / --max-message-bytes): ModelInfer
   // messages received at once, at most `slots` (0: any); set before Start. A call whose slot waits is
   // held back by HTTP/2 flow control (its message is not read: ReceivedCall in plane.cc).
@@ -574,6 +577,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   bool timer_stop_ = false;
   Security security_;
   bool reuse_port_ = false;
+  std::string unbound_;  // the address Start could not bind
   Refusals refusals_;
   std::unique_ptr<Upstream> upstream_;
   std::unique_ptr<grpc::CallbackGenericService> no_upstream_;  // without upstream_: UNIMPLEMENTED, as gRPC answers

@@ -48,7 +48,7 @@ from attnserve.server.codec import (
 from attnserve.server.data_plane import NATIVE_MISSING_NOTE, why_unavailable  # noqa: F401 (this module's API too)
 from attnserve.server.errors import status_for
 from attnserve.server.lifecycle import Arrivals
-from attnserve.server.listen import listen_addresses
+from attnserve.server.listen import listen_addresses, reserve_port
 from attnserve.server.memory.costs import native_cost_terms
 from attnserve.server.metrics import SYNC_PERIOD_S
 from attnserve.server.models import ModelUnavailable
@@ -151,9 +151,8 @@ def add_tables(plane, request_path, names: list[str]) -> None:
         plane.set_answer("ModelStatistics", name, request_path.model_statistics(name).SerializeToString())
 
 
-def address(host: str, port: int) -> str:
-    first = listen_addresses(host)[0]
-    return f"[{first}]:{port}" if ":" in first else f"{first}:{port}"
+def targets(addresses: list[str], port: int) -> list[str]:
+    return [f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in addresses]
 
 
 class NativePlane:
@@ -335,20 +334,28 @@ class NativePlane:
         server's private socket ("unix:PATH"), where every call the plane does not serve goes
         (None: answered UNIMPLEMENTED); channel_args: the Python server's gRPC arguments."""
         cfg = self._config
-        target = address(cfg.host, cfg.port)
+        addresses = listen_addresses(cfg.host)
         self._plane.set_receive_slots(self._receive_slots)
         cert, key, client_ca = read_tls_files(cfg)
         token = read_token(cfg.auth_token_file) if cfg.auth_token_file is not None else b""
         self._plane.set_security(cert, key, client_ca, token, REFUSAL)
         self._plane.set_open_prefixes(list(OPEN_METHOD_PREFIXES))
-        self._plane.set_reuse_port(self._shared_port)
         self._plane.set_channel_args(list(channel_args))
         if upstream is not None:
             self._plane.set_upstream(upstream)
             self._plane.set_fallback(python_serves_all(self._request_path), list(SHARED_MEMORY_PARAMETERS))
-        port = self._plane.start(target, cfg.max_message_bytes, cfg.max_concurrent_streams)
-        if port == 0:
-            raise OSError(f"cannot listen on {target} (--host {cfg.host})")  # server.app.bind's words
+        port, held = cfg.port, []
+        if port == 0 and len(addresses) > 1:  # gRPC would give each its own: one port, free on all, held while it binds
+            port, held = reserve_port(cfg.host, 0)
+        self._plane.set_reuse_port(self._shared_port or bool(held))
+        try:
+            port = self._plane.start(targets(addresses, port), cfg.max_message_bytes, cfg.max_concurrent_streams)
+        finally:
+            for sock in held:
+                sock.close()
+        if port == 0:  # server.app.bind's words
+            unbound = self._plane.unbound() or targets(addresses, cfg.port)[0]
+            raise OSError(f"cannot listen on {unbound} (--host {cfg.host})")
         if self._records is not None:
             self._records.start(self._loop)
         if not self._zeros:
@@ -357,7 +364,7 @@ class NativePlane:
                 self._start_runner(index)
         logger.info("native data plane%s serving ModelInfer for %s on %s%s%s",
                     " (answering zeros)" if self._zeros else "", [m[0] for m in self._models],
-                    f"{target.rsplit(':', 1)[0]}:{port}", " (TLS)" if cert else "",
+                    ", ".join(targets(addresses, port)), " (TLS)" if cert else "",
                     ", shared by the workers" if self._shared_port else "")
         if self._loop is not None and (self._token is not None or self._shared_port):
             self._sync_task = self._loop.create_task(self._sync_forever())

@@ -46,6 +46,7 @@ from pathlib import Path
 
 from attnserve.server.config import ServerConfig
 from attnserve.server.data_plane import DataPlaneUnavailable, choose_data_plane
+from attnserve.server.listen import reserve_port
 
 logger = logging.getLogger("attnserve.server.workers")
 
@@ -166,37 +167,6 @@ def default_workers(config: ServerConfig, cpus: int | None = None) -> int:
     if config.model_control_mode == "explicit" or config.allow_shared_memory:
         return 1  # loads and registered regions live in one process
     return max(1, (available_cpus() if cpus is None else cpus) // CPUS_PER_WORKER)
-
-
-# -- the ports ------------------------------------------------------------------------------------
-
-
-def reserve_port(host: str, port: int) -> tuple[int, list[socket.socket]]:
-    """Bind (never listen) every address of `host` on one port with SO_REUSEPORT: the port the
-    workers will share, held for the server's life. OSError if it is in use by a listener that
-    does not share."""
-    from attnserve.server.listen import listen_addresses
-
-    held: list[socket.socket] = []
-    try:
-        for address in listen_addresses(host):
-            family = socket.AF_INET6 if ":" in address else socket.AF_INET
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            held.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                sock.bind((address, port))
-            except OSError as err:
-                raise OSError(f"cannot listen on {address}:{port} (--host {host}): {err.strerror or err}") from None
-            port = sock.getsockname()[1]  # the rest take the port the first one got
-    except OSError:
-        for sock in held:
-            sock.close()
-        raise
-    return port, held
 
 
 # -- the supervisor ---------------------------------------------------------------------------
@@ -511,4 +481,4 @@ async def supervise(config: ServerConfig, argv: list[str], command: list[str], w
         await supervisor.close()
 
 
-__all__ = ["WorkerContext", "available_cpus", "default_workers", "max_workers", "reserve_port", "supervise"]
+__all__ = ["WorkerContext", "available_cpus", "default_workers", "max_workers", "supervise"]

@@ -231,23 +231,15 @@ def test_the_native_floor_answers_zeros_from_its_own_thread_with_handoff(model_r
     import numpy as np
     from attnserve.client import InferenceClient
     from attnserve.server.config import load_config
-    from attnserve.server.engine import DeviceChoice
-    from attnserve.server.lifecycle import Draining
-    from attnserve.server.metrics import Metrics
-    from attnserve.server.models import ModelRegistry
-    from attnserve.server.native import NativePlane, why_unavailable
-    from attnserve.server.request_path import RequestPath
+    from attnserve.server.native import why_unavailable
 
-    from bench.floor import zeros
+    from bench.native_floor import zeros_plane
 
     if why_unavailable() is not None:
         pytest.skip(f"the native data plane is not built: {why_unavailable()}")
     config = load_config(["--model-repository", str(model_repository), "--host", "127.0.0.1", "--port", "0",
                           "--data-plane", "native"])
-    metrics = Metrics()
-    registry = ModelRegistry.from_repository(config, DeviceChoice(("CPUExecutionProvider",), None), metrics,
-                                             run_batch=zeros)
-    plane = NativePlane(config, registry, RequestPath(registry, metrics, Draining()), zeros=True)
+    plane = zeros_plane(config)
     plane.answer_from_own_thread()
     port = plane.start()
     shapes = [1, 2, 3, 4] * 4

@@ -275,7 +275,7 @@ def test_concurrent_calls_form_one_padded_batch_and_each_gets_its_own_rows(model
     index = plane.add_model(spec.name, str(spec.version), spec.query_dim, spec.kv_dim, spec.out_dim, spec.num_heads,
                             32, spec.max_q_len, spec.max_kv_len, cfg.max_attention_bytes, cfg.max_queue_size,
                             cfg.max_padding_ratio)
-    port = plane.start("127.0.0.1:0", 64 << 20, 100)
+    port = plane.start(["127.0.0.1:0"], 64 << 20, 100)
     assert port > 0
     rng = np.random.default_rng(11)
     # Lengths that pad (within the padding ratio), masks of each form and none; one fully masked
@@ -316,7 +316,7 @@ def test_a_failed_batch_fails_its_calls_and_stop_refuses_queued_ones(model_repos
     plane = native.new_plane()
     index = plane.add_model(spec.name, "1", spec.query_dim, spec.kv_dim, spec.out_dim, spec.num_heads, 1,
                             spec.max_q_len, spec.max_kv_len, 1 << 30, 16, 0.5)
-    port = plane.start("127.0.0.1:0", 64 << 20, 100)
+    port = plane.start(["127.0.0.1:0"], 64 << 20, 100)
     x = inputs("cross_attention", np.random.default_rng(2), 1, 3, 4, None)
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch, concurrent.futures.ThreadPoolExecutor(2) as pool:
         stub = pb_grpc.GRPCInferenceServiceStub(ch)
@@ -332,6 +332,64 @@ def test_a_failed_batch_fails_its_calls_and_stop_refuses_queued_ones(model_repos
         codes = sorted(str(f.exception().code()) for f in futures)
     assert codes == ["StatusCode.INTERNAL", "StatusCode.UNAVAILABLE"]
     assert plane.next_batch(index, 10) is None
+
+
+def _zeros_plane(model_repository, host: str, port: int):
+    """A NativePlane answering zeros in this process (no runner threads), for --host and --port."""
+    from attnserve.server.config import load_config
+
+    from bench.native_floor import zeros_plane
+
+    return zeros_plane(load_config(["--model-repository", str(model_repository), "--host", host,
+                                    "--port", str(port), "--data-plane", "native"]))
+
+
+@pytest.fixture
+def two_addresses(monkeypatch):
+    """A --host that resolves to 127.0.0.1 and ::1, as localhost does where /etc/hosts names both
+    (this machine's names one): the resolution is the only thing not real here."""
+    from attnserve.server import listen
+
+    host = "two-addresses.test"
+    resolve = listen.listen_addresses
+    both = lambda name: ["127.0.0.1", "::1"] if name == host else resolve(name)  # noqa: E731
+    monkeypatch.setattr(listen, "listen_addresses", both)
+    monkeypatch.setattr(native, "listen_addresses", both)
+    return host
+
+
+def test_the_plane_listens_on_every_address_its_host_resolves_to_on_one_port(model_repository, two_addresses):
+    """--port 0: one port, free on both, for both (gRPC alone would give each its own)."""
+    from attnserve.client import InferenceClient
+
+    plane = _zeros_plane(model_repository, two_addresses, 0)
+    port = plane.start()
+    try:
+        for target in (f"127.0.0.1:{port}", f"[::1]:{port}"):
+            with InferenceClient(target) as client:
+                x = np.ones((1, 3, 512), np.float32)
+                got = client.infer("self_attention", x, x, x, outputs=("output",))
+            assert got["output"].shape == (1, 3, 512) and not got["output"].any(), target
+        assert plane.counters()["requests"] == 2
+    finally:
+        plane.stop(1.0)
+
+
+def test_the_plane_refuses_to_serve_on_part_of_its_hosts_addresses(model_repository, two_addresses):
+    """The port taken on ::1 alone: the start fails naming [::1]:PORT, as server.app.bind's does,
+    and 127.0.0.1 is not left serving."""
+    import socket
+
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        taken.bind(("::1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        plane = _zeros_plane(model_repository, two_addresses, port)
+        with pytest.raises(OSError, match=re.escape(f"cannot listen on [::1]:{port} (--host {two_addresses})")):
+            plane.start()
+        with socket.socket() as probe:  # 127.0.0.1:PORT was let go: nothing listens there
+            probe.bind(("127.0.0.1", port))
 
 
 def test_the_flag_is_checked():
@@ -425,7 +483,7 @@ def test_a_head_mask_batch_merges_every_form_and_each_gets_its_own_rows(model_re
     plane = native.new_plane()
     index = plane.add_model(spec.name, str(spec.version), spec.query_dim, spec.kv_dim, spec.out_dim, spec.num_heads,
                             32, spec.max_q_len, spec.max_kv_len, 1 << 30, 16, 0.9)
-    port = plane.start("127.0.0.1:0", 64 << 20, 100)
+    port = plane.start(["127.0.0.1:0"], 64 << 20, 100)
     rng = np.random.default_rng(12)
     cases = [inputs("self_attention", rng, 2, 10, 7, "b_h_q_k"), inputs("self_attention", rng, 1, 8, 7, None),
              inputs("self_attention", rng, 1, 10, 6, "q_k", dead_row=False),

@@ -250,7 +250,7 @@ def test_a_batchs_records_go_over_at_once_into_a_bounded_buffer(model_repository
     index = plane.add_model(spec.name, str(spec.version), spec.query_dim, spec.kv_dim, spec.out_dim, spec.num_heads,
                             32, spec.max_q_len, spec.max_kv_len, cfg.max_attention_bytes, cfg.max_queue_size,
                             cfg.max_padding_ratio)
-    port = plane.start("127.0.0.1:0", 64 << 20, 100)
+    port = plane.start(["127.0.0.1:0"], 64 << 20, 100)
     calls = 5
     try:
         with (grpc.insecure_channel(f"127.0.0.1:{port}") as ch,
