@@ -1549,7 +1549,7 @@ void StreamCall::OnReadDone(bool ok) {
 }
 
 void StreamCall::ToPython(uint64_t seq, const grpc::ByteBuffer& message, inference::ModelInferResponse* response) {
-  auto relay = plane_->upstream_->Unary(*context_, kModelInferMethod, message);
+  auto relay = plane_->upstream_->Unary(*context_, kModelInferMethod, message, "ModelStreamInfer");
   {
     std::lock_guard<std::mutex> lock(mu_);
     relayed_[seq] = relay;

@@ -16,7 +16,7 @@ bool Forwarded(std::string_view key) {
   if (key.empty() || key.front() == ':' || key.rfind("grpc-", 0) == 0) return false;
   static constexpr std::string_view kDropped[] = {"te", "content-type", "user-agent", "host", "connection",
                                                   "keep-alive", "proxy-connection", "transfer-encoding",
-                                                  "upgrade", kPeerHeader};
+                                                  "upgrade", kPeerHeader, kMethodHeader};
   for (std::string_view dropped : kDropped)
     if (key == dropped) return false;
   return true;
@@ -161,9 +161,10 @@ grpc::ServerGenericBidiReactor* Upstream::CreateReactor(grpc::GenericCallbackSer
 }
 
 std::shared_ptr<UnaryRelay> Upstream::Unary(const grpc::ServerContextBase& from, const std::string& method,
-                                            const grpc::ByteBuffer& request) {
+                                            const grpc::ByteBuffer& request, const char* called) {
   auto relay = std::make_shared<UnaryRelay>();
   ForwardCall(from, &relay->context_);
+  if (called != nullptr) relay->context_.AddMetadata(kMethodHeader, called);
   relay->stub_ = &stub_;
   relay->method_ = method;
   relay->request_ = request;  // shares the message's slices

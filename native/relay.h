@@ -16,6 +16,9 @@ namespace attnserve {
 
 // The caller's address, set by the plane on every relayed call; a client's own is dropped.
 inline constexpr const char* kPeerHeader = "x-attnserve-peer";
+// The method the caller called, set where the relayed call's differs (a stream's request relayed as
+// a ModelInfer call), for Python's access line and span; a client's own is dropped.
+inline constexpr const char* kMethodHeader = "x-attnserve-method";
 
 // Copies what the caller sent onto the upstream call: its headers (less HTTP/2's and gRPC's own,
 // and a client-sent peer header), its deadline, and the real peer (kPeerHeader).
@@ -44,8 +47,9 @@ class Upstream final : public grpc::CallbackGenericService {
  public:
   explicit Upstream(const std::string& target);  // "unix:/path/to/socket"
   grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context) override;
+  // `called`: the caller's method where it is not `method` (kMethodHeader), else nullptr.
   std::shared_ptr<UnaryRelay> Unary(const grpc::ServerContextBase& from, const std::string& method,
-                                    const grpc::ByteBuffer& request);
+                                    const grpc::ByteBuffer& request, const char* called = nullptr);
 
  private:
   std::shared_ptr<grpc::Channel> channel_;

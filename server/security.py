@@ -44,6 +44,9 @@ _REFUSAL_LOG_EVERY_S = 10.0  # refusals are counted; the log gets one line per i
 # The native data plane names the real caller in this header on every call it relays (native/relay.h)
 # and drops a client's own: trusted only on the private socket it relays to, which no client reaches.
 PEER_HEADER = "x-attnserve-peer"
+# Likewise the method the caller called, where the relayed call's differs (a stream's request relayed
+# as a ModelInfer call).
+METHOD_HEADER = "x-attnserve-method"
 # What a refused caller is told (with UNAUTHENTICATED).
 REFUSAL = "missing or invalid bearer token: send metadata 'authorization: Bearer <token>'"
 
@@ -205,8 +208,17 @@ class BearerToken:
 
 def call_peer(context, relayed: bool) -> str:
     """The caller's address: gRPC's peer(), or behind the native data plane (relayed) the one it names."""
+    return relayed_call(context, relayed, "")[0]
+
+
+def relayed_call(context, relayed: bool, method: str) -> tuple[str, str]:
+    """The caller's address and the method it called: gRPC's peer() and `method`, or behind the
+    native data plane (relayed) those it names."""
+    peer = None
     if relayed:
         for key, value in context.invocation_metadata() or ():
             if key == PEER_HEADER:
-                return value
-    return context.peer()
+                peer = value
+            elif key == METHOD_HEADER:
+                method = value
+    return peer if peer is not None else context.peer(), method

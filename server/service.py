@@ -17,7 +17,7 @@ from attnserve.server import codec
 from attnserve.server.errors import CANCELLED, Status, abort
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.request_path import RequestPath
-from attnserve.server.security import call_peer
+from attnserve.server.security import relayed_call
 from attnserve.server.tracing import Call, carrier_of
 
 # Requests of one ModelStreamInfer stream in the server at once; reading pauses beyond it.
@@ -44,7 +44,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, request_path: RequestPath, budget: MemoryBudget | None = None, relayed: bool = False) -> None:
         """request_path: the request path both transports share (server.request_path).
         budget: the server's memory budget; a stream's share of it is bounded here.
-        relayed: calls come from the native data plane's relay (server.security.call_peer)."""
+        relayed: calls come from the native data plane's relay (server.security.relayed_call)."""
         self._request_path = request_path
         self._relayed = relayed
         self._stream_share = None if budget is None else int(budget.limit_bytes * STREAM_BUDGET_SHARE)
@@ -136,8 +136,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         calls = self._request_path.calls
         if calls is None:
             return None
-        return calls.begin("grpc", method, call_peer(context, self._relayed), carrier_of(context.invocation_metadata()),
-                           _request_bytes(request))
+        peer, method = relayed_call(context, self._relayed, method)
+        return calls.begin("grpc", method, peer, carrier_of(context.invocation_metadata()), _request_bytes(request))
 
     async def ModelInfer(self, request, context):
         call = self._call("ModelInfer", request, context)

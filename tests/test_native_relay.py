@@ -194,6 +194,44 @@ def test_metadata_reaches_python_and_a_client_sent_peer_is_not_trusted(model_rep
         proc.stop()
 
 
+def test_a_streams_relayed_request_is_logged_as_the_stream_s_and_a_client_sent_method_is_not_trusted(
+        model_repository, regions):
+    """A stream's request with a shared-memory output, relayed to Python as a ModelInfer call: its
+    access line says ModelStreamInfer, as the Python port's does; a unary call's header naming
+    another method is dropped by the plane."""
+    from tests.test_native_records import _wait_lines
+
+    x = _x(np.random.default_rng(6))
+    size = x.nbytes
+    proc = ServerProcess(model_repository, *NATIVE, "--allow-shared-memory", "--access-log", "--log-format", "json")
+    try:
+        handle = regions("relay-stream-out", size)
+        client = grpcclient.InferenceServerClient(url=proc.address)
+        try:
+            client.register_system_shared_memory("relay-stream-out", handle._shm_key, size)
+        finally:
+            client.close()
+
+        def relayed(request_id: str) -> pb.ModelInferRequest:
+            request = infer_request(MODEL, request_id=request_id, query=x, key=x, value=x)
+            out = request.outputs.add(name="output")
+            out.parameters["shared_memory_region"].string_param = "relay-stream-out"
+            out.parameters["shared_memory_byte_size"].int64_param = size
+            return request
+
+        with proc.channel() as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            (answer,) = stub.ModelStreamInfer(iter([relayed("in-a-stream")]), timeout=WAIT_S)
+            assert not answer.error_message and answer.infer_response.id == "in-a-stream"
+            stub.ModelInfer(relayed("unary"), timeout=WAIT_S, metadata=[("x-attnserve-method", "Forged")])
+        lines = {line["request_id"]: line for line in _wait_lines(proc, 2) if line["request_id"]}
+        assert (lines["in-a-stream"]["method"], lines["in-a-stream"]["status"]) == ("ModelStreamInfer", "OK"), lines
+        assert (lines["unary"]["method"], lines["unary"]["status"]) == ("ModelInfer", "OK"), lines
+        assert "Forged" not in proc.log()
+    finally:
+        proc.stop()
+
+
 def test_bad_messages_to_a_relayed_method_get_clean_errors_and_the_server_serves_on(native_server):
     x = _x(np.random.default_rng(5))
     with native_server.channel() as channel:
