@@ -61,11 +61,10 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("want_probs", [](const Batch& b) { return b.want_probs; })
       .def_property_readonly("id", [](const Batch& b) { return b.id; }, "its calls' records name it (records.h)")
       .def_property_readonly("masking", [](const Batch& b) {
+        if (!b.key_mask.empty()) return 1;
         if (b.mask.empty()) return 0;
-        if (b.mask_heads > 1) return 3;
-        const bool masks = std::any_of(b.items.begin(), b.items.end(), [](const auto& p) { return p.mask != nullptr; });
-        return masks ? 2 : 1;
-      }, "0 no mask, 1 padded keys only, 2 a request's mask, 3 a head mask (server.native_records.MASKINGS)")
+        return b.mask_heads > 1 ? 3 : 2;
+      }, "0 no mask, 1 a key padding mask, 2 a whole mask, 3 a head mask (server.native_records.MASKINGS)")
       .def_property_readonly("padding_ratio", [](const Batch& b) { return b.padding_ratio; })
       .def_property_readonly("queue_s", [](const Batch& b) { return b.queue_s; }, "each request's wait in the queue")
       .def_property_readonly("done_s", [](const Batch& b) { return b.done_s; },
@@ -80,10 +79,13 @@ PYBIND11_MODULE(_native, m) {
           feeds["head_mask"] = View(self, b.mask, {b.rows, b.mask_heads, b.q_len, b.k_len}, "bool");
         } else if (!b.mask.empty()) {
           feeds["mask"] = View(self, b.mask, {b.rows, b.q_len, b.k_len}, "bool");
+        } else if (!b.key_mask.empty()) {
+          feeds["key_padding_mask"] = View(self, b.key_mask, {b.rows, b.k_len}, "int32");
         }
         return feeds;
-      }, "query, key, value and (when a request has one or keys are padded) mask, or head_mask when some "
-         "request's heads differ: views, no copies");
+      }, "query, key, value and the least mask the batch needs (tensors.merge's): key_padding_mask when its "
+         "masks are key padding or its keys are padded, mask when a request's mask is more, head_mask when "
+         "some request's heads differ: views, no copies");
 
   py::class_<SharedBudget, std::shared_ptr<SharedBudget>>(
       m, "Budget", "The process's one memory budget counter, shared by both planes (server.memory.budget)")

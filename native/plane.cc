@@ -860,6 +860,7 @@ Status Plane::Check(const Queue& queue, const inference::ModelInferRequest& requ
       }
     }
     masking = p.heads_differ ? Masking::kHeads : MaskingOf(bytes, items, p.mask_row_stride, lq, lk, p.exact_k_len);
+    p.key_padding = masking == Masking::kKeyPadding;
     if (masking == Masking::kNone) {  // masks nothing: run as without one (the batcher's merge drops it too)
       p.mask = nullptr;
       p.mask_row_stride = 0;
@@ -1746,10 +1747,20 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
   batch->query.assign(static_cast<size_t>(rows * lq * m.query_dim), 0.0f);  // padding: zeros
   batch->key.assign(static_cast<size_t>(rows * lk * m.kv_dim), 0.0f);
   batch->value.assign(static_cast<size_t>(rows * lk * m.kv_dim), 0.0f);
-  bool need_mask = false;
-  for (const auto& p : batch->items) need_mask = need_mask || p.mask != nullptr || p.k_len != lk;
+  // tensors.batch_masking: a head mask, else the whole mask if a request needs it (GENERAL), else a
+  // key padding mask once a request has one or keys are padded.
+  bool general = false, key_padding = false;
+  for (const auto& p : batch->items) {
+    general = general || (p.mask != nullptr && !p.key_padding);
+    key_padding = key_padding || p.key_padding || p.k_len != lk;
+  }
   const int64_t mh = batch->mask_heads;
-  if (need_mask) batch->mask.assign(static_cast<size_t>(rows * mh * lq * lk), 0);  // padding is masked
+  const bool need_mask = general || mh > 1;
+  if (need_mask) {
+    batch->mask.assign(static_cast<size_t>(rows * mh * lq * lk), 0);  // padding is masked
+  } else if (key_padding) {
+    batch->key_mask.assign(static_cast<size_t>(rows * lk), 0);  // padded keys are masked
+  }
   for (size_t i = 0; i < batch->items.size(); ++i) {
     const Pending& p = batch->items[i];
     const int64_t r0 = batch->first_row[i];
@@ -1760,6 +1771,11 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
                   static_cast<size_t>(p.k_len * m.kv_dim) * 4);
       std::memcpy(&batch->value[((r0 + r) * lk) * m.kv_dim], p.value + r * p.k_len * m.kv_dim,
                   static_cast<size_t>(p.k_len * m.kv_dim) * 4);
+      if (!batch->key_mask.empty()) {  // the row's first query row says which keys it attends (all alike)
+        int32_t* to = &batch->key_mask[(r0 + r) * lk];
+        const uint8_t* from = p.mask != nullptr ? p.mask + r * p.mask_row_stride : nullptr;
+        for (int64_t k = 0; k < p.k_len; ++k) to[k] = from != nullptr ? from[k] : 1;
+      }
       if (!need_mask) continue;
       for (int64_t hh = 0; hh < mh; ++hh) {
         for (int64_t q = 0; q < p.q_len; ++q) {

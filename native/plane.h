@@ -205,6 +205,7 @@ struct Pending {
   int64_t mask_row_stride = 0;    // bytes between batch items (0: one (q_len, k_len) mask for all)
   int64_t mask_head_stride = 0;   // bytes between heads (0: heads alike, the first read for all)
   bool heads_differ = false;      // a (b, h, lq, lk) mask whose heads differ: the batch takes a head mask
+  bool key_padding = false;       // its query rows mask the same keys, each attends one: a key padding mask
   bool raw = true;                // answer in raw_output_contents
   bool want_output = true, want_probs = true;
   std::vector<bool> order_probs;  // the requested outputs in order: true = attn_probs
@@ -233,6 +234,9 @@ struct Batch {
   std::vector<float> query, key, value;  // (rows, q_len, query_dim), (rows, k_len, kv_dim) x2
   std::vector<uint8_t> mask;             // (rows, mask_heads, q_len, k_len) bool, empty: no mask needed
   int64_t mask_heads = 1;                // > 1: a head mask (some request's heads differ)
+  // (rows, k_len), 1 = a real key: a batch whose masks are key padding (or none) and whose keys are
+  // padded, or that has such a mask (tensors.merge's KEY_PADDING); then `mask` is empty.
+  std::vector<int32_t> key_mask;
   double padding_ratio = 0.0;            // padded share of the (rows, q_len, k_len) scores
   std::vector<double> queue_s;           // each request's wait in the queue (seconds)
   std::vector<double> done_s;            // each answered request's time in the server (seconds), once complete

@@ -510,6 +510,64 @@ def test_a_head_mask_batch_merges_every_form_and_each_gets_its_own_rows(model_re
         assert_close(got, want(seed000, x))
 
 
+def _key_padding(x: dict) -> dict:
+    """x with its mask's query rows all its first (per batch item and head): a key padding mask."""
+    mask = x["mask"]
+    x["mask"] = np.ascontiguousarray(np.broadcast_to(mask[..., :1, :], mask.shape))
+    return x
+
+
+@pytest.mark.parametrize("want_probs", [False, True], ids=["output", "probs"])
+def test_a_key_padding_batch_is_fed_the_key_padding_mask_the_python_batcher_merges(model_repository, seed000,  # noqa: F811
+                                                                                    want_probs):
+    """In-process (the test is the runner): requests of other key lengths, without a mask or with
+    masks whose query rows are alike in each form: one batch fed a (B, Lk) key_padding_mask, equal
+    to server.tensors.merge's for the same requests, so the engine picks the graphs the Python
+    plane's batch takes (fused_key_padding once long enough); every answer is its own seed run."""
+    from attnserve.server.graphs import KEY_PADDING, masking_of
+    from attnserve.server.tensors import Work, merge
+
+    from attnserve.contract import KEY_PADDING_MASK
+
+    spec = read_model_spec(model_repository / "self_attention")
+    engine = Engine(spec, choose_device("cpu"))
+    plane = native.new_plane()
+    index = plane.add_model(spec.name, str(spec.version), spec.query_dim, spec.kv_dim, spec.out_dim, spec.num_heads,
+                            32, spec.max_q_len, spec.max_kv_len, 1 << 30, 16, 0.9)
+    port = plane.start(["127.0.0.1:0"], 64 << 20, 100)
+    rng = np.random.default_rng(13)
+    cases = [inputs("self_attention", rng, 2, 10, 7, None), inputs("self_attention", rng, 1, 8, 5, None),
+             _key_padding(inputs("self_attention", rng, 2, 10, 7, "b_q_k", dead_row=False)),
+             _key_padding(inputs("self_attention", rng, 1, 9, 6, "q_k", dead_row=False)),
+             _key_padding(heads_alike(inputs("self_attention", rng, 1, 10, 7, "b_h_q_k", dead_row=False), 8))]
+    outputs = ("output", "attn_probs") if want_probs else ("output",)
+    try:
+        with (grpc.insecure_channel(f"127.0.0.1:{port}") as ch,
+              concurrent.futures.ThreadPoolExecutor(len(cases)) as pool):
+            stub = pb_grpc.GRPCInferenceServiceStub(ch)
+            futures = [pool.submit(stub.ModelInfer, infer_request("self_attention", outputs=outputs, **x), timeout=60)
+                       for x in cases]
+            deadline = time.monotonic() + QUEUED_WITHIN_S
+            while plane.queued(index) < len(cases):
+                assert time.monotonic() < deadline, f"{plane.queued(index)} of {len(cases)} calls queued"
+                time.sleep(0.005)
+            batch = plane.next_batch(index, 1000)
+            assert (batch.requests, batch.rows, batch.masking) == (len(cases), 7, 1)  # 1: key padding
+            feeds = batch.feeds(spec.query_dim, spec.kv_dim)
+            python, _ = merge([Work(x["query"], x["key"], x["value"], x["mask"], want_probs) for x in cases])
+            assert sorted(feeds) == sorted(python) == ["key", KEY_PADDING_MASK, "query", "value"]
+            for name in python:
+                assert feeds[name].dtype == python[name].dtype and np.array_equal(feeds[name], python[name]), name
+            assert masking_of(feeds) == KEY_PADDING
+            output, attn_probs = engine.run(feeds, batch.want_probs)
+            plane.complete(batch, output, attn_probs)
+            answers = [outputs_of(f.result()) for f in futures]
+    finally:
+        plane.stop(1.0)
+    for x, got in zip(cases, answers, strict=True):
+        assert_close(got, want(seed000, x), names=outputs)
+
+
 # -- drain ---------------------------------------------------------------------------------------------
 
 def test_a_drain_finishes_admitted_native_calls_and_refuses_new_ones(model_repository, eager_modules):
