@@ -545,12 +545,14 @@ def test_a_key_padding_batch_is_fed_the_key_padding_mask_the_python_batcher_merg
         with (grpc.insecure_channel(f"127.0.0.1:{port}") as ch,
               concurrent.futures.ThreadPoolExecutor(len(cases)) as pool):
             stub = pb_grpc.GRPCInferenceServiceStub(ch)
-            futures = [pool.submit(stub.ModelInfer, infer_request("self_attention", outputs=outputs, **x), timeout=60)
-                       for x in cases]
-            deadline = time.monotonic() + QUEUED_WITHIN_S
-            while plane.queued(index) < len(cases):
-                assert time.monotonic() < deadline, f"{plane.queued(index)} of {len(cases)} calls queued"
-                time.sleep(0.005)
+            futures = []
+            for x in cases:  # each queued before the next is sent: the batch's rows in this order
+                futures.append(pool.submit(stub.ModelInfer, infer_request("self_attention", outputs=outputs, **x),
+                                           timeout=60))
+                deadline = time.monotonic() + QUEUED_WITHIN_S
+                while plane.queued(index) < len(futures):
+                    assert time.monotonic() < deadline, f"{plane.queued(index)} of {len(futures)} calls queued"
+                    time.sleep(0.005)
             batch = plane.next_batch(index, 1000)
             assert (batch.requests, batch.rows, batch.masking) == (len(cases), 7, 1)  # 1: key padding
             feeds = batch.feeds(spec.query_dim, spec.kv_dim)
