@@ -305,6 +305,24 @@ Masking MaskingOf(const uint8_t* mask, int64_t items, int64_t item_stride, int64
   return attends_all ? Masking::kNone : Masking::kKeyPadding;
 }
 
+// A queued request's masking (tensors.Work.masking), from what Parse kept of its mask.
+Masking MaskingOf(const Pending& p) {
+  if (p.heads_differ) return Masking::kHeads;
+  if (p.mask != nullptr) return p.key_padding ? Masking::kKeyPadding : Masking::kGeneral;
+  return Masking::kNone;
+}
+
+// tensors.batch_masking: the masking a merged run needs, KEY_PADDING once keys are padded.
+Masking Merged(Masking a, Masking b, bool same_k_len) {
+  if (a == Masking::kHeads || b == Masking::kHeads) return Masking::kHeads;
+  if (a == Masking::kGeneral || b == Masking::kGeneral) return Masking::kGeneral;
+  if (a == Masking::kKeyPadding || b == Masking::kKeyPadding || !same_k_len) return Masking::kKeyPadding;
+  return Masking::kNone;
+}
+
+// graphs.scores_held: the scores per head a run holds on graph `g` (none on the flash path).
+int64_t ScoresHeld(Held g, int64_t rows, int64_t q_len, int64_t k_len) { return g == kFused ? 0 : rows * q_len * k_len; }
+
 // One step of server/proto's wire scan (wire.check_fields): false with its WireError's words.
 bool ReadVarint(google::protobuf::io::CodedInputStream& in, uint64_t* value, std::string* why) {
   if (in.ReadVarint64(value)) return true;
@@ -1656,6 +1674,13 @@ std::unique_ptr<Batch> Plane::Form(size_t index, Queue& queue) {
   auto batch = std::make_unique<Batch>();
   batch->model = index;
   int64_t useful = 0, exact_k = -1;
+  // server.batcher's bounds on a merged run: its scores within the attention bound (per head), a
+  // batch on the flash path stays on it, and its run's memory beyond its requests' own fits now.
+  const int64_t max_scores = std::max<int64_t>(m.max_attention_bytes / (4 * std::max<int64_t>(m.num_heads, 1)), 1);
+  const int64_t extra_free = budget_ ? budget_->Free() : 0;
+  Masking masking = Masking::kNone;
+  bool same_k_len = true;
+  int64_t held = 0, shares = 0;
   // Service order (server.scheduling.PriorityQueue): by aged level, then arrival; one level: arrival.
   const size_t n = queue.pending.size();
   std::vector<size_t> order(n);
@@ -1684,10 +1709,23 @@ std::unique_ptr<Batch> Plane::Form(size_t index, Queue& queue) {
       const int64_t q = std::max(batch->q_len, p.q_len), k = std::max(batch->k_len, p.k_len);
       const double padded = 1.0 - static_cast<double>(useful + p.rows * p.q_len * p.k_len) /
                                       (static_cast<double>(rows) * q * k);
+      const bool same_k = same_k_len && batch->k_len == p.k_len;
+      const Masking merged = Merged(masking, MaskingOf(p), same_k);
+      const bool probs = batch->want_probs || p.want_probs;
+      const int64_t merged_held = ScoresHeld(GraphFor(m.graphs, merged, probs, q, k), rows, q, k);
       const bool fits = rows <= m.max_batch_size && padded <= m.max_padding_ratio && (exact_k < 0 || exact_k == k) &&
-                        (!p.exact_k_len || p.k_len == k);
+                        (!p.exact_k_len || p.k_len == k) && merged_held <= max_scores && (held > 0 || merged_held == 0) &&
+                        (!budget_ || CostOf(queue, rows, q, k, 0, probs, merged == Masking::kHeads)[1] - shares -
+                                             p.run_share <= extra_free);
       if (!fits) continue;
+      masking = merged;
+      same_k_len = same_k;
+      held = merged_held;
+    } else {
+      masking = MaskingOf(p);
+      held = ScoresHeld(GraphFor(m.graphs, masking, p.want_probs, p.q_len, p.k_len), p.rows, p.q_len, p.k_len);
     }
+    shares += p.run_share;
     taken[i] = 1;
     batch->first_row.push_back(batch->rows);
     batch->rows += p.rows;
@@ -1708,6 +1746,11 @@ std::unique_ptr<Batch> Plane::Form(size_t index, Queue& queue) {
   }
   queue.pending.swap(kept);
   if (batch->items.empty()) return batch;  // every one had expired
+  if (budget_ && batch->items.size() > 1) {  // the merged run's memory beyond its requests' own (fits: checked above)
+    const int64_t needed = CostOf(queue, batch->rows, batch->q_len, batch->k_len, 0, batch->want_probs,
+                                  masking == Masking::kHeads)[1] - shares;
+    if (needed > 0 && budget_->TryTake(needed)) batch->extra = needed;
+  }
   batch->padding_ratio = 1.0 - static_cast<double>(useful) / (static_cast<double>(batch->rows) * batch->q_len * batch->k_len);
   queue.formed++;
   batch->cancelled.assign(batch->items.size(), 0);
@@ -1805,9 +1848,15 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
   return batch;
 }
 
+void Plane::GiveExtra(Batch& batch) {
+  if (batch.extra > 0 && budget_) budget_->Give(batch.extra);
+  batch.extra = 0;
+}
+
 void Plane::Complete(Batch& batch, const float* output, const float* attn_probs) {
   if (batch.settled) return;
   batch.settled = true;
+  GiveExtra(batch);
   Queue& queue = At(batch.model);
   {
     std::lock_guard<std::mutex> lock(queue.mu);
@@ -1887,6 +1936,7 @@ bool Plane::Gone(Batch& batch, size_t i, bool settle) {
 void Plane::Fail(Batch& batch, StatusCode code, const std::string& message) {
   if (batch.settled) return;
   batch.settled = true;
+  GiveExtra(batch);
   Queue& queue = At(batch.model);
   const std::vector<char> cancelled = Unrun(batch);  // a stopped run ends here: all cancelled
   std::vector<CallRecord> records;
@@ -2479,6 +2529,11 @@ int64_t SharedBudget::reserved() const {
   return reserved_;
 }
 
+int64_t SharedBudget::Free() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return waiters_.empty() ? std::max<int64_t>(limit_ - room_ - reserved_, 0) : 0;
+}
+
 int64_t SharedBudget::waiting() const {
   std::lock_guard<std::mutex> lock(mu_);
   return waiting_;
@@ -2573,6 +2628,7 @@ Status Plane::Reserve(Queue& queue, Pending& p, bool* parked) {
   if (!budget_ || p.held == nullptr) return Status::OK;
   const auto cost = CostOf(queue, p.rows, p.q_len, p.k_len, p.input_bytes, p.want_probs, p.heads_differ);
   const int64_t total = cost[0] + cost[1] + cost[2];
+  p.run_share = cost[1];
   // The batcher's words (server.batcher.Batcher.submit, memory.budget.MemoryBudget.reserve).
   const std::string what = "model " + queue.limits.name + ": this request (inputs " + Commas(cost[0]) + ", run " +
                            Commas(cost[1]) + ", answer " + Commas(cost[2]) + " bytes)";

@@ -114,6 +114,7 @@ class SharedBudget {
   void SetNativeWake(std::function<void(int64_t)> wake);
   int64_t reserved() const;
   int64_t limit() const { return limit_; }
+  int64_t Free() const;  // what can be taken now without waiting: 0 while someone waits (MemoryBudget.free_bytes)
   int64_t waiting() const;  // inputs of the waiters, both planes
   int64_t waiters() const;
   int wake_fd() const { return wake_fd_; }  // readable once one of Python's waiters is granted
@@ -211,6 +212,7 @@ struct Pending {
   std::vector<bool> order_probs;  // the requested outputs in order: true = attn_probs
   bool exact_k_len = false;       // a query row masks all its keys: never pad its keys
   int64_t input_bytes = 0;        // its tensors' bytes (Work.nbytes): the cost's inputs
+  int64_t run_share = 0;          // the run of it alone, in its budget reservation (the batcher's run_share)
   int64_t* held = nullptr;        // where its budget reservation is kept until the answer is sent
   std::atomic<int64_t>* answered_by = nullptr;  // its call's: the model index once answered OK (the answered stage)
   std::chrono::steady_clock::time_point started, arrived;  // the handler's start; queued
@@ -248,6 +250,7 @@ struct Batch {
   bool stopped = false;
   std::function<void()> on_stop;
   bool answering = false;  // handed back by its run: its answers are being encoded (Complete)
+  int64_t extra = 0;       // budget bytes its merged run takes beyond its requests' own, until it is settled
 };
 
 // Counters of where time goes (nanoseconds, counts), read by Python at any time.
@@ -513,6 +516,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   grpc::ServerUnaryReactor* Table(grpc::CallbackServerContext* context, const std::string& method,
                                   const std::string& name, google::protobuf::Message* response);
   std::unique_ptr<Batch> Form(size_t index, Queue& queue);  // with queue.mu held
+  void GiveExtra(Batch& batch);  // its run's memory beyond its requests' own, back to the budget
   // Request control's private parts: the parameters read at admission, the timer thread that
   // refuses a queued call once its deadline passes, and a running batch's end.
   grpc::Status Schedule(const ModelLimits& m, const inference::ModelInferRequest& request, Pending& p) const;

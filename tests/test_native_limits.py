@@ -119,6 +119,122 @@ def test_native_cost_is_request_cost(model_repository):
                 assert got == (want.inputs, want.run, want.answer), (model, rows, lq, lk, want_probs, heads_differ)
 
 
+# -- a merged batch's bounds, in-process (the test is the runner) --------------------------------------
+
+
+def _merged_plane(model_repository, max_attention_bytes: int, crossover: int = 0, budget=None):
+    """A plane serving self_attention whose fused graphs run from sqrt(Lq * Lk) >= crossover (0: not
+    loaded), started on a loopback port; (plane, index, port, engine)."""
+    from attnserve.server.codec import native_graph_terms
+    from attnserve.server.engine import Engine, choose_device
+    from attnserve.server.graphs import GraphSet
+    from attnserve.server.memory.costs import native_cost_terms
+
+    from attnserve.contract import FUSED, FUSED_KEY_PADDING
+
+    spec = read_model_spec(model_repository / "self_attention")
+    plane = native.new_plane()
+    if budget is not None:
+        plane.set_budget(budget, native_cost_terms(), 0.25)
+    index = plane.add_model(spec.name, "1", spec.query_dim, spec.kv_dim, spec.out_dim, spec.num_heads, 32,
+                            spec.max_q_len, spec.max_kv_len, max_attention_bytes, 16, 0.9)
+    fused = {FUSED: crossover, FUSED_KEY_PADDING: crossover} if crossover else {}
+    plane.set_graphs(index, **native_graph_terms(GraphSet(frozenset({ALL_OUTPUTS, OUTPUT_ONLY, *fused}), fused)))
+    plane.set_model_bounds(index, spec.d_model or spec.query_dim, 0, 0, 4096)
+    return plane, index, plane.start(["127.0.0.1:0"], 64 << 20, 100), Engine(spec, choose_device("cpu"))
+
+
+def _batches(plane, index: int, port: int, engine, cases: list[tuple[int, int, bool]], during=None) -> list[int]:
+    """Send one output-only call per (lq, lk, masked) case, in order, each queued before the next
+    is sent; then run every batch the plane forms on the real engine (`during(batch)` first): the
+    number of requests in each batch, in order. Every call is answered."""
+    rng = np.random.default_rng(21)
+    futures = []
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch, concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        stub = pb_grpc.GRPCInferenceServiceStub(ch)
+        for lq, lk, masked in cases:
+            x = {"query": rng.standard_normal((1, lq, 512), dtype=np.float32),
+                 "key": rng.standard_normal((1, lk, 512), dtype=np.float32)}
+            x["value"] = x["key"]
+            if masked:  # a mask that needs the whole (Lq, Lk) matrix: rows differ
+                x["mask"] = np.ones((1, lq, lk), dtype=np.bool_)
+                x["mask"][0, 1:, 0] = False
+            futures.append(pool.submit(stub.ModelInfer, infer_request("self_attention", outputs=("output",), **x),
+                                       timeout=60))
+            deadline = time.monotonic() + REACHED_WITHIN_S
+            while plane.queued(index) < len(futures):  # queued in this order: the service order
+                assert time.monotonic() < deadline and not futures[-1].done(), "the call was not queued"
+                time.sleep(0.005)
+        sizes = []
+        try:
+            while sum(sizes) < len(cases):
+                batch = plane.next_batch(index, 1000)
+                assert batch is not None
+                sizes.append(batch.requests)
+                if during is not None:
+                    during(batch)
+                output, _ = engine.run(batch.feeds(512, 512), False)
+                plane.complete(batch, output, None)
+            for future in futures:
+                assert future.result().outputs[0].name == "output"
+        finally:
+            plane.stop(1.0)
+    return sizes
+
+
+def test_a_batch_on_the_flash_path_stays_on_it(model_repository):
+    """A request on the flash path (no mask, fused from 4) holds no scores, so the attention bound
+    never counted them: a masked request cannot join it (their run would hold them all), as in
+    server.batcher. The other way round, the flash request joins the masked one's run."""
+    bound = 4 * 8 * 16 * 16  # one (1, 16, 16) request's matrix on 8 heads
+    plane, index, port, engine = _merged_plane(model_repository, bound, crossover=4)
+    assert _batches(plane, index, port, engine, [(16, 16, False), (8, 8, True)]) == [1, 1]
+    plane, index, port, engine = _merged_plane(model_repository, 4 * 8 * 2 * 16 * 16, crossover=4)
+    assert _batches(plane, index, port, engine, [(8, 8, True), (16, 16, False)]) == [2]
+
+
+def test_a_merged_batch_keeps_within_the_attention_bound(model_repository):
+    """Each (1, 16, 16) masked request is within --max-attention-bytes alone; two merged would
+    hold twice its matrix, over the bound: one per batch. With room for both, one batch."""
+    one = 4 * 8 * 16 * 16
+    plane, index, port, engine = _merged_plane(model_repository, one)
+    assert _batches(plane, index, port, engine, [(16, 16, True), (16, 16, True)]) == [1, 1]
+    plane, index, port, engine = _merged_plane(model_repository, 2 * one)
+    assert _batches(plane, index, port, engine, [(16, 16, True), (16, 16, True)]) == [2]
+
+
+def test_a_merged_runs_memory_beyond_its_requests_is_reserved_or_they_run_apart(model_repository):
+    """Two requests whose merged run holds more than their own reservations (the short one's
+    padding): with that much free beside them they run together and the batch holds the extra
+    until it is settled; with a byte less, apart (server.batcher's costing rule)."""
+    from attnserve.server import _native
+    from attnserve.server.memory.costs import native_cost_terms
+
+    def cost(lq: int, lk: int, rows: int = 1) -> tuple[int, int, int]:
+        plane = native.new_plane()
+        plane.set_budget(_native.Budget(1 << 40, 0), native_cost_terms(), 0.25)
+        index = plane.add_model("m", "1", 512, 512, 512, 8, 32, 4096, 4096, 1 << 40, 16, 0.9)
+        plane.set_model_bounds(index, 512, 0, 0, 4096)
+        return plane.cost(index, rows, lq, lk, 4 * rows * (lq * 512 + 2 * lk * 512), False, False)
+
+    short, long = cost(4, 4), cost(64, 64)
+    needed = cost(64, 64, rows=2)[1] - short[1] - long[1]
+    assert needed > 0
+    room = 1 << 20
+    for spare, want in ((needed - 1, [1, 1]), (needed, [2])):
+        budget = _native.Budget(room + sum(short) + sum(long) + spare, room)
+        plane, index, port, engine = _merged_plane(model_repository, 1 << 30, budget=budget)
+        held = []
+        assert _batches(plane, index, port, engine, [(4, 4, False), (64, 64, False)],
+                        during=lambda batch, held=held, budget=budget: held.append(budget.reserved())) == want, spare
+        if want == [2]:
+            assert held == [sum(short) + sum(long) + needed]
+        deadline = time.monotonic() + REACHED_WITHIN_S
+        while budget.reserved() != 0:  # the calls' own go back once their answers are sent
+            assert time.monotonic() < deadline, budget.reserved()
+            time.sleep(0.005)
+
+
 # -- one server with small bounds ------------------------------------------------------------------
 
 
