@@ -316,6 +316,11 @@ PYBIND11_MODULE(_native, m) {
       }, py::arg("index"), py::arg("priority_levels"), py::arg("default_priority_level"),
          py::arg("default_timeout_us"), py::arg("allow_timeout_override"),
          "model `index`'s schedule policy (server.scheduling.QueuePolicy's numbers)")
+      .def("set_queue_delay", [](Plane& p, size_t index, int64_t max_queue_delay_us) {
+        if (index >= p.Models()) throw py::index_error("no such model");
+        p.SetQueueDelay(index, max_queue_delay_us);
+      }, py::arg("index"), py::arg("max_queue_delay_us"),
+         "how long model `index`'s partial batch may wait for company that is coming (the batcher's max_queue_delay_s)")
       .def("set_priority_aging", &Plane::SetPriorityAging,
            "a queued request gains one level per this many batches formed without it (--priority-aging-batches)")
       .def("on_stop", [](Plane& p, Batch& batch, py::object stop) {

@@ -568,6 +568,14 @@ int64_t Plane::Arriving() const {
   return count;
 }
 
+int64_t Plane::Receiving() const {
+  const TimePoint since = Clock::now() - std::chrono::duration_cast<Clock::duration>(arrival_timeout_);
+  std::lock_guard<std::mutex> lock(arriving_mu_);
+  int64_t count = 0;
+  for (const auto& [call, arrival] : arriving_) count += !arrival.claimed && arrival.came >= since;
+  return count;
+}
+
 bool Plane::Arrived(const void* call, std::function<void(const Status&)> refuse) {
   std::lock_guard<std::mutex> lock(arriving_mu_);  // ordered with Halt's sweep: a call is either swept or admitted
   arriving_.emplace(call, Arrival{Clock::now(), false, std::move(refuse)});
@@ -1758,6 +1766,20 @@ std::unique_ptr<Batch> Plane::Form(size_t index, Queue& queue) {
   return batch;
 }
 
+void Plane::WaitForCompany(Queue& queue, std::unique_lock<std::mutex>& lock) {
+  const ModelLimits& m = queue.limits;
+  if (m.max_queue_delay_us <= 0) return;
+  // The oldest request (pending is in arrival order) sets the deadline; a lone call on an idle model
+  // sees nobody coming and goes at once.
+  const TimePoint deadline = queue.pending.front().arrived + std::chrono::microseconds(m.max_queue_delay_us);
+  while (!stopping_ && !queue.retired && !queue.pending.empty() && Clock::now() < deadline) {
+    int64_t rows = 0;
+    for (const auto& p : queue.pending) rows += p.rows;
+    if (rows >= m.max_batch_size || (queue.running.empty() && Receiving() == 0)) return;
+    queue.arrived.wait_until(lock, deadline);
+  }
+}
+
 size_t Plane::Queued(size_t index) {
   Queue& queue = At(index);
   std::lock_guard<std::mutex> lock(queue.mu);
@@ -1772,6 +1794,8 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
     std::unique_lock<std::mutex> lock(queue.mu);
     queue.arrived.wait_for(lock, std::chrono::milliseconds(timeout_ms),
                            [&] { return stopping_ || queue.retired || !queue.pending.empty(); });
+    if (stopping_ || queue.pending.empty()) return nullptr;
+    WaitForCompany(queue, lock);
     if (stopping_ || queue.pending.empty()) return nullptr;
     batch = Form(index, queue);
     expired.swap(queue.expired);
@@ -1950,6 +1974,12 @@ void Plane::Fail(Batch& batch, StatusCode code, const std::string& message) {
 }
 
 // -- request control (docs/native-data-plane.md, "Request control") --------------------------------
+
+void Plane::SetQueueDelay(size_t index, int64_t max_queue_delay_us) {
+  Queue& queue = *models_.at(index);
+  std::lock_guard<std::mutex> lock(queue.mu);
+  queue.limits.max_queue_delay_us = max_queue_delay_us;
+}
 
 void Plane::SetSchedule(size_t index, const ModelLimits::Schedule& schedule) {
   Queue& queue = *models_.at(index);

@@ -43,6 +43,9 @@ struct ModelLimits {
   int64_t query_dim = 0, kv_dim = 0, out_dim = 0, num_heads = 0;
   int64_t max_batch_size = 1, max_q_len = 1, max_kv_len = 1;
   int64_t max_attention_bytes = 0, max_queue_size = 1;
+  // The batcher's max_queue_delay_s: how long a partial batch may wait for company that is coming
+  // (another batch of it runs, or calls are being received); 0: never waits.
+  int64_t max_queue_delay_us = 0;
   double max_padding_ratio = 0.5;
   // Masks whose heads differ run on the head-mask graphs; without them they are refused with this.
   bool head_masks = false;
@@ -364,6 +367,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   // comes is forgotten then); Halt refuses those still arriving.
   void SetArrivalTimeout(double timeout_s) { arrival_timeout_ = std::chrono::duration<double>(timeout_s); }
   int64_t Arriving() const;  // arriving within the timeout
+  int64_t Receiving() const;  // of those, the ones whose message has not been read yet
   // Refuses what is still queued (UNAVAILABLE), then GOAWAY and the listener closed; calls still
   // computing have grace_s to finish.
   void Stop(double grace_s);
@@ -386,6 +390,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   // Request control (docs/native-data-plane.md, "Request control"): schedule policy per model,
   // aging in batches (--priority-aging-batches), cancellation of a call or a whole stream.
   void SetSchedule(size_t index, const ModelLimits::Schedule& schedule);
+  void SetQueueDelay(size_t index, int64_t max_queue_delay_us);
   void SetPriorityAging(uint64_t batches) { aging_batches_ = batches > 0 ? batches : 1; }
   // A call's client went away (OnCancel): out of its queue now, or marked in its running batch,
   // whose stop is called once every call in it is gone. call_deadline: its gRPC deadline (the reason).
@@ -515,6 +520,9 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
   void Left(int64_t calls);  // calls out of the queue and the run: in_flight_ down, WaitIdle told
   grpc::ServerUnaryReactor* Table(grpc::CallbackServerContext* context, const std::string& method,
                                   const std::string& name, google::protobuf::Message* response);
+  // server.batcher's _wait_for_company: a partial batch waits while company is coming, at most until its
+  // oldest request has waited max_queue_delay_us; with queue.mu held (by `lock`).
+  void WaitForCompany(Queue& queue, std::unique_lock<std::mutex>& lock);
   std::unique_ptr<Batch> Form(size_t index, Queue& queue);  // with queue.mu held
   void GiveExtra(Batch& batch);  // its run's memory beyond its requests' own, back to the budget
   // Request control's private parts: the parameters read at admission, the timer thread that
@@ -573,7 +581,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
     bool claimed = false;  // its message came: the call is being handled, Halt leaves it
     std::function<void(const grpc::Status&)> refuse;
   };
-  mutable std::mutex arriving_mu_;  // after idle_mu_
+  mutable std::mutex arriving_mu_;  // after idle_mu_ and a queue's mu (WaitForCompany)
   std::map<const void*, Arrival> arriving_;
   std::chrono::duration<double> arrival_timeout_{10.0};
   Counters counters_;

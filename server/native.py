@@ -283,6 +283,7 @@ class NativePlane:
         policy = spec.queue_policy  # the one source of the schedule's numbers (config.json)
         self._plane.set_schedule(index, policy.priority_levels, policy.default_priority_level,
                                  policy.default_timeout_us, policy.allow_timeout_override)
+        self._plane.set_queue_delay(index, round(lv.batcher.policy.max_queue_delay_s * 1e6))
         self._models.append((name, spec, lv.batcher.run_batch, lv.batcher.run_solo, lv.batcher.stoppable_runs))
         self._computing.append(0)
         if self._tracing is not None:

@@ -570,6 +570,74 @@ def test_a_key_padding_batch_is_fed_the_key_padding_mask_the_python_batcher_merg
         assert_close(got, want(seed000, x), names=outputs)
 
 
+def test_a_partial_batch_waits_for_company_being_received_and_no_longer_than_the_queue_delay(model_repository):
+    """In-process (the test is the runner), the batcher's max_queue_delay_s rule: a queued call
+    and another whose message is still arriving (headers and most of it sent, over raw HTTP/2). The
+    batch waits for it and takes both; with a short delay it goes without it, and the late call
+    runs next; with nothing arriving it does not wait at all."""
+    from tests.h2_client import RawGrpcClient, grpc_frame
+
+    spec = read_model_spec(model_repository / "self_attention")
+    engine = Engine(spec, choose_device("cpu"))
+    plane = native.new_plane()
+    index = plane.add_model(spec.name, "1", spec.query_dim, spec.kv_dim, spec.out_dim, spec.num_heads, 32,
+                            spec.max_q_len, spec.max_kv_len, 1 << 30, 16, 0.5)
+    port = plane.start(["127.0.0.1:0"], 64 << 20, 100)
+    rng = np.random.default_rng(14)
+
+    def request() -> pb.ModelInferRequest:
+        x = rng.standard_normal((1, 4, 512), dtype=np.float32)
+        return infer_request("self_attention", outputs=("output",), query=x, key=x, value=x)
+
+    def run(batch) -> None:
+        output, _ = engine.run(batch.feeds(spec.query_dim, spec.kv_dim), False)
+        plane.complete(batch, output, None)
+
+    client = RawGrpcClient(port)
+    deadline = time.monotonic() + QUEUED_WITHIN_S
+
+    def until(state, what: str) -> None:
+        while not state():
+            assert time.monotonic() < deadline, what
+            client.pump(0.01)
+
+    try:
+        with (grpc.insecure_channel(f"127.0.0.1:{port}") as ch,
+              concurrent.futures.ThreadPoolExecutor(2) as pool):
+            stub = pb_grpc.GRPCInferenceServiceStub(ch)
+            client.open_window()
+            for delay_us, waits in ((600_000_000, True), (300_000, False)):
+                plane.set_queue_delay(index, delay_us)
+                first = pool.submit(stub.ModelInfer, request(), timeout=60)
+                until(lambda: plane.queued(index) == 1, "the first call queued")
+                frame = grpc_frame(request().SerializeToString())
+                late = client.start_call("/inference.GRPCInferenceService/ModelInfer", None)
+                client.send_bytes(late, frame[:-16])
+                until(lambda: plane.arriving() == 1, "the late call's headers in, its message not")
+                formed = pool.submit(plane.next_batch, index, 60_000)
+                if waits:  # company is coming: the batch waits for it (600 s would outlast the test)
+                    client.send_bytes(late, frame[-16:], end=True)
+                    assert formed.result(timeout=60).requests == 2
+                    run(formed.result())
+                else:  # the delay passes first: the batch goes alone, the late call in the next one
+                    batch = formed.result(timeout=60)
+                    assert batch.requests == 1 and plane.arriving() == 1
+                    run(batch)
+                    client.send_bytes(late, frame[-16:], end=True)
+                    run(plane.next_batch(index, 60_000))
+                until(lambda late=late: client.calls[late].ended, "the late call answered")
+                assert client.calls[late].status == 0 and first.result().outputs[0].name == "output"
+            plane.set_queue_delay(index, 600_000_000)  # nothing arriving: no wait (600 s would outlast the test)
+            alone = pool.submit(stub.ModelInfer, request(), timeout=60)
+            until(lambda: plane.queued(index) == 1, "the call queued")
+            assert plane.arriving() == 0
+            run(pool.submit(plane.next_batch, index, 60_000).result(timeout=60))
+            assert alone.result().outputs[0].name == "output"
+    finally:
+        client.close()
+        plane.stop(1.0)
+
+
 # -- drain ---------------------------------------------------------------------------------------------
 
 def test_a_drain_finishes_admitted_native_calls_and_refuses_new_ones(model_repository, eager_modules):
