@@ -103,6 +103,26 @@ def test_load_and_unload_on_the_port_change_what_model_infer_serves(native_serve
         np.testing.assert_array_equal(outputs_of(stub.ModelInfer(_request(x), timeout=WAIT_S))["output"], before)
 
 
+def _output_region(address: str, regions, name: str, size: int):
+    """A system shared-memory region of `size` bytes registered on the server as `name`, and a
+    function making a ModelInfer request for x whose output goes there (the plane relays it)."""
+    handle = regions(name, size)
+    client = grpcclient.InferenceServerClient(url=address)
+    try:
+        client.register_system_shared_memory(name, handle._shm_key, size)
+    finally:
+        client.close()
+
+    def relayed(x: np.ndarray, request_id: str = "") -> pb.ModelInferRequest:
+        request = infer_request(MODEL, request_id=request_id, query=x, key=x, value=x)
+        out = request.outputs.add(name="output")
+        out.parameters["shared_memory_region"].string_param = name
+        out.parameters["shared_memory_byte_size"].int64_param = size
+        return request
+
+    return handle, relayed
+
+
 def test_shared_memory_requests_go_to_the_python_path_and_equal_the_eager_answer(native_server, regions, references):
     client = grpcclient.InferenceServerClient(url=native_server.address)
     try:
@@ -128,30 +148,17 @@ def test_a_relayed_call_s_deadline_and_cancellation_reach_python(model_repositor
     x = _x(rng)
     size = x.nbytes  # (1, 4, 512) FP32 output, the query's size
     with GatedServer(model_repository, *NATIVE, "--allow-shared-memory") as server, server.channel() as channel:
-        handle = regions("relay-out", size)
-        client = grpcclient.InferenceServerClient(url=server.address)
-        try:
-            client.register_system_shared_memory("relay-out", handle._shm_key, size)
-        finally:
-            client.close()
-
-        def relayed() -> pb.ModelInferRequest:
-            request = _request(x)
-            out = request.outputs.add(name="output")
-            out.parameters["shared_memory_region"].string_param = "relay-out"
-            out.parameters["shared_memory_byte_size"].int64_param = size
-            return request
-
+        handle, relayed = _output_region(server.address, regions, "relay-out", size)
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        held = stub.ModelInfer.future(relayed(), timeout=WAIT_S)
+        held = stub.ModelInfer.future(relayed(x), timeout=WAIT_S)
         assert server.gate.wait_started() == 1
-        late = stub.ModelInfer.future(relayed(), timeout=5.0)
+        late = stub.ModelInfer.future(relayed(x), timeout=5.0)
         _wait_metric(server, "attnserve_queue_depth", 1, model=MODEL)  # the Python batcher's queue
         with pytest.raises(grpc.RpcError) as exc:
             late.result()
         assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         _wait_metric(server, "attnserve_queue_depth", 0, model=MODEL)
-        gone = stub.ModelInfer.future(relayed(), timeout=WAIT_S)
+        gone = stub.ModelInfer.future(relayed(x), timeout=WAIT_S)
         _wait_metric(server, "attnserve_queue_depth", 1, model=MODEL)
         gone.cancel()
         _wait_metric(server, "attnserve_queue_depth", 0, model=MODEL)
@@ -205,25 +212,12 @@ def test_a_streams_relayed_request_is_logged_as_the_stream_s_and_a_client_sent_m
     size = x.nbytes
     proc = ServerProcess(model_repository, *NATIVE, "--allow-shared-memory", "--access-log", "--log-format", "json")
     try:
-        handle = regions("relay-stream-out", size)
-        client = grpcclient.InferenceServerClient(url=proc.address)
-        try:
-            client.register_system_shared_memory("relay-stream-out", handle._shm_key, size)
-        finally:
-            client.close()
-
-        def relayed(request_id: str) -> pb.ModelInferRequest:
-            request = infer_request(MODEL, request_id=request_id, query=x, key=x, value=x)
-            out = request.outputs.add(name="output")
-            out.parameters["shared_memory_region"].string_param = "relay-stream-out"
-            out.parameters["shared_memory_byte_size"].int64_param = size
-            return request
-
+        _, relayed = _output_region(proc.address, regions, "relay-stream-out", size)
         with proc.channel() as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            (answer,) = stub.ModelStreamInfer(iter([relayed("in-a-stream")]), timeout=WAIT_S)
+            (answer,) = stub.ModelStreamInfer(iter([relayed(x, "in-a-stream")]), timeout=WAIT_S)
             assert not answer.error_message and answer.infer_response.id == "in-a-stream"
-            stub.ModelInfer(relayed("unary"), timeout=WAIT_S, metadata=[("x-attnserve-method", "Forged")])
+            stub.ModelInfer(relayed(x, "unary"), timeout=WAIT_S, metadata=[("x-attnserve-method", "Forged")])
         lines = {line["request_id"]: line for line in _wait_lines(proc, 2) if line["request_id"]}
         assert (lines["in-a-stream"]["method"], lines["in-a-stream"]["status"]) == ("ModelStreamInfer", "OK"), lines
         assert (lines["unary"]["method"], lines["unary"]["status"]) == ("ModelInfer", "OK"), lines
