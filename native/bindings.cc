@@ -1,5 +1,6 @@
 // attnserve.server._native: the native data plane's few coarse calls, for server/native.py.
 #include <algorithm>
+#include <optional>
 #include <string>
 
 #include <grpc/grpc.h>
@@ -24,8 +25,8 @@ using attnserve::SharedBudget;
 namespace {
 
 // A numpy view of a buffer the batch owns; `self` (the Python Batch) keeps it alive.
-template <typename T>
-py::array View(py::object self, std::vector<T>& buffer, std::vector<py::ssize_t> shape, const char* dtype) {
+template <typename T, typename A>
+py::array View(py::object self, std::vector<T, A>& buffer, std::vector<py::ssize_t> shape, const char* dtype) {
   return py::array(py::dtype(dtype), shape, {}, buffer.data(), self);
 }
 
@@ -49,6 +50,23 @@ PYBIND11_MODULE(_native, m) {
     gpr_free(json);
     return py::bytes(out);
   };
+  m.def("encode_answer", [](py::bytes message, std::optional<std::string> stream_error) {
+    inference::ModelInferResponse response;
+    if (!response.ParseFromString(std::string(message))) throw py::value_error("not a ModelInferResponse");
+    grpc::ByteBuffer encoded = stream_error ? attnserve::EncodeStreamAnswer(*stream_error, &response)
+                                            : attnserve::EncodeAnswer(&response);
+    std::vector<grpc::Slice> slices;
+    if (!encoded.Dump(&slices).ok()) throw std::runtime_error("the encoded answer did not read back");
+    std::string bytes;
+    py::list sizes;
+    for (const grpc::Slice& slice : slices) {
+      bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+      sizes.append(slice.size());
+    }
+    return py::make_tuple(py::bytes(bytes), sizes);
+  }, py::arg("message"), py::arg("stream_error") = py::none(),
+     "(bytes, slice sizes): a ModelInferResponse as the plane sends it (EncodeAnswer), or with stream_error "
+     "(\"\": none) in a ModelStreamInferResponse (EncodeStreamAnswer)");
   m.def("channelz_get_servers", [channelz](intptr_t start) { return channelz(grpc_channelz_get_servers(start)); });
   m.def("channelz_get_server", [channelz](intptr_t id) { return channelz(grpc_channelz_get_server(id)); });
 

@@ -15,6 +15,7 @@
 
 #include <grpc/support/time.h>
 #include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
 namespace attnserve {
@@ -913,22 +914,45 @@ void Plane::SetGraphs(size_t index, const ModelLimits::Graphs& graphs) {
 
 namespace {
 
-// Adds one output tensor's header to the answer and returns where its `count` floats go.
-float* AddOutput(inference::ModelInferResponse* response, const std::string& name, const std::string& datatype,
-                 std::initializer_list<int64_t> shape, bool raw, size_t count) {
-  auto* tensor = response->add_outputs();
-  tensor->set_name(name);
-  tensor->set_datatype(datatype);
-  for (int64_t d : shape) tensor->add_shape(d);
-  if (raw) {
-    std::string* bytes = response->add_raw_output_contents();
-    bytes->resize(count * 4);
-    return reinterpret_cast<float*>(bytes->data());
+// One output tensor of the answer: its header, then its floats in order, appended to its
+// raw_output_contents (never zero-filled first) or written into its fp32_contents.
+class OutputTo {
+ public:
+  OutputTo(inference::ModelInferResponse* response, const std::string& name, const std::string& datatype,
+           std::initializer_list<int64_t> shape, bool raw, size_t count) {
+    auto* tensor = response->add_outputs();
+    tensor->set_name(name);
+    tensor->set_datatype(datatype);
+    for (int64_t d : shape) tensor->add_shape(d);
+    if (raw) {
+      bytes_ = response->add_raw_output_contents();
+      bytes_->reserve(count * 4);
+      return;
+    }
+    auto* values = tensor->mutable_contents()->mutable_fp32_contents();
+    values->Resize(static_cast<int>(count), 0.0f);
+    at_ = values->mutable_data();
   }
-  auto* values = tensor->mutable_contents()->mutable_fp32_contents();
-  values->Resize(static_cast<int>(count), 0.0f);
-  return values->mutable_data();
-}
+  void Put(const float* from, size_t count) {
+    if (bytes_ != nullptr) {
+      bytes_->append(reinterpret_cast<const char*>(from), count * 4);
+    } else {
+      std::memcpy(at_, from, count * 4);
+      at_ += count;
+    }
+  }
+  void Zeros(size_t count) {
+    if (bytes_ != nullptr) {
+      bytes_->append(count * 4, '\0');
+    } else {
+      at_ += count;  // Resize wrote them
+    }
+  }
+
+ private:
+  std::string* bytes_ = nullptr;
+  float* at_ = nullptr;
+};
 
 }  // namespace
 
@@ -965,12 +989,13 @@ void Plane::AnswerZeros(Pending& p, Queue& queue) {
   p.response->set_model_version(m.version);
   p.response->set_id(p.request->id());
   for (bool probs : p.order_probs) {
+    const size_t count = static_cast<size_t>(probs ? p.rows * m.num_heads * p.q_len * p.k_len
+                                                   : p.rows * p.q_len * m.out_dim);
     if (probs) {
-      AddOutput(p.response, contract_.attn_probs, contract_.fp32, {p.rows, m.num_heads, p.q_len, p.k_len}, p.raw,
-                static_cast<size_t>(p.rows * m.num_heads * p.q_len * p.k_len));
+      OutputTo(p.response, contract_.attn_probs, contract_.fp32, {p.rows, m.num_heads, p.q_len, p.k_len}, p.raw,
+               count).Zeros(count);
     } else {
-      AddOutput(p.response, contract_.output, contract_.fp32, {p.rows, p.q_len, m.out_dim}, p.raw,
-                static_cast<size_t>(p.rows * p.q_len * m.out_dim));
+      OutputTo(p.response, contract_.output, contract_.fp32, {p.rows, p.q_len, m.out_dim}, p.raw, count).Zeros(count);
     }
   }
   Settle(p, &queue, Status::OK);
@@ -983,6 +1008,7 @@ const std::set<std::string> kServedHere = {"ServerLive",      "ServerReady",    
                                            "ModelMetadata",   "ModelConfig",    "ModelStatistics", "RepositoryIndex",
                                            "ModelInfer",      "ModelStreamInfer"};
 const std::string kModelInferMethod = "/inference.GRPCInferenceService/ModelInfer";
+constexpr size_t kCopiedBelow = 4096;  // raw_output_contents shorter than this are copied into the answer's head
 
 // The Python server's answer to a relayed ModelInfer request, into the call's typed response.
 Status ReadAnswer(const grpc::ByteBuffer& answer, inference::ModelInferResponse* response) {
@@ -1050,7 +1076,7 @@ class UnaryBinding final : public grpc::ServerCallbackUnary {
 // is free (server.gate's rule; until then HTTP/2 flow control holds the message back at the stream's
 // window). The plane holds it from its headers on, for the drain (docs/native-data-plane.md, "Drain").
 // It then serves as an InferCall (Plane::Infer), whose Finish writes the answer and ends the call.
-class ReceivedCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, inference::ModelInferResponse> {
+class ReceivedCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   ReceivedCall(Plane* plane, grpc::CallbackServerContext* context)
       : plane_(plane),
@@ -1108,7 +1134,8 @@ class ReceivedCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, infe
   }
   void Answer(grpc::Status s) {
     if (s.ok()) {
-      StartWriteAndFinish(&response_, grpc::WriteOptions(), s);
+      answer_ = EncodeAnswer(&response_);
+      StartWriteAndFinish(&answer_, grpc::WriteOptions(), s);
     } else {
       Finish(std::move(s));
     }
@@ -1118,6 +1145,7 @@ class ReceivedCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, infe
   UnaryBinding binding_;
   grpc::ByteBuffer bytes_;
   inference::ModelInferResponse response_;
+  grpc::ByteBuffer answer_;  // response_, encoded (EncodeAnswer)
   std::atomic<grpc::ServerUnaryReactor*> call_{nullptr};
   std::atomic<bool> cancelled_{false}, cancel_told_{false};
   bool admitted_early_ = false;  // its headers came before the drain's refusal: served all the same
@@ -1126,13 +1154,62 @@ class ReceivedCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, infe
 };
 
 // A stream refused before it reads anything (its token, checked by the handler when calls are recorded).
-class RefusedStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, inference::ModelStreamInferResponse> {
+class RefusedStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   explicit RefusedStream(const Status& status) { Finish(status); }
   void OnDone() override { delete this; }
 };
 
 }  // namespace
+
+// The answer's bytes as SerializeAsString writes them, without copying raw_output_contents again:
+// those strings move into slices of their own, after the message's other fields (numbers 1-5).
+grpc::ByteBuffer EncodeAnswer(inference::ModelInferResponse* response) {
+  auto* raw = response->mutable_raw_output_contents();
+  std::vector<std::string> contents;
+  contents.reserve(static_cast<size_t>(raw->size()));
+  for (std::string& bytes : *raw) contents.push_back(std::move(bytes));
+  raw->Clear();
+  std::string head = response->SerializeAsString();
+  std::vector<grpc::Slice> slices;
+  slices.reserve(2 * contents.size() + 1);
+  for (std::string& bytes : contents) {
+    head.push_back(static_cast<char>((inference::ModelInferResponse::kRawOutputContentsFieldNumber << 3) | 2));
+    uint8_t size[10];
+    const uint8_t* end = google::protobuf::io::CodedOutputStream::WriteVarint64ToArray(bytes.size(), size);
+    head.append(reinterpret_cast<const char*>(size), static_cast<size_t>(end - size));
+    if (bytes.size() < kCopiedBelow) {  // a slice of its own costs more than a copy
+      head += bytes;
+      continue;
+    }
+    slices.emplace_back(head);
+    head.clear();
+    auto* owned = new std::string(std::move(bytes));
+    slices.emplace_back(owned->data(), owned->size(), [](void* s) { delete static_cast<std::string*>(s); }, owned);
+  }
+  if (!head.empty() || slices.empty()) slices.emplace_back(head);
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+grpc::ByteBuffer EncodeStreamAnswer(const std::string& error_message, inference::ModelInferResponse* response) {
+  grpc::ByteBuffer inner = EncodeAnswer(response);
+  std::vector<grpc::Slice> slices;
+  if (!inner.Dump(&slices).ok()) slices.clear();  // Dump fails only on a compressed buffer, which this is not
+  std::string head;
+  google::protobuf::io::StringOutputStream to(&head);
+  {
+    google::protobuf::io::CodedOutputStream out(&to);
+    if (!error_message.empty()) {
+      out.WriteTag(inference::ModelStreamInferResponse::kErrorMessageFieldNumber << 3 | 2);
+      out.WriteVarint64(error_message.size());
+      out.WriteString(error_message);
+    }
+    out.WriteTag(inference::ModelStreamInferResponse::kInferResponseFieldNumber << 3 | 2);
+    out.WriteVarint64(inner.Length());
+  }
+  slices.insert(slices.begin(), grpc::Slice(head));
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
 
 Plane::Plane(Contract contract) : contract_(std::move(contract)) {
   // Methods served neither here nor through the rare RPCs' relay go to the generic service, which
@@ -1141,7 +1218,7 @@ Plane::Plane(Contract contract) : contract_(std::move(contract)) {
   for (int i = 0; i < service->method_count(); ++i) {
     if (kServedHere.count(service->method(i)->name()) == 0) MarkMethodGeneric(i);
   }
-  // ModelInfer's request as raw bytes (the response stays typed), by the method's index in the proto.
+  // ModelInfer's request and answer as raw bytes (ReceivedCall), by the method's index in the proto.
   const int method = inference::ModelInferRequest::descriptor()
                          ->file()
                          ->FindServiceByName("GRPCInferenceService")
@@ -1150,10 +1227,10 @@ Plane::Plane(Contract contract) : contract_(std::move(contract)) {
   // Registered as streaming (MarkMethodStreamed sets the type; its handler is replaced at once), so
   // that gRPC reads a call's message only when the call asks for it (ReceivedCall: receive slots).
   MarkMethodStreamed(method,
-                     new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, inference::ModelInferResponse>(
+                     new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
                          [](grpc::CallbackServerContext*) { return nullptr; }));
   MarkMethodCallback(method,
-                     new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, inference::ModelInferResponse>(
+                     new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
                          [this](grpc::CallbackServerContext* context) { return new ReceivedCall(this, context); }));
   // ModelStreamInfer's requests as raw bytes too: one that does not parse ends the stream with a message.
   const int stream_method = inference::ModelInferRequest::descriptor()
@@ -1162,8 +1239,8 @@ Plane::Plane(Contract contract) : contract_(std::move(contract)) {
                                 ->FindMethodByName("ModelStreamInfer")
                                 ->index();
   MarkMethodCallback(stream_method,
-                     new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, inference::ModelStreamInferResponse>(
-                         [this](grpc::CallbackServerContext* context) -> grpc::ServerBidiReactor<grpc::ByteBuffer, inference::ModelStreamInferResponse>* {
+                     new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
+                         [this](grpc::CallbackServerContext* context) -> grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* {
                            if (TokenDeferred() && !TokenAdmits(context)) {  // the processor let it through to us
                              RecordTokenRefusal(context, "ModelStreamInfer");
                              return new RefusedStream(Status(StatusCode::UNAUTHENTICATED, security_.refusal));
@@ -1599,13 +1676,14 @@ void StreamCall::Answered(uint64_t seq, const Status& status) {
     hold_in_flight_--;
     held_bytes_ += slot.reserved;  // held until written (service._StreamHold.answered)
     hold_cost_ = std::max(hold_cost_, slot.reserved);
-    slot.answer = std::make_unique<inference::ModelStreamInferResponse>();
     if (status.ok()) {
-      slot.answer->mutable_infer_response()->Swap(slot.response.get());
+      slot.answer = std::make_unique<grpc::ByteBuffer>(EncodeStreamAnswer("", slot.response.get()));
     } else {  // the stream goes on: the request's own answer says what failed
-      slot.answer->set_error_message(std::string(CodeName(status.error_code())) + ": " + status.error_message());
-      slot.answer->mutable_infer_response()->set_model_name(slot.request->model_name());
-      slot.answer->mutable_infer_response()->set_id(slot.request->id());
+      inference::ModelInferResponse named;
+      named.set_model_name(slot.request->model_name());
+      named.set_id(slot.request->id());
+      slot.answer = std::make_unique<grpc::ByteBuffer>(EncodeStreamAnswer(
+          std::string(CodeName(status.error_code())) + ": " + status.error_message(), &named));
     }
     slot.request.reset();  // its tensors are no longer needed
     slot.response.reset();
@@ -1786,6 +1864,16 @@ size_t Plane::Queued(size_t index) {
   return queue.pending.size();
 }
 
+namespace {
+
+// One request's row into its batch row: `count` floats, then zeros up to the batch's `width` (padding).
+void PadRow(float* to, const float* from, int64_t count, int64_t width) {
+  std::memcpy(to, from, static_cast<size_t>(count) * 4);
+  if (width > count) std::memset(to + count, 0, static_cast<size_t>(width - count) * 4);
+}
+
+}  // namespace
+
 std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
   Queue& queue = At(index);
   std::unique_ptr<Batch> batch;
@@ -1811,9 +1899,9 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
   batch->id = ++batch_ids_;
   const ModelLimits& m = queue.limits;
   const int64_t rows = batch->rows, lq = batch->q_len, lk = batch->k_len;
-  batch->query.assign(static_cast<size_t>(rows * lq * m.query_dim), 0.0f);  // padding: zeros
-  batch->key.assign(static_cast<size_t>(rows * lk * m.kv_dim), 0.0f);
-  batch->value.assign(static_cast<size_t>(rows * lk * m.kv_dim), 0.0f);
+  batch->query.resize(static_cast<size_t>(rows * lq * m.query_dim));  // uninitialized: every row written below
+  batch->key.resize(static_cast<size_t>(rows * lk * m.kv_dim));
+  batch->value.resize(static_cast<size_t>(rows * lk * m.kv_dim));
   // tensors.batch_masking: a head mask, else the whole mask if a request needs it (GENERAL), else a
   // key padding mask once a request has one or keys are padded.
   bool general = false, key_padding = false;
@@ -1832,12 +1920,12 @@ std::shared_ptr<Batch> Plane::NextBatch(size_t index, int64_t timeout_ms) {
     const Pending& p = batch->items[i];
     const int64_t r0 = batch->first_row[i];
     for (int64_t r = 0; r < p.rows; ++r) {
-      std::memcpy(&batch->query[((r0 + r) * lq) * m.query_dim], p.query + r * p.q_len * m.query_dim,
-                  static_cast<size_t>(p.q_len * m.query_dim) * 4);
-      std::memcpy(&batch->key[((r0 + r) * lk) * m.kv_dim], p.key + r * p.k_len * m.kv_dim,
-                  static_cast<size_t>(p.k_len * m.kv_dim) * 4);
-      std::memcpy(&batch->value[((r0 + r) * lk) * m.kv_dim], p.value + r * p.k_len * m.kv_dim,
-                  static_cast<size_t>(p.k_len * m.kv_dim) * 4);
+      PadRow(&batch->query[((r0 + r) * lq) * m.query_dim], p.query + r * p.q_len * m.query_dim,
+             p.q_len * m.query_dim, lq * m.query_dim);
+      PadRow(&batch->key[((r0 + r) * lk) * m.kv_dim], p.key + r * p.k_len * m.kv_dim, p.k_len * m.kv_dim,
+             lk * m.kv_dim);
+      PadRow(&batch->value[((r0 + r) * lk) * m.kv_dim], p.value + r * p.k_len * m.kv_dim, p.k_len * m.kv_dim,
+             lk * m.kv_dim);
       if (!batch->key_mask.empty()) {  // the row's first query row says which keys it attends (all alike)
         int32_t* to = &batch->key_mask[(r0 + r) * lk];
         const uint8_t* from = p.mask != nullptr ? p.mask + r * p.mask_row_stride : nullptr;
@@ -1909,17 +1997,24 @@ void Plane::Complete(Batch& batch, const float* output, const float* attn_probs)
     p.response->set_id(p.request->id());
     for (bool probs : p.order_probs) {
       if (probs) {
-        float* to = AddOutput(p.response, contract_.attn_probs, contract_.fp32, {p.rows, h, p.q_len, p.k_len}, p.raw,
-                              static_cast<size_t>(p.rows * h * p.q_len * p.k_len));
-        for (int64_t r = 0; r < p.rows; ++r)
-          for (int64_t hh = 0; hh < h; ++hh)
-            for (int64_t q = 0; q < p.q_len; ++q, to += p.k_len)
-              std::memcpy(to, attn_probs + (((r0 + r) * h + hh) * lq + q) * lk, static_cast<size_t>(p.k_len) * 4);
+        const auto count = static_cast<size_t>(p.rows * h * p.q_len * p.k_len);
+        OutputTo to(p.response, contract_.attn_probs, contract_.fp32, {p.rows, h, p.q_len, p.k_len}, p.raw, count);
+        if (p.q_len == lq && p.k_len == lk) {  // unpadded: its rows are one block of the batch's
+          to.Put(attn_probs + r0 * h * lq * lk, count);
+        } else {
+          for (int64_t r = 0; r < p.rows; ++r)
+            for (int64_t hh = 0; hh < h; ++hh)
+              for (int64_t q = 0; q < p.q_len; ++q)
+                to.Put(attn_probs + (((r0 + r) * h + hh) * lq + q) * lk, static_cast<size_t>(p.k_len));
+        }
       } else {
-        float* to = AddOutput(p.response, contract_.output, contract_.fp32, {p.rows, p.q_len, od}, p.raw,
-                              static_cast<size_t>(p.rows * p.q_len * od));
-        for (int64_t r = 0; r < p.rows; ++r, to += p.q_len * od)
-          std::memcpy(to, output + ((r0 + r) * lq) * od, static_cast<size_t>(p.q_len * od) * 4);
+        const auto count = static_cast<size_t>(p.rows * p.q_len * od);
+        OutputTo to(p.response, contract_.output, contract_.fp32, {p.rows, p.q_len, od}, p.raw, count);
+        if (p.q_len == lq) {
+          to.Put(output + r0 * lq * od, count);
+        } else {
+          for (int64_t r = 0; r < p.rows; ++r) to.Put(output + ((r0 + r) * lq) * od, static_cast<size_t>(p.q_len * od));
+        }
       }
     }
     const auto finishing = Clock::now();

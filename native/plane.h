@@ -184,6 +184,12 @@ constexpr TimePoint kNever = TimePoint::max();
 class StreamCall;
 
 // A rare RPC handed to Python (docs/native-data-plane.md, "Model changes and the rare RPCs"):
+// A ModelInfer answer's bytes, as response->SerializeAsString() writes them, with its
+// raw_output_contents moved into slices of their own, which gRPC sends without another copy.
+grpc::ByteBuffer EncodeAnswer(inference::ModelInferResponse* response);
+// The same answer in a stream, as a ModelStreamInferResponse (its error_message, when not empty).
+grpc::ByteBuffer EncodeStreamAnswer(const std::string& error_message, inference::ModelInferResponse* response);
+
 // done(code, details, response bytes) is called once, from any thread; dropped uncalled, the
 // call is answered UNAVAILABLE.
 using RelayDone = std::function<void(int code, const std::string& details, const std::string& response)>;
@@ -228,6 +234,28 @@ struct Pending {
   bool admitted_early = false;  // its headers came before the drain refused new calls: served all the same
 };
 
+// An allocator whose resize leaves new elements uninitialized (value-initialized when given a
+// value): the merge writes every element of a batch's inputs, so zeroing them first is a wasted pass.
+template <typename T>
+struct Uninitialized : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = Uninitialized<U>;
+  };
+  Uninitialized() = default;
+  template <typename U>
+  Uninitialized(const Uninitialized<U>&) noexcept {}
+  template <typename U, typename... Args>
+  void construct(U* at, Args&&... args) {
+    if constexpr (sizeof...(Args) == 0) {
+      ::new (static_cast<void*>(at)) U;
+    } else {
+      ::new (static_cast<void*>(at)) U(std::forward<Args>(args)...);
+    }
+  }
+};
+using Floats = std::vector<float, Uninitialized<float>>;
+
 // A formed batch: its requests and their merged, padded inputs, owned here, viewed by numpy.
 struct Batch {
   size_t model = 0;
@@ -236,7 +264,7 @@ struct Batch {
   std::vector<int64_t> first_row;  // each item's first row in the batch
   int64_t rows = 0, q_len = 0, k_len = 0;
   bool want_probs = false;
-  std::vector<float> query, key, value;  // (rows, q_len, query_dim), (rows, k_len, kv_dim) x2
+  Floats query, key, value;              // (rows, q_len, query_dim), (rows, k_len, kv_dim) x2
   std::vector<uint8_t> mask;             // (rows, mask_heads, q_len, k_len) bool, empty: no mask needed
   int64_t mask_heads = 1;                // > 1: a head mask (some request's heads differ)
   // (rows, k_len), 1 = a real key: a batch whose masks are key padding (or none) and whose keys are
@@ -614,8 +642,7 @@ class Plane final : public inference::GRPCInferenceService::CallbackService {
 // Its messages are read as raw bytes and parsed here: one that does not parse ends the stream with
 // INVALID_ARGUMENT after the answers before it (the Python plane's rule). Its reading also pauses
 // while its answers hold more than its share of the memory budget (service._StreamHold's rule).
-class StreamCall final
-    : public grpc::ServerBidiReactor<grpc::ByteBuffer, inference::ModelStreamInferResponse> {
+class StreamCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   // context: the relay's (its headers), and where a recorded stream takes its peer and trace headers.
   StreamCall(Plane* plane, TimePoint call_deadline, grpc::CallbackServerContext* context = nullptr);
@@ -630,12 +657,12 @@ class StreamCall final
   struct Slot {
     std::unique_ptr<inference::ModelInferRequest> request;
     std::unique_ptr<inference::ModelInferResponse> response;
-    std::unique_ptr<inference::ModelStreamInferResponse> answer;  // set once answered
+    std::unique_ptr<grpc::ByteBuffer> answer;  // set once answered: the encoded ModelStreamInferResponse
     int64_t reserved = 0;  // its budget reservation, given back once its answer is written or dropped
   };
   // With mu_ held: what to start now (a write, a read, the end), started after it is released.
   struct Next {
-    inference::ModelStreamInferResponse* write = nullptr;
+    grpc::ByteBuffer* write = nullptr;
     bool read = false, finish = false;
   };
   Next Step();
@@ -656,7 +683,7 @@ class StreamCall final
   grpc::ByteBuffer incoming_;
   std::deque<Slot> slots_;  // in request order: the first is the next to write
   uint64_t first_seq_ = 0;  // slots_.front()'s seq
-  std::unique_ptr<inference::ModelStreamInferResponse> writing_;
+  std::unique_ptr<grpc::ByteBuffer> writing_;
   bool reading_ = true, reads_done_ = false, broken_ = false, finished_ = false;
   int64_t writing_reserved_ = 0;
   // service._StreamHold: requests read and not answered, bytes of answers held, the largest reservation.

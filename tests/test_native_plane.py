@@ -267,6 +267,39 @@ def test_malformed_requests_get_a_proper_status(stub, request):
 
 # -- batching, in-process: the test is the plane's runner -----------------------------------------
 
+def test_an_answer_is_encoded_as_protobuf_serializes_it_with_large_outputs_in_slices_of_their_own():
+    """EncodeAnswer and EncodeStreamAnswer: the bytes sent are the message's own serialization, byte
+    for byte, alone and in a stream's message, for raw outputs below and above the size that is sent
+    from a slice of its own (with one- to four-byte length prefixes), typed outputs, and none; each
+    large output is one slice, not copied again."""
+    from attnserve.server import _native
+
+    rng = np.random.default_rng(5)
+    small = rng.standard_normal(10).astype(np.float32).tobytes()  # 40 bytes: copied into the head
+    large = rng.standard_normal(2048).astype(np.float32).tobytes()  # 8 KiB
+    huge = np.arange(3 << 18, dtype=np.float32).tobytes()  # 3 MiB: a four-byte length
+    for raw in ([], [small], [large], [large, small], [small, large, huge], [huge, b"", large]):
+        answer = pb.ModelInferResponse(model_name="cross_attention", model_version="7", id="a-1")
+        for i, data in enumerate(raw):
+            answer.outputs.add(name=f"o{i}", datatype="FP32", shape=[1, len(data) // 4])
+        answer.raw_output_contents.extend(raw)
+        message = answer.SerializeToString()
+        encoded, sizes = _native.encode_answer(message)
+        assert encoded == message, [len(r) for r in raw]
+        assert [s for s in sizes if s >= 4096] == [len(r) for r in raw if len(r) >= 4096]
+        for error in ("", "INVALID_ARGUMENT: " + "x" * 200):  # in a stream: a two-byte length, and none
+            streamed = pb.ModelStreamInferResponse(error_message=error, infer_response=answer).SerializeToString()
+            encoded, sizes = _native.encode_answer(message, stream_error=error)
+            assert encoded == streamed, (error, [len(r) for r in raw])
+            assert [s for s in sizes if s >= 4096] == [len(r) for r in raw if len(r) >= 4096]
+    typed = pb.ModelInferResponse(model_name="self_attention", model_version="1")
+    typed.outputs.add(name="output", datatype="FP32", shape=[1, 2]).contents.fp32_contents.extend([0.5, -1.0])
+    message = typed.SerializeToString()
+    assert _native.encode_answer(message) == (message, [len(message)])
+    with pytest.raises(ValueError, match="not a ModelInferResponse"):
+        _native.encode_answer(b"\xff\xff")
+
+
 def test_concurrent_calls_form_one_padded_batch_and_each_gets_its_own_rows(model_repository, seed000):  # noqa: F811
     spec = read_model_spec(model_repository / "self_attention")
     engine = Engine(spec, choose_device("cpu"))

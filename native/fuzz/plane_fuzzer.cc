@@ -127,5 +127,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       plane->Complete(*batch, output.data(), batch->want_probs ? probs.data() : nullptr);
     }
   }
+  // Each answer as it would be sent, alone and in a stream: the bytes its own serialization writes.
+  auto bytes_of = [](const grpc::ByteBuffer& buffer) {
+    std::vector<grpc::Slice> slices;
+    if (!buffer.Dump(&slices).ok()) abort();
+    std::string got;
+    for (const grpc::Slice& slice : slices) got.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+    return got;
+  };
+  for (const auto& response : responses) {
+    inference::ModelStreamInferResponse streamed;
+    *streamed.mutable_infer_response() = *response;
+    inference::ModelInferResponse copy = *response;
+    if (bytes_of(attnserve::EncodeStreamAnswer("", &copy)) != streamed.SerializeAsString()) abort();
+    const std::string want = response->SerializeAsString();
+    if (bytes_of(attnserve::EncodeAnswer(response.get())) != want) abort();
+  }
   return 0;
 }
