@@ -966,8 +966,8 @@ void Plane::SetZerosHandoff() {
       Handoff next = std::move(handoff_.front());
       handoff_.pop_front();
       lock.unlock();
+      counters_.handed_off++;  // before its answer, which its client may read before this thread goes on
       AnswerZeros(next.p, *next.queue);
-      counters_.handed_off++;
       lock.lock();
     }
   });

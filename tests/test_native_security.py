@@ -259,9 +259,16 @@ def test_workers_share_the_native_port_a_pool_reaches_both_and_the_counts_are_th
                 calls += 1
         assert pids == workers, f"{calls - 4} calls over {MAX_CHANNELS} channels reached only {pids}"
 
-        with proc.channel() as channel:  # the Python port, on whichever worker: the whole server's
-            (stats,) = pb_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(
-                pb.ModelStatisticsRequest(name="self_attention"), metadata=_bearer(), timeout=30).model_stats
+        def statistics():
+            with proc.channel() as channel:  # the Python port, on whichever worker: the whole server's
+                (stats,) = pb_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(
+                    pb.ModelStatisticsRequest(name="self_attention"), metadata=_bearer(), timeout=30).model_stats
+            return stats
+
+        # A worker reads the other's counts from its file, written once that worker's event loop
+        # has counted the batch it just answered (docs/native-data-plane.md, "Metrics").
+        _wait_until(lambda: statistics().inference_count >= calls)
+        stats = statistics()
         assert (stats.inference_count, stats.execution_count) == (calls, calls)
         assert stats.inference_stats.success.count == calls
         ok = f'attnserve_requests_total{{code="OK",model="self_attention"}} {float(calls)}'
