@@ -1165,14 +1165,11 @@ class RefusedStream final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 // The answer's bytes as SerializeAsString writes them, without copying raw_output_contents again:
 // those strings move into slices of their own, after the message's other fields (numbers 1-5).
 grpc::ByteBuffer EncodeAnswer(inference::ModelInferResponse* response) {
-  auto* raw = response->mutable_raw_output_contents();
-  std::vector<std::string> contents;
-  contents.reserve(static_cast<size_t>(raw->size()));
-  for (std::string& bytes : *raw) contents.push_back(std::move(bytes));
-  raw->Clear();
+  google::protobuf::RepeatedPtrField<std::string> contents;
+  contents.Swap(response->mutable_raw_output_contents());  // the strings change hands, uncopied
   std::string head = response->SerializeAsString();
   std::vector<grpc::Slice> slices;
-  slices.reserve(2 * contents.size() + 1);
+  slices.reserve(2 * static_cast<size_t>(contents.size()) + 1);
   for (std::string& bytes : contents) {
     head.push_back(static_cast<char>((inference::ModelInferResponse::kRawOutputContentsFieldNumber << 3) | 2));
     uint8_t size[10];
