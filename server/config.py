@@ -232,7 +232,7 @@ _HELP: dict[str, str] = {
     "max_attention_bytes": "largest attention matrix (B*H*Lq*Lk*4 bytes) one request may need",
     "batches_in_flight": "ONNX Runtime runs at once per model",
     "intra_op_threads": "ONNX Runtime intra-op threads (0 = one per core)",
-    "spin_when_alone": "a lone request runs on ONNX Runtime sessions whose threads spin ~20-40 ms after it, "
+    "spin_when_alone": "a lone request runs on ONNX Runtime sessions whose threads spin 2 ms after it, "
                        "so the next finds the cores awake (CPU only; false: threads always sleep when idle)",
     "chunk_query_rows": "a long run without attn_probs (the fused graphs) computes this many query rows at a "
                         "time, so a cancel stops it between chunks (0 = never chunked)",

@@ -74,9 +74,14 @@ def choose_device(device: str) -> DeviceChoice:
     return DeviceChoice((CPU,), why_not_cuda)
 
 
+# How long the solo sessions' pool threads spin after a run before they sleep: a lone client's next
+# call still finds them awake, without ONNX Runtime's default 20-40 ms of spinning after each.
+SOLO_SPIN_US = 2000
+
+
 def session_options(intra_op_threads: int, spinning: bool = False) -> ort.SessionOptions:
-    """spinning: the pool threads spin between and after runs (ONNX Runtime's default) instead of
-    sleeping; for the solo sessions (Engine, `solo`)."""
+    """spinning: the pool threads spin between and after runs, for SOLO_SPIN_US (ONNX Runtime's
+    `spin_duration_us`), instead of sleeping; for the solo sessions (Engine, `solo`)."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = intra_op_threads
@@ -85,6 +90,8 @@ def session_options(intra_op_threads: int, spinning: bool = False) -> ort.Sessio
     # ONNX Runtime's pool threads spin after each run waiting for the next; on a server whose
     # event loop shares the cores, that spinning starves the loop (docs/performance.md).
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    if spinning:
+        options.add_session_config_entry("session.intra_op.spin_duration_us", str(SOLO_SPIN_US))
     # No CPU memory arena: with it RSS stays at the largest run's peak for good, and small runs are
     # no slower without it (docs/server.md, Memory, has the figures).
     options.enable_cpu_mem_arena = False
@@ -105,7 +112,7 @@ class Engine:
     Solo sessions (`solo=True`, CPU only): a second session of each unfused graph (those short
     sequences take, below the fused graphs' crossover) whose pool threads spin while idle, for
     `run(..., solo=True)`: the batcher's runs of a lone request (server.batcher, "Solo runs").
-    After each such run ONNX Runtime's threads spin a while before they sleep, so a lone
+    After each such run ONNX Runtime's threads spin SOLO_SPIN_US before they sleep, so a lone
     client's next request finds its cores awake: a short run after an idle gap is otherwise
     slower than back to back. Up to one core's CPU while such requests keep coming; the same
     graphs, kernels and answers; those graphs' weights held twice. A run whose graph has no solo

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attnserve.server.engine import Engine, choose_device
+from attnserve.server.engine import SOLO_SPIN_US, Engine, choose_device
 from attnserve.server.repository import read_model_spec
 
 
@@ -109,6 +109,8 @@ def test_solo_sessions_spin_and_give_the_same_answers(model_repository, model):
     assert set(solo._solo_sessions) == {ALL_OUTPUTS, OUTPUT_ONLY}
     for session in solo._solo_sessions.values():
         assert session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "1"
+        assert session.get_session_options().get_session_config_entry(
+            "session.intra_op.spin_duration_us") == str(SOLO_SPIN_US)  # not ONNX Runtime's 20-40 ms
     for session in solo._sessions.values():
         assert session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
     rng = np.random.default_rng(8)
