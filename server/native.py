@@ -363,8 +363,10 @@ class NativePlane:
             self._started = True
             for index in sorted(self._lanes.values()):
                 self._start_runner(index)
-        logger.info("native data plane%s serving ModelInfer for %s on %s%s%s",
-                    " (answering zeros)" if self._zeros else "", [m[0] for m in self._models],
+        names = [m[0] for m in self._models]  # the server starts the plane first: each model joins once ready
+        logger.info("native data plane%s serving ModelInfer %s on %s%s%s",
+                    " (answering zeros)" if self._zeros else "",
+                    f"for {names}" if names else "for each model once it is ready",
                     ", ".join(targets(addresses, port)), " (TLS)" if cert else "",
                     ", shared by the workers" if self._shared_port else "")
         if self._loop is not None and (self._token is not None or self._shared_port):

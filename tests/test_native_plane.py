@@ -437,7 +437,9 @@ def test_the_flag_is_checked():
 
 def test_the_log_and_server_metadata_say_the_native_plane_serves(native_server, stub):
     """The Python plane lists no such extension: tests/test_data_plane.py."""
-    assert "data plane native, python behind it on unix:" in native_server.log()
+    log = native_server.log()
+    assert "data plane native, python behind it on unix:" in log
+    assert "native data plane serving ModelInfer for each model once it is ready on 127.0.0.1:" in log  # not "for []"
     with native_server.channel() as ch:
         python_port = pb_grpc.GRPCInferenceServiceStub(ch).ServerMetadata(pb.ServerMetadataRequest(), timeout=30)
     assert "native_data_plane" in stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=30).extensions
