@@ -202,14 +202,30 @@ CROSSOVER = "crossover"
 DYNAMIC_BATCHING = "dynamic_batching"
 
 
+# Versions are Triton's int64: 1 up to this, in ASCII digits.
+MAX_VERSION = 2**63 - 1
+
+
+def parse_version(text: str) -> int | None:
+    """The version `text` names (a request's, where "01" is 1 as in Triton), or None: ASCII
+    digits only (str.isdigit takes "²" and "١"), 1..MAX_VERSION."""
+    if not (text.isascii() and text.isdigit()) or len(text.lstrip("0")) > 19:
+        return None
+    version = int(text)
+    return version if 1 <= version <= MAX_VERSION else None
+
+
 def versions(model_dir: Path) -> list[int]:
-    """The model's complete versions, ascending: integer directories holding the full graph."""
+    """The model's complete versions, ascending: version directories holding the full graph,
+    named as str(version) writes them (so "01" and "1" never both claim version 1)."""
     found = []
     model_dir = Path(model_dir)
     if model_dir.is_dir():
         for entry in model_dir.iterdir():
-            if entry.is_dir() and entry.name.isdigit() and (entry / GRAPH_ALL_OUTPUTS).exists():
-                found.append(int(entry.name))
+            version = parse_version(entry.name)
+            if version is not None and str(version) == entry.name and entry.is_dir() \
+                    and (entry / GRAPH_ALL_OUTPUTS).exists():
+                found.append(version)
     return sorted(found)
 
 

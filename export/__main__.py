@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -62,6 +63,19 @@ def _dim_overrides(args: argparse.Namespace) -> dict:
     return overrides
 
 
+def _check_fits_in_memory(config: AttentionConfig) -> None:
+    """Refuse dims whose weights alone outgrow this machine's memory (tracing and parity need a
+    few times more), before torch is asked for them."""
+    try:
+        machine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return
+    if config.weight_bytes > machine:
+        raise ValueError(f"dims {config.query_dim}/{config.kv_dim}/{config.d_model}/{config.out_dim} "
+                         f"(query/kv/d_model/out) need {config.weight_bytes:,} bytes of weights, more than this "
+                         f"machine's {machine:,}")
+
+
 def _resolve(args: argparse.Namespace):
     """(config, module, weights' source) from the preset, the dim flags and the checkpoint."""
     from attnserve.export import checkpoint as ckpt
@@ -74,6 +88,7 @@ def _resolve(args: argparse.Namespace):
         if preset is None and "num_heads" not in overrides:
             raise ValueError("--heads is required without --preset")
         config = AttentionConfig(**((preset or {}) | overrides))
+        _check_fits_in_memory(config)
         return config, ckpt.demo_module(config, DEMO_SEED), {"source": "demo", "seed": DEMO_SEED,
                                                              "note": "deterministic demo weights, not trained"}
     state_dict, carried = ckpt.load_checkpoint(args.checkpoint)
@@ -85,6 +100,7 @@ def _resolve(args: argparse.Namespace):
         if "num_heads" not in overrides:
             raise ValueError(f"{args.checkpoint} does not say how many heads it has: give --heads or --preset")
         config = ckpt.infer_config(state_dict, **overrides)
+    _check_fits_in_memory(config)
     module = ckpt.build_module(config, state_dict)
     weights = {"source": "checkpoint", "path": str(args.checkpoint.resolve()),
                "sha256": ckpt.file_sha256(args.checkpoint)}

@@ -58,8 +58,8 @@ def user_name(state_dict: dict[str, Tensor], name: str) -> str:
 def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], AttentionConfig | None]:
     """Read a checkpoint file; return (state_dict with our names, the config it carries or None)."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not path.is_file():  # a FIFO or a device would block or never end
+        raise CheckpointError(f"checkpoint {path} " + ("is not a regular file" if path.exists() else "does not exist"))
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError, safe_open
 

@@ -51,6 +51,12 @@ class AttentionConfig:
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
 
+    @property
+    def weight_bytes(self) -> int:
+        """The four projections' fp32 weights and biases (export.attention.MultiHeadAttention)."""
+        d, bias = self.d_model, int(self.bias)
+        return 4 * (d * (self.query_dim + 2 * self.kv_dim + self.out_dim) + bias * (3 * d + self.out_dim))
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"head_dim": self.head_dim}
 

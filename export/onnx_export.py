@@ -41,6 +41,8 @@ PARITY_TOLERANCE_FP16 = 2e-3
 FP16_MASK_FILL = float(torch.finfo(torch.float16).min)
 PRECISIONS = ("fp32", "fp16")
 DEFAULT_OPSET = 18
+# The opsets whose export and parity were proven here (torch.onnx's own ceiling is 23).
+OPSETS = range(17, 24)
 # (batch, lq, lk) at which parity is proven; each runs without a mask and with one.
 PARITY_SHAPES = tuple((b, lq, lk) for b in (1, 7) for lq, lk in ((1, 1), (1, 77), (300, 1), (300, 77)))
 # Dynamic axes of the inputs, named as the contract names them (batch, q_len, k_len).
@@ -277,8 +279,8 @@ def check_parity(module: MultiHeadAttention, graphs: dict[str, Path], tolerance:
 
 
 def next_version(model_dir: Path) -> int:
-    taken = [int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()] if model_dir.is_dir() else []
-    return max(taken, default=0) + 1
+    taken = [contract.parse_version(p.name) for p in model_dir.iterdir() if p.is_dir()] if model_dir.is_dir() else []
+    return max((v for v in taken if v is not None), default=0) + 1
 
 
 def model_config(name: str, config: AttentionConfig, serving: ServingDefaults,
@@ -326,6 +328,8 @@ def export_model(
     atomically after it. Raises ExportError/ParityError without touching existing versions."""
     if precision not in PRECISIONS:
         raise ExportError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if opset not in OPSETS:
+        raise ExportError(f"opset must be in {OPSETS.start}..{OPSETS.stop - 1}, got {opset}")
     module = module.eval()  # dropout off, in the eager reference as in the graph
     config = module.config
     model_dir = Path(repository) / name
@@ -343,8 +347,8 @@ def export_model(
                 f"versions of one model share its tensors: export under another --name"
             )
     version = next_version(model_dir) if version is None else version
-    if version < 1:
-        raise ExportError(f"version must be >= 1, got {version}")
+    if not 1 <= version <= contract.MAX_VERSION:
+        raise ExportError(f"version must be in 1..{contract.MAX_VERSION}, got {version}")
     target = model_dir / str(version)
     if target.exists():
         raise ExportError(f"{target} already exists; versions are never overwritten")

@@ -64,6 +64,7 @@ from attnserve.contract import (
     OUTPUT_ONLY,
     Q_LEN,
     SYMBOLIC_SHAPES,
+    parse_version,
 )
 from attnserve.runtime import AttentionPredictor
 
@@ -254,7 +255,8 @@ class ModelRegistry:
             raise ModelUnavailable(f"model {name} is not ready: warming up (its graphs' first runs, --warmup)")
         if not version:
             return model.default
-        loaded = model.versions.get(int(version)) if version.isdigit() else None
+        number = parse_version(version)
+        loaded = None if number is None else model.versions.get(number)
         if loaded is None:
             raise ModelNotFound(f"model {name} version {quoted(version)}{self.not_loaded_tail(name)}")
         return loaded

@@ -4,6 +4,7 @@ parity figures printed on success."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -60,7 +61,14 @@ def our_errors(tmp_path_factory, seed002_checkpoint):
     garbage = root / "garbage.safetensors"
     garbage.write_bytes(b"\x00\x01 this is not a safetensors file")
     repo = str(root / "models")
+    os.mkfifo(root / "fifo.pt")  # would block torch.load's open for ever
+    (root / "zero.pt").symlink_to("/dev/zero")  # would be read without end
     runs = {
+        "fifo": ("--preset", "cross_attention", "--checkpoint", str(root / "fifo.pt"), "--repository", repo),
+        "device": ("--preset", "cross_attention", "--checkpoint", str(root / "zero.pt"), "--repository", repo),
+        "opset": ("--preset", "cross_attention", "--opset", "99999", "--repository", repo),
+        "version": ("--preset", "cross_attention", "--version", str(2**63), "--repository", repo),
+        "huge": ("--name", "huge", "--query-dim", str(10**9), "--heads", "1", "--repository", repo),
         "heads": ("--preset", "self_attention", "--heads", "7", "--repository", repo),
         "missing": ("--preset", "cross_attention", "--checkpoint", str(root / "nowhere.pt"), "--repository", repo),
         "misfit": ("--preset", "self_attention", "--checkpoint", str(seed002_checkpoint), "--repository", repo),
@@ -81,6 +89,28 @@ def test_heads_not_dividing_d_model(our_errors):
 def test_missing_checkpoint_file(our_errors):
     root, results = our_errors
     assert_one_error_line(results["missing"], str(root / "nowhere.pt"), "does not exist")
+
+
+@pytest.mark.parametrize("key", ["fifo", "device"])
+def test_checkpoint_that_is_not_a_regular_file(our_errors, key):
+    root, results = our_errors
+    assert_one_error_line(results[key], str(root / f"{'fifo' if key == 'fifo' else 'zero'}.pt"),
+                          "is not a regular file")
+
+
+def test_opset_outside_the_proven_range(our_errors):
+    _, results = our_errors
+    assert_one_error_line(results["opset"], "opset must be in 17..23, got 99999")
+
+
+def test_version_past_int64(our_errors):
+    _, results = our_errors
+    assert_one_error_line(results["version"], f"version must be in 1..{2**63 - 1}, got {2**63}")
+
+
+def test_dims_whose_weights_outgrow_the_machine(our_errors):
+    _, results = our_errors
+    assert_one_error_line(results["huge"], "bytes of weights, more than this machine's")
 
 
 def test_checkpoint_that_does_not_fit(our_errors):
