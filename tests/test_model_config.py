@@ -149,3 +149,48 @@ def test_a_bad_version_policy_is_a_load_error_naming_it(model_repository, tmp_pa
     with pytest.raises(ModelLoadError) as exc:
         read_model_specs(model)
     assert reason in str(exc.value)
+
+
+# Loaded in explicit mode over a model that serves: each passed the old checks and, on the native
+# plane, answered 500 (INTERNAL) there and for every later load and unload of any model until a restart.
+EXPLICIT_BAD = ("huge_batch", "huge_delay", "platform_number", "huge_d_model", "float_shape")
+
+
+def test_an_explicit_load_of_a_bad_config_is_refused_naming_the_field_and_breaks_nothing(
+        model_repository, eager_modules, tmp_path):
+    import grpc
+    from attnserve.client import InferenceError
+
+    other = "other"
+    root = tmp_path / "models"
+    shutil.copytree(model_repository / GOOD, root / GOOD)
+    shutil.copytree(model_repository / GOOD, root / other)
+    good_config = (root / GOOD / "config.json").read_text()
+    rng = np.random.default_rng(5)
+    q, kv = rng.standard_normal((2, 5, 32), np.float32), rng.standard_normal((2, 7, 32), np.float32)
+    want = eager(eager_modules[GOOD], q, kv, kv)["output"]
+    proc = ServerProcess(root, "--model-control-mode", "explicit", "--warmup", "none")
+    try:
+        with InferenceClient(proc.address) as client:
+            for name in EXPLICIT_BAD:
+                shutil.rmtree(root / GOOD)
+                _copy_with(model_repository / GOOD, root / GOOD, *BAD_CONFIGS[name][:3])
+                with pytest.raises(InferenceError) as exc:
+                    client.load_model(GOOD, timeout_s=120)
+                assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT, (name, exc.value)
+                assert BAD_CONFIGS[name][3] in str(exc.value) and "still serving version(s) [1]" in str(exc.value)
+                # The version loaded before keeps serving, and the index says why the load failed.
+                got = client.infer(GOOD, q, kv, kv)
+                assert float(np.max(np.abs(got["output"] - want))) <= 1e-5, name
+                assert client.model_metadata(GOOD).platform == "onnxruntime_onnx"
+                entry = {e.name: e for e in client.repository_index()}[GOOD]
+                assert BAD_CONFIGS[name][3] in entry.reason, name
+                # Loads and unloads of the others go on (before: every one answered 500).
+                client.unload_model(other, timeout_s=120)
+                client.load_model(other, timeout_s=120)
+                assert client.model_ready(other)
+            (root / GOOD / "config.json").write_text(good_config)
+            client.load_model(GOOD, timeout_s=120)
+            assert client.model_ready(GOOD)
+    finally:
+        assert proc.stop() == 0
