@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import tempfile
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -26,6 +28,125 @@ DATA_PLANES = ("auto", "native", "python")
 WARMUP_MODES = ("graphs", "none")  # server.warmup.MODES (kept here: config imports no server module)
 # gRPC's 4 MiB default is too small for real requests (4 x 200 x 512 float32 is 4.9 MB).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+# -- ranges: every bound of a flag and of a config.json value, in one place --------------------
+# The upper bounds are what the libraries and the native data plane take (docs/server.md, "Ranges");
+# past them a value failed deep inside (an OverflowError, a TypeError at the plane's hand-over).
+
+INT32_MAX = 2**31 - 1  # gRPC's integer channel arguments, socket.listen's backlog, the native plane's Start
+INT64_MAX = 2**63 - 1  # the native plane's int64_t counts, bytes and lengths
+# native/plane.cc's kMaxTimeoutUs: a later deadline would overflow the plane's clock (nanoseconds
+# in an int64). Every delay, wait and timeout is bounded by it, on both planes alike.
+MAX_WAIT_US = 2**50
+MAX_WAIT_MS = MAX_WAIT_US / 1e3
+MAX_WAIT_S = MAX_WAIT_US / 1e6
+# gRPC takes its times as int milliseconds, INT_MAX meaning never; under 1 ms would round to 0.
+MIN_GRPC_S = 0.001
+MAX_GRPC_S = (INT32_MAX - 1) / 1000
+# A width, head count or sequence length whose single float32 row could not travel in one gRPC
+# message (at most INT32_MAX bytes) can never be served.
+MAX_ELEMENTS = INT32_MAX // 4
+# Threads (per model: --batches-in-flight runners, ONNX Runtime's pool) or worker processes one
+# setting starts, all at once: far beyond any machine's cores, short of the process limits.
+MAX_THREADS = 1024
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a setting may take: an integer or a finite number in low..high (a bound excluded
+    when open), in `unit`; `never`: infinity is accepted too and means never (stored as None)."""
+
+    low: float
+    high: float
+    integer: bool = True
+    unit: str = ""
+    low_open: bool = False
+    high_open: bool = False
+    never: str = ""  # what infinity means ("never", "no limit"); empty: refused
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        span = (f"in {self.low}..{self.high}" if self.integer
+                else f"in {left}{_figure(self.low)}, {_figure(self.high)}{right}")
+        unit = f" {self.unit}" if self.unit else ""
+        return f"{kind} {span}{unit}" + (f" (or inf: {self.never})" if self.never else "")
+
+    def check(self, name: str, value: Any) -> Any:
+        """value, or None for infinity where it means never; ValueError naming `name` and the range."""
+        number = isinstance(value, int) if self.integer else isinstance(value, (int, float))
+        if number and not isinstance(value, bool):
+            if self.never and value == math.inf:
+                return None
+            if (math.isfinite(value) and (self.low < value if self.low_open else self.low <= value)
+                    and (value < self.high if self.high_open else value <= self.high)):
+                return value
+        raise ValueError(f"{name} must be {self.describe()}, got {value!r}")
+
+
+def _figure(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def _count(low: int = 1, high: int = INT64_MAX, unit: str = "") -> Range:
+    return Range(low, high, unit=unit)
+
+
+def _seconds(low: float = 0.0, high: float = MAX_WAIT_S, low_open: bool = True, never: str = "") -> Range:
+    return Range(low, high, integer=False, unit="seconds", low_open=low_open, never=never)
+
+
+# config.json's and the flags' shared ones: a flag overrides the value of every model's config.json.
+BATCH_SIZE = _count(unit="sequences")
+QUEUE_DELAY_MS = Range(0, MAX_WAIT_MS, integer=False, unit="ms")
+WIDTH = _count(high=MAX_ELEMENTS)  # attention dims, d_model and num_heads
+LENGTH = _count(high=MAX_ELEMENTS, unit="positions")  # max_q_len, max_kv_len
+CROSSOVER_LENGTH = _count(low=0, high=MAX_ELEMENTS, unit="positions")
+VERSION = _count()  # version numbers and counts of versions
+PRIORITY_LEVELS = _count()
+QUEUE_TIMEOUT_US = _count(low=0, high=MAX_WAIT_US, unit="microseconds")  # 0: none
+_GRPC_TIME = _seconds(MIN_GRPC_S, MAX_GRPC_S, low_open=False)
+
+# Each numeric ServerConfig field's range (None, where a field takes it, is its default: unset).
+FLAG_RANGES: dict[str, Range] = {
+    "port": _count(0, 65535),
+    "http_port": _count(-1, 65535),
+    "metrics_port": _count(-1, 65535),
+    "max_batch_size": BATCH_SIZE,
+    "max_queue_delay_ms": QUEUE_DELAY_MS,
+    "max_queue_size": _count(unit="requests"),
+    "max_padding_ratio": Range(0, 1, integer=False, high_open=True),
+    "max_attention_bytes": _count(unit="bytes"),
+    "batches_in_flight": _count(high=MAX_THREADS),
+    "intra_op_threads": _count(0, MAX_THREADS),
+    "chunk_query_rows": _count(0),
+    "compute_nice": _count(0, 19),
+    "max_message_bytes": _count(high=INT32_MAX, unit="bytes"),
+    "max_queued_bytes": _count(unit="bytes"),
+    "priority_aging_batches": _count(unit="batches"),
+    "memory_limit_bytes": _count(unit="bytes"),
+    "max_concurrent_streams": _count(high=INT32_MAX),
+    "max_receiving_bytes": _count(unit="bytes"),
+    "max_typed_bytes": _count(unit="bytes"),
+    "max_json_bytes": _count(unit="bytes"),
+    "max_http_connections": _count(high=INT32_MAX),
+    "http_header_timeout_s": _seconds(),
+    "drain_delay_s": _seconds(low_open=False),
+    "grace_period_s": _seconds(low_open=False),
+    "repository_poll_secs": _seconds(),
+    "workers": _count(high=MAX_THREADS, unit="processes"),
+    "worker_heartbeat_s": _seconds(),
+    "worker_heartbeat_timeout_s": _seconds(),
+    "access_records_buffer": _count(unit="records"),
+    "shared_memory_max_regions": _count(),
+    "shared_memory_max_bytes": _count(unit="bytes"),
+    "grpc_max_connection_age_s": dataclasses.replace(_GRPC_TIME, never="never"),
+    "grpc_max_connection_age_grace_s": dataclasses.replace(_GRPC_TIME, never="no limit"),
+    "grpc_keepalive_time_s": _GRPC_TIME,
+    "grpc_keepalive_timeout_s": _GRPC_TIME,
+    "grpc_keepalive_min_ping_interval_s": _GRPC_TIME,
+}
 
 
 @dataclass(frozen=True)
@@ -137,75 +258,32 @@ class ServerConfig:
     grpc_keepalive_min_ping_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
+        # Every number against its range (FLAG_RANGES); infinity, where it means never, becomes None.
+        for name, allowed in FLAG_RANGES.items():
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, allowed.check(name, getattr(self, name)))
+        for name, version in self.model_versions:
+            VERSION.check(f"model_versions {name}", version)
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.model_control_mode not in MODEL_CONTROL_MODES:
             raise ValueError(f"model_control_mode must be one of {', '.join(MODEL_CONTROL_MODES)}, "
                              f"got {self.model_control_mode!r}")
-        if not 0 < self.repository_poll_secs < float("inf"):
-            raise ValueError(f"repository_poll_secs must be > 0, got {self.repository_poll_secs}")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)} (any case), got {self.log_level!r}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("http_port", "metrics_port"):
-            if not -1 <= getattr(self, name) <= 65535:
-                raise ValueError(f"{name} must be in -1..65535, got {getattr(self, name)}")
-        for name in ("max_queue_size", "batches_in_flight", "max_message_bytes", "max_attention_bytes",
-                     "max_queued_bytes", "max_concurrent_streams", "max_typed_bytes", "max_json_bytes",
-                     "max_http_connections", "priority_aging_batches", "access_records_buffer"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_receiving_bytes is not None and self.max_receiving_bytes < 1:
-            raise ValueError(f"max_receiving_bytes must be >= 1, got {self.max_receiving_bytes}")
-        if self.memory_limit_bytes is not None and self.memory_limit_bytes < 1:
-            raise ValueError(f"memory_limit_bytes must be >= 1, got {self.memory_limit_bytes}")
-        if self.max_batch_size is not None and self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_queue_delay_ms is not None and self.max_queue_delay_ms < 0:
-            raise ValueError(f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms}")
-        if not 0.0 <= self.max_padding_ratio < 1.0:
-            raise ValueError(f"max_padding_ratio must be in [0, 1), got {self.max_padding_ratio}")
-        if self.workers is not None and self.workers < 1:
-            raise ValueError(f"workers must be >= 1, got {self.workers}")
         if (self.workers or 1) > 1 and self.allow_shared_memory:
             raise ValueError("--workers above 1 cannot be combined with --allow-shared-memory: a region registered "
                              "through one worker would be unknown to the others (use --workers 1)")
-        for name in ("shared_memory_max_regions", "shared_memory_max_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if (self.workers or 1) > 1 and self.model_control_mode == "explicit":
             raise ValueError("--workers above 1 cannot be combined with --model-control-mode explicit: a model "
                              "loaded or unloaded through one worker would not change the others' (use --workers 1, "
                              "or --model-control-mode poll, where every worker rescans the repository)")
-        for name in ("worker_heartbeat_s", "worker_heartbeat_timeout_s"):
-            if not 0 < getattr(self, name) < float("inf"):
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.compute_nice <= 19:
-            raise ValueError(f"compute_nice must be in 0..19, got {self.compute_nice}")
-        if self.chunk_query_rows < 0:
-            raise ValueError(f"chunk_query_rows must be >= 0 (0: off), got {self.chunk_query_rows}")
-        if self.intra_op_threads < 0:
-            raise ValueError(f"intra_op_threads must be >= 0, got {self.intra_op_threads}")
-        if not 0 <= self.drain_delay_s < float("inf"):
-            raise ValueError(f"drain_delay_s must be >= 0, got {self.drain_delay_s}")
-        if not 0 < self.http_header_timeout_s < float("inf"):
-            raise ValueError(f"http_header_timeout_s must be > 0, got {self.http_header_timeout_s}")
-        if self.grace_period_s < 0:
-            raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
         if self.data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane must be one of {', '.join(DATA_PLANES)}, got {self.data_plane!r}")
         if self.warmup not in WARMUP_MODES:
             raise ValueError(f"warmup must be one of {', '.join(WARMUP_MODES)}, got {self.warmup!r}")
-        for name in ("grpc_max_connection_age_s", "grpc_max_connection_age_grace_s"):
-            value = getattr(self, name)
-            if value is not None and not 0 < value < float("inf"):
-                raise ValueError(f"{name} must be > 0 (or unset: off), got {value}")
-        for name in ("grpc_keepalive_time_s", "grpc_keepalive_timeout_s", "grpc_keepalive_min_ping_interval_s"):
-            if not 0 < getattr(self, name) < float("inf"):
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key, got only "
                              + ("--tls-cert" if self.tls_key is None else "--tls-key"))
@@ -299,6 +377,10 @@ def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
 
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
 def _parse_bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -344,6 +426,10 @@ _HINTS = typing.get_type_hints(ServerConfig)
 _FIELD_PARSERS: dict[str, Callable[[str], Any]] = {name: _parser_for(name, hint) for name, hint in _HINTS.items()}
 
 
+def _range_help(name: str) -> str:
+    return f"{FLAG_RANGES[name].describe()}; ".replace("%", "%%") if name in FLAG_RANGES else ""
+
+
 def build_parser(prog: str = "attnserve serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -356,11 +442,11 @@ def build_parser(prog: str = "attnserve serve") -> argparse.ArgumentParser:
         # A bool is a switch (`--access-log`) that also takes a value (`--access-log false`).
         switch = {"nargs": "?", "const": True} if _HINTS[f.name] is bool else {}
         parser.add_argument(
-            "--" + f.name.replace("_", "-"),
+            flag_name(f.name),
             dest=f.name,
             type=_FIELD_PARSERS[f.name],
             default=None,
-            help=f"{_HELP[f.name]} [env {env_name(f.name)}; default {shown}]",
+            help=f"{_HELP[f.name]} [{_range_help(f.name)}env {env_name(f.name)}; default {shown}]",
             **switch,
         )
     return parser
@@ -374,16 +460,42 @@ def load_config(argv: list[str] | None = None, environ: Mapping[str, str] | None
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for f in dataclasses.fields(ServerConfig):
-        given = getattr(args, f.name)
+        given, source = getattr(args, f.name), flag_name(f.name)
         if given is None and env_name(f.name) in environ:
+            source = env_name(f.name)
             try:
                 given = _FIELD_PARSERS[f.name](environ[env_name(f.name)])
             except ValueError as err:
-                parser.error(f"{env_name(f.name)}: {err}")
+                parser.error(f"{source}: {err}")
+        if given is not None and f.name in FLAG_RANGES:
+            try:  # named as given: the flag, or its variable
+                FLAG_RANGES[f.name].check(source, given)
+            except ValueError as err:
+                parser.error(str(err))
         if given is not None:
             values[f.name] = given
     try:
-        return ServerConfig(**values)
+        config = ServerConfig(**values)
+        if config.ready_file is not None:
+            check_writable(config.ready_file)
     except ValueError as err:
         parser.error(str(err))
         raise  # unreachable: parser.error exits
+    return config
+
+
+def check_writable(path: Path, flag: str = "--ready-file") -> None:
+    """Whether a file can be written at `path` as files.write_atomic writes it (a temporary beside
+    it, renamed over it): tried now, so a bad path is refused before serving. Raises ValueError naming `flag`."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory (give a file's path)")
+    where = path.parent
+    while not where.exists() and where != where.parent:  # write_atomic makes the missing directories
+        where = where.parent
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=where)
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: cannot write a file in {where} ({err.strerror or err})") from None
+    os.close(fd)
+    os.unlink(tmp)

@@ -428,7 +428,16 @@ class ModelRegistry:
                     del self._warming_loads[name]
             retired = [lv for v, lv in old.versions.items() if keep.get(v) is not lv]
             self._models[name] = new
-            self._followed()
+            try:
+                self._followed()
+            except Exception as err:  # the native plane refused the new versions: the old ones go on serving
+                why = f"the data plane refused it: {_reason(err)}"
+                self._models[name] = _Model(old.versions, reason=why, seen=seen)
+                self._followed()
+                for version in built:
+                    self._retire(new.versions[version])
+                logger.exception("model %s: load failed, %s: %s", name, self._serving_note(old), why)
+                raise ModelLoadFailed(f"load of model {name} failed ({self._serving_note(old)}): {why}") from None
             for line in ready_lines:
                 logger.info(*line)
             for lv in retired:

@@ -45,6 +45,7 @@ from attnserve.server.codec import (
     heads_differ_refusal,
     native_graph_terms,
 )
+from attnserve.server.config import BATCH_SIZE, PRIORITY_LEVELS, QUEUE_DELAY_MS, QUEUE_TIMEOUT_US, WIDTH
 from attnserve.server.data_plane import NATIVE_MISSING_NOTE, why_unavailable  # noqa: F401 (this module's API too)
 from attnserve.server.errors import status_for
 from attnserve.server.lifecycle import Arrivals
@@ -269,6 +270,17 @@ class NativePlane:
         if lv in self._lanes:
             return self._lanes[lv]
         spec, config = lv.spec, self._config
+        d_model = spec.d_model or max(spec.query_dim, spec.kv_dim, spec.out_dim)  # as models.GraphCosting
+        delay_us = round(lv.batcher.policy.max_queue_delay_s * 1e6)
+        policy = spec.queue_policy  # the one source of the schedule's numbers (config.json)
+        # What the plane's setters take (server.config's ranges, checked at the flags and config.json
+        # already): checked again before the first, so a refusal never leaves a model half added.
+        for field, value, allowed in (("max_batch_size", config.max_batch_size or spec.max_batch_size, BATCH_SIZE),
+                                      ("max_queue_delay_ms", delay_us / 1e3, QUEUE_DELAY_MS),
+                                      ("d_model", d_model, WIDTH),
+                                      ("priority_levels", policy.priority_levels, PRIORITY_LEVELS),
+                                      ("default_timeout_microseconds", policy.default_timeout_us, QUEUE_TIMEOUT_US)):
+            allowed.check(f"model {name} version {spec.version}: {field}", value)
         index = self._plane.add_model(
             name, str(spec.version), spec.query_dim, spec.kv_dim, spec.out_dim, spec.num_heads,
             config.max_batch_size or spec.max_batch_size, lv.limits.max_q_len, lv.limits.max_kv_len,
@@ -277,13 +289,11 @@ class NativePlane:
         assert index == len(self._models)
         self._plane.set_graphs(index, **native_graph_terms(lv.limits.graphs))  # the attention bound's graph
         # codec's answer and typed-contents bounds, and the projection width of the cost model.
-        d_model = spec.d_model or max(spec.query_dim, spec.kv_dim, spec.out_dim)  # as models.GraphCosting
         self._plane.set_model_bounds(index, d_model, config.max_message_bytes, config.max_typed_bytes or 0,
                                      _RESPONSE_OVERHEAD_BYTES, config.max_queued_bytes)
-        policy = spec.queue_policy  # the one source of the schedule's numbers (config.json)
         self._plane.set_schedule(index, policy.priority_levels, policy.default_priority_level,
                                  policy.default_timeout_us, policy.allow_timeout_override)
-        self._plane.set_queue_delay(index, round(lv.batcher.policy.max_queue_delay_s * 1e6))
+        self._plane.set_queue_delay(index, delay_us)
         self._models.append((name, spec, lv.batcher.run_batch, lv.batcher.run_solo, lv.batcher.stoppable_runs))
         self._computing.append(0)
         if self._tracing is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from attnserve.server.config import BATCH_SIZE, CROSSOVER_LENGTH, LENGTH, QUEUE_DELAY_MS, VERSION, WIDTH, Range
 from attnserve.server.scheduling import DYNAMIC_BATCHING, QueuePolicy
 
 from attnserve.contract import (
@@ -97,18 +98,17 @@ class VersionPolicy:
         if not isinstance(args, dict):
             raise ValueError(f"version_policy.{kind} must be an object, got {args!r}")
         if kind == "latest":
-            n = args.get("num_versions", 1)
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise ValueError(f"version_policy.latest.num_versions must be an integer >= 1, got {n!r}")
+            n = VERSION.check("version_policy.latest.num_versions", args.get("num_versions", 1))
             return cls("latest", num_versions=n)
         if kind == "all":
             return cls("all")
         if kind == "specific":
             versions = args.get("versions")
-            if (not isinstance(versions, list) or not versions
-                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in versions)):
+            if not isinstance(versions, list) or not versions:
                 raise ValueError(f"version_policy.specific.versions must be a non-empty list of integers >= 1, "
                                  f"got {versions!r}")
+            for v in versions:
+                VERSION.check("version_policy.specific.versions[]", v)
             return cls("specific", versions=tuple(sorted(set(versions))))
         raise ValueError(f"version_policy must be latest, all or specific, got {kind!r}")
 
@@ -148,18 +148,29 @@ def read_model_specs(model_dir: Path, pinned_version: int | None = None) -> tupl
     where = model_dir / CONFIG_FILE
     try:
         config = read_json(where)
-        attention = config["attention"]
-        dims = {name: _positive_int(attention, name) for name in ("query_dim", "kv_dim", "out_dim", "num_heads")}
-        serving = ServingDefaults(**_section(config, "batching", ("max_batch_size", "max_queue_delay_ms")),
-                                  **_section(config, "limits", ("max_q_len", "max_kv_len")))
-        inputs = tuple(TensorSpec(t["name"], t["datatype"], tuple(t["shape"]), bool(t.get("optional", False)))
-                       for t in config["inputs"])
-        outputs = tuple(TensorSpec(t["name"], t["datatype"], tuple(t["shape"])) for t in config["outputs"])
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"{where}: unreadable ({type(err).__name__}: {err})") from None
+    # Every value against the range the whole server takes, native plane included (server.config's
+    # ranges): one that passed here and not there failed later, at the plane's hand-over or a call.
+    try:
+        if not isinstance(config, dict):
+            raise ValueError(f"must be a JSON object, got {type(config).__name__}")
+        attention = _object(config, "attention", required=True)
+        dims = {name: _number(attention, "attention", name, WIDTH, required=True)
+                for name in ("query_dim", "kv_dim", "out_dim", "num_heads")}
+        d_model = _number(attention, "attention", "d_model", WIDTH)
+        if d_model is not None and d_model % dims["num_heads"]:
+            raise ValueError(f"attention.d_model must be a multiple of attention.num_heads ({dims['num_heads']}: "
+                             f"num_heads x head_dim), got {d_model}")
+        platform = config.get("platform", PLATFORM)
+        if platform != PLATFORM:  # the only runtime this server has: another would be served by the wrong one
+            raise ValueError(f"platform must be {PLATFORM!r} (ONNX Runtime serves every model), got {platform!r}")
+        serving = ServingDefaults(**_section(config, "batching", {"max_batch_size": BATCH_SIZE,
+                                                                  "max_queue_delay_ms": QUEUE_DELAY_MS}),
+                                  **_section(config, "limits", {"max_q_len": LENGTH, "max_kv_len": LENGTH}))
+        inputs, outputs = _tensors(config, "inputs"), _tensors(config, "outputs")
         crossover = _crossover(config)
         policy = VersionPolicy.from_config(config.get("version_policy"))
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ModelLoadError(f"{where}: unreadable ({type(err).__name__}: {err})") from None
-    try:
         queue_policy = QueuePolicy.from_config(config.get(DYNAMIC_BATCHING))
     except ValueError as err:
         raise ModelLoadError(f"{where}: {err}") from None
@@ -167,6 +178,7 @@ def read_model_specs(model_dir: Path, pinned_version: int | None = None) -> tupl
         raise ModelLoadError(f"{where}: expected inputs {INPUT_NAMES} and outputs {OUTPUT_NAMES}")
     if (inputs, outputs) != tensor_specs(**dims):
         raise ModelLoadError(f"{where}: its inputs and outputs disagree with its attention dims {dims}")
+    inputs, outputs = tensor_specs(**dims)  # the contract's own (equal) values: ints, never 32.0 or true
     available = tuple(versions(model_dir))
     if pinned_version is not None:
         if pinned_version not in available:
@@ -179,7 +191,7 @@ def read_model_specs(model_dir: Path, pinned_version: int | None = None) -> tupl
         name=model_dir.name,
         version=chosen[0],
         version_dir=model_dir / str(chosen[0]),
-        platform=config.get("platform", PLATFORM),
+        platform=platform,
         **dims,
         inputs=inputs,
         outputs=outputs,
@@ -189,8 +201,7 @@ def read_model_specs(model_dir: Path, pinned_version: int | None = None) -> tupl
         max_kv_len=serving.max_kv_len,
         available_versions=available,
         crossover=crossover,
-        d_model=attention["d_model"] if isinstance(attention.get("d_model"), int) and attention["d_model"] > 0
-        else None,
+        d_model=d_model,
         queue_policy=queue_policy,
     )
     return tuple(dataclasses.replace(first, version=v, version_dir=model_dir / str(v)) for v in chosen)
@@ -233,29 +244,50 @@ def version_fingerprint(spec: ModelSpec) -> tuple[tuple[str, int, int], ...]:
 
 def _crossover(config: dict[str, Any]) -> tuple[tuple[str, int], ...]:
     """The fused graphs' crossover lengths (absent in repositories exported before them)."""
-    section = config.get(CROSSOVER, {})
-    if not isinstance(section, dict):
-        raise ValueError(f"{CROSSOVER} must be an object, got {type(section).__name__}")
-    found = []
-    for kind in FUSED_KINDS:
-        if kind in section:
-            value = section[kind]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{CROSSOVER}.{kind} must be an integer >= 0, got {value!r}")
-            found.append((kind, value))
-    return tuple(found)
+    section = _object(config, CROSSOVER)
+    return tuple((kind, section[kind]) for kind in FUSED_KINDS
+                 if _number(section, CROSSOVER, kind, CROSSOVER_LENGTH) is not None)
 
 
-def _positive_int(section: dict[str, Any], name: str) -> int:
-    value = section[name]
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"attention.{name} must be an integer >= 1, got {value!r}")
+def _object(config: dict[str, Any], name: str, required: bool = False) -> dict[str, Any]:
+    if name not in config and not required:
+        return {}
+    value = config.get(name)
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object, got {'nothing' if value is None else type(value).__name__}")
     return value
 
 
-def _section(config: dict[str, Any], section: str, names: tuple[str, ...]) -> dict[str, Any]:
-    """The fields of config[section] that are given (the contract's defaults fill the rest)."""
-    values = config.get(section, {})
-    if not isinstance(values, dict):
-        raise ValueError(f"{section} must be an object, got {type(values).__name__}")
-    return {name: values[name] for name in names if name in values}
+def _number(section: dict[str, Any], where: str, name: str, allowed: Range, required: bool = False) -> Any:
+    """section[name] checked against its range (None where absent and not required)."""
+    if name not in section and not required:
+        return None
+    return allowed.check(f"{where}.{name}", section.get(name))
+
+
+def _section(config: dict[str, Any], section: str, ranges: dict[str, Range]) -> dict[str, Any]:
+    """The fields of config[section] that are given, each in its range (the contract's defaults fill the rest)."""
+    values = _object(config, section)
+    return {name: _number(values, section, name, allowed) for name, allowed in ranges.items() if name in values}
+
+
+def _tensors(config: dict[str, Any], kind: str) -> tuple[TensorSpec, ...]:
+    """config.json's inputs or outputs, each field of its own type (compared with the contract's next)."""
+    tensors = config.get(kind)
+    if not isinstance(tensors, list):
+        raise ValueError(f"{kind} must be a list, got {type(tensors).__name__}")
+    found = []
+    for i, t in enumerate(tensors):
+        at = f"{kind}[{i}]"
+        if not isinstance(t, dict):
+            raise ValueError(f"{at} must be an object, got {type(t).__name__}")
+        name, datatype, shape, optional = t.get("name"), t.get("datatype"), t.get("shape"), t.get("optional", False)
+        if not isinstance(name, str) or not isinstance(datatype, str):
+            raise ValueError(f"{at}.name and .datatype must be strings, got {name!r} and {datatype!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+            raise ValueError(f"{at}.shape must be a list of integers, got {shape!r}")
+        if not isinstance(optional, bool):
+            raise ValueError(f"{at}.optional must be true or false, got {optional!r}")
+        found.append(TensorSpec(name, datatype, tuple(shape), optional) if kind == "inputs"
+                     else TensorSpec(name, datatype, tuple(shape)))
+    return tuple(found)

@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from attnserve.server.config import PRIORITY_LEVELS, QUEUE_TIMEOUT_US, Range
+
 from attnserve.contract import DYNAMIC_BATCHING
 
 # Triton's request parameters (the schedule policy extension): names and what they hold.
@@ -28,7 +30,6 @@ PRIORITY, TIMEOUT = "priority", "timeout"
 SCHEDULE_PARAMETERS = (PRIORITY, TIMEOUT)
 DEFAULT_QUEUE_POLICY = "default_queue_policy"
 TIMEOUT_ACTIONS = ("REJECT",)  # DELAY (run late, after the others) is refused: see QueuePolicy
-_UINT64_MAX = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,8 @@ class QueuePolicy:
             return cls()
         where = DYNAMIC_BATCHING
         _check_keys(section, where, ("priority_levels", "default_priority_level", DEFAULT_QUEUE_POLICY))
-        levels = _config_int(section, "priority_levels", where, cls.priority_levels, minimum=1)
-        default = _config_int(section, "default_priority_level", where, cls.default_priority_level, minimum=1)
+        levels = _config_int(section, "priority_levels", where, cls.priority_levels, PRIORITY_LEVELS)
+        default = _config_int(section, "default_priority_level", where, cls.default_priority_level, PRIORITY_LEVELS)
         if default > levels:
             raise ValueError(f"{where}.default_priority_level must be in 1..priority_levels ({levels}), "
                              f"got {default}")
@@ -72,7 +73,8 @@ class QueuePolicy:
         override = queue.get("allow_timeout_override", cls.allow_timeout_override)
         if not isinstance(override, bool):
             raise ValueError(f"{where}.allow_timeout_override must be true or false, got {override!r}")
-        return cls(levels, default, _config_int(queue, "default_timeout_microseconds", where, 0, minimum=0), override)
+        timeout_us = _config_int(queue, "default_timeout_microseconds", where, 0, QUEUE_TIMEOUT_US)
+        return cls(levels, default, timeout_us, override)
 
     def to_config(self) -> dict[str, Any]:
         """The section as config.json and the model configuration endpoint give it."""
@@ -138,11 +140,8 @@ def _check_keys(section: Any, where: str, known: tuple[str, ...]) -> None:
         raise ValueError(f"{where}: {', '.join(map(repr, unknown))} not supported (supported: {', '.join(known)})")
 
 
-def _config_int(section: dict, key: str, where: str, default: int, minimum: int) -> int:
-    value = section.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= _UINT64_MAX:
-        raise ValueError(f"{where}.{key} must be an integer >= {minimum}, got {value!r}")
-    return value
+def _config_int(section: dict, key: str, where: str, default: int, allowed: Range) -> int:
+    return allowed.check(f"{where}.{key}", section.get(key, default))
 
 
 # -- the queue ------------------------------------------------------------------------------------
