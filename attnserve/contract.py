@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from attnserve.ranges import BATCH_SIZE, LENGTH, QUEUE_DELAY_MS, VERSION
+
 # -- tensors -----------------------------------------------------------------------------------
 
 BATCH, Q_LEN, K_LEN = "batch", "q_len", "k_len"  # the variable dims, by name
@@ -123,13 +125,11 @@ class ServingDefaults:
     max_kv_len: int = 8192  # longest key/value accepted
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_q_len", "max_kv_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        delay = self.max_queue_delay_ms
-        if not isinstance(delay, (int, float)) or isinstance(delay, bool) or not 0 <= delay < float("inf"):
-            raise ValueError(f"max_queue_delay_ms must be a number >= 0, got {delay!r}")
+        # The server's own ranges, so export never writes a config.json that a server refuses.
+        BATCH_SIZE.check("max_batch_size", self.max_batch_size)
+        QUEUE_DELAY_MS.check("max_queue_delay_ms", self.max_queue_delay_ms)
+        LENGTH.check("max_q_len", self.max_q_len)
+        LENGTH.check("max_kv_len", self.max_kv_len)
 
     def batching(self) -> dict[str, Any]:
         return {"max_batch_size": self.max_batch_size, "max_queue_delay_ms": self.max_queue_delay_ms}
@@ -203,7 +203,7 @@ DYNAMIC_BATCHING = "dynamic_batching"
 
 
 # Versions are Triton's int64: 1 up to this, in ASCII digits.
-MAX_VERSION = 2**63 - 1
+MAX_VERSION = VERSION.high
 
 
 def parse_version(text: str) -> int | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attnserve.contract import MASK_FILL
+from attnserve.ranges import WIDTH
 
 # The seeds fill masked scores with -1e10 before the softmax (not -inf): a fully masked row
 # then becomes a uniform distribution over its keys instead of NaN (attnserve.contract).
@@ -37,9 +38,7 @@ class AttentionConfig:
             if getattr(self, field) is None:
                 object.__setattr__(self, field, self.query_dim)
         for field in ("query_dim", "num_heads", "d_model", "kv_dim", "out_dim"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+            WIDTH.check(field, getattr(self, field))  # the server's range: it serves what export writes
         if self.d_model % self.num_heads != 0:
             raise ValueError(
                 f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}"

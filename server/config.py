@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import tempfile
 import types
@@ -17,6 +16,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from attnserve.contract import parse_version
+from attnserve.ranges import BATCH_SIZE, INT32_MAX, INT64_MAX, MAX_WAIT_S, QUEUE_DELAY_MS, VERSION, Range, count
 
 ENV_PREFIX = "ATTNSERVE_"
 DEVICES = ("cpu", "cuda", "auto")
@@ -30,117 +32,55 @@ WARMUP_MODES = ("graphs", "none")  # server.warmup.MODES (kept here: config impo
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-# -- ranges: every bound of a flag and of a config.json value, in one place --------------------
-# The upper bounds are what the libraries and the native data plane take (docs/server.md, "Ranges");
-# past them a value failed deep inside (an OverflowError, a TypeError at the plane's hand-over).
+# -- ranges: every flag's bound (attnserve.ranges holds the ones config.json shares) ------------
 
-INT32_MAX = 2**31 - 1  # gRPC's integer channel arguments, socket.listen's backlog, the native plane's Start
-INT64_MAX = 2**63 - 1  # the native plane's int64_t counts, bytes and lengths
-# native/plane.cc's kMaxTimeoutUs: a later deadline would overflow the plane's clock (nanoseconds
-# in an int64). Every delay, wait and timeout is bounded by it, on both planes alike.
-MAX_WAIT_US = 2**50
-MAX_WAIT_MS = MAX_WAIT_US / 1e3
-MAX_WAIT_S = MAX_WAIT_US / 1e6
 # gRPC takes its times as int milliseconds, INT_MAX meaning never; under 1 ms would round to 0.
 MIN_GRPC_S = 0.001
 MAX_GRPC_S = (INT32_MAX - 1) / 1000
-# A width, head count or sequence length whose single float32 row could not travel in one gRPC
-# message (at most INT32_MAX bytes) can never be served.
-MAX_ELEMENTS = INT32_MAX // 4
 # Threads (per model: --batches-in-flight runners, ONNX Runtime's pool) or worker processes one
 # setting starts, all at once: far beyond any machine's cores, short of the process limits.
 MAX_THREADS = 1024
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a setting may take: an integer or a finite number in low..high (a bound excluded
-    when open), in `unit`; `never`: infinity is accepted too and means never (stored as None)."""
-
-    low: float
-    high: float
-    integer: bool = True
-    unit: str = ""
-    low_open: bool = False
-    high_open: bool = False
-    never: str = ""  # what infinity means ("never", "no limit"); empty: refused
-
-    def describe(self) -> str:
-        kind = "an integer" if self.integer else "a number"
-        left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
-        span = (f"in {self.low}..{self.high}" if self.integer
-                else f"in {left}{_figure(self.low)}, {_figure(self.high)}{right}")
-        unit = f" {self.unit}" if self.unit else ""
-        return f"{kind} {span}{unit}" + (f" (or inf: {self.never})" if self.never else "")
-
-    def check(self, name: str, value: Any) -> Any:
-        """value, or None for infinity where it means never; ValueError naming `name` and the range."""
-        number = isinstance(value, int) if self.integer else isinstance(value, (int, float))
-        if number and not isinstance(value, bool):
-            if self.never and value == math.inf:
-                return None
-            if (math.isfinite(value) and (self.low < value if self.low_open else self.low <= value)
-                    and (value < self.high if self.high_open else value <= self.high)):
-                return value
-        raise ValueError(f"{name} must be {self.describe()}, got {value!r}")
-
-
-def _figure(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else repr(float(x))
-
-
-def _count(low: int = 1, high: int = INT64_MAX, unit: str = "") -> Range:
-    return Range(low, high, unit=unit)
 
 
 def _seconds(low: float = 0.0, high: float = MAX_WAIT_S, low_open: bool = True, never: str = "") -> Range:
     return Range(low, high, integer=False, unit="seconds", low_open=low_open, never=never)
 
 
-# config.json's and the flags' shared ones: a flag overrides the value of every model's config.json.
-BATCH_SIZE = _count(unit="sequences")
-QUEUE_DELAY_MS = Range(0, MAX_WAIT_MS, integer=False, unit="ms")
-WIDTH = _count(high=MAX_ELEMENTS)  # attention dims, d_model and num_heads
-LENGTH = _count(high=MAX_ELEMENTS, unit="positions")  # max_q_len, max_kv_len
-CROSSOVER_LENGTH = _count(low=0, high=MAX_ELEMENTS, unit="positions")
-VERSION = _count()  # version numbers and counts of versions
-PRIORITY_LEVELS = _count()
-QUEUE_TIMEOUT_US = _count(low=0, high=MAX_WAIT_US, unit="microseconds")  # 0: none
 _GRPC_TIME = _seconds(MIN_GRPC_S, MAX_GRPC_S, low_open=False)
 
 # Each numeric ServerConfig field's range (None, where a field takes it, is its default: unset).
 FLAG_RANGES: dict[str, Range] = {
-    "port": _count(0, 65535),
-    "http_port": _count(-1, 65535),
-    "metrics_port": _count(-1, 65535),
+    "port": count(0, 65535),
+    "http_port": count(-1, 65535),
+    "metrics_port": count(-1, 65535),
     "max_batch_size": BATCH_SIZE,
     "max_queue_delay_ms": QUEUE_DELAY_MS,
-    "max_queue_size": _count(unit="requests"),
+    "max_queue_size": count(unit="requests"),
     "max_padding_ratio": Range(0, 1, integer=False, high_open=True),
-    "max_attention_bytes": _count(unit="bytes"),
-    "batches_in_flight": _count(high=MAX_THREADS),
-    "intra_op_threads": _count(0, MAX_THREADS),
-    "chunk_query_rows": _count(0),
-    "compute_nice": _count(0, 19),
-    "max_message_bytes": _count(high=INT32_MAX, unit="bytes"),
-    "max_queued_bytes": _count(unit="bytes"),
-    "priority_aging_batches": _count(unit="batches"),
-    "memory_limit_bytes": _count(unit="bytes"),
-    "max_concurrent_streams": _count(high=INT32_MAX),
-    "max_receiving_bytes": _count(unit="bytes"),
-    "max_typed_bytes": _count(unit="bytes"),
-    "max_json_bytes": _count(unit="bytes"),
-    "max_http_connections": _count(high=INT32_MAX),
+    "max_attention_bytes": count(unit="bytes"),
+    "batches_in_flight": count(high=MAX_THREADS),
+    "intra_op_threads": count(0, MAX_THREADS),
+    "chunk_query_rows": count(0),
+    "compute_nice": count(0, 19),
+    "max_message_bytes": count(high=INT32_MAX, unit="bytes"),
+    "max_queued_bytes": count(unit="bytes"),
+    "priority_aging_batches": count(unit="batches"),
+    "memory_limit_bytes": count(unit="bytes"),
+    "max_concurrent_streams": count(high=INT32_MAX),
+    "max_receiving_bytes": count(unit="bytes"),
+    "max_typed_bytes": count(unit="bytes"),
+    "max_json_bytes": count(unit="bytes"),
+    "max_http_connections": count(high=INT32_MAX),
     "http_header_timeout_s": _seconds(),
     "drain_delay_s": _seconds(low_open=False),
     "grace_period_s": _seconds(low_open=False),
     "repository_poll_secs": _seconds(),
-    "workers": _count(high=MAX_THREADS, unit="processes"),
+    "workers": count(high=MAX_THREADS, unit="processes"),
     "worker_heartbeat_s": _seconds(),
     "worker_heartbeat_timeout_s": _seconds(),
-    "access_records_buffer": _count(unit="records"),
-    "shared_memory_max_regions": _count(),
-    "shared_memory_max_bytes": _count(unit="bytes"),
+    "access_records_buffer": count(unit="records"),
+    "shared_memory_max_regions": count(),
+    "shared_memory_max_bytes": count(unit="bytes"),
     "grpc_max_connection_age_s": dataclasses.replace(_GRPC_TIME, never="never"),
     "grpc_max_connection_age_grace_s": dataclasses.replace(_GRPC_TIME, never="no limit"),
     "grpc_keepalive_time_s": _GRPC_TIME,
@@ -394,9 +334,10 @@ def _parse_pins(text: str) -> tuple[tuple[str, int], ...]:
     pins = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, version = part.partition("=")
-        if not sep or not name or not version.isdigit():
-            raise ValueError(f"expected NAME=VERSION, got {part!r}")
-        pins.append((name, int(version)))
+        number = parse_version(version)
+        if not sep or not name or number is None:
+            raise ValueError(f"expected NAME=VERSION (a version in 1..{INT64_MAX}), got {part!r}")
+        pins.append((name, number))
     return tuple(pins)
 
 

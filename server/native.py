@@ -45,7 +45,6 @@ from attnserve.server.codec import (
     heads_differ_refusal,
     native_graph_terms,
 )
-from attnserve.server.config import BATCH_SIZE, PRIORITY_LEVELS, QUEUE_DELAY_MS, QUEUE_TIMEOUT_US, WIDTH
 from attnserve.server.data_plane import NATIVE_MISSING_NOTE, why_unavailable  # noqa: F401 (this module's API too)
 from attnserve.server.errors import status_for
 from attnserve.server.lifecycle import Arrivals
@@ -60,6 +59,7 @@ from attnserve.server.shm import BYTE_SIZE, OFFSET, REGION
 from attnserve.server.tensors import RunStop
 
 from attnserve import contract
+from attnserve.ranges import BATCH_SIZE, PRIORITY_LEVELS, QUEUE_DELAY_MS, QUEUE_TIMEOUT_US, WIDTH
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attnserve.server.config import BATCH_SIZE, CROSSOVER_LENGTH, LENGTH, QUEUE_DELAY_MS, VERSION, WIDTH, Range
 from attnserve.server.scheduling import DYNAMIC_BATCHING, QueuePolicy
 
 from attnserve.contract import (
@@ -33,6 +32,7 @@ from attnserve.contract import (
 )
 from attnserve.contract import model_names as _model_names
 from attnserve.files import read_json
+from attnserve.ranges import BATCH_SIZE, CROSSOVER_LENGTH, LENGTH, QUEUE_DELAY_MS, VERSION, WIDTH, Range
 
 
 @dataclass(frozen=True)

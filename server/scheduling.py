@@ -21,9 +21,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from attnserve.server.config import PRIORITY_LEVELS, QUEUE_TIMEOUT_US, Range
-
 from attnserve.contract import DYNAMIC_BATCHING
+from attnserve.ranges import PRIORITY_LEVELS, QUEUE_TIMEOUT_US, Range
 
 # Triton's request parameters (the schedule policy extension): names and what they hold.
 PRIORITY, TIMEOUT = "priority", "timeout"

@@ -262,10 +262,11 @@ def test_config_refuses_d_model_not_divisible_by_heads(kwargs, numbers):
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
-        (dict(query_dim=0, num_heads=1), "query_dim must be a positive integer, got 0"),
-        (dict(query_dim=8, num_heads=2, kv_dim=-4), "kv_dim must be a positive integer, got -4"),
-        (dict(query_dim=8, num_heads=2, out_dim=2.5), "out_dim must be a positive integer, got 2.5"),
-        (dict(query_dim=8, num_heads=True), "num_heads must be a positive integer, got True"),
+        (dict(query_dim=0, num_heads=1), "query_dim must be an integer in 1..536870911, got 0"),
+        (dict(query_dim=8, num_heads=2, kv_dim=-4), "kv_dim must be an integer in 1..536870911, got -4"),
+        (dict(query_dim=8, num_heads=2, out_dim=2.5), "out_dim must be an integer in 1..536870911, got 2.5"),
+        (dict(query_dim=8, num_heads=True), "num_heads must be an integer in 1..536870911, got True"),
+        (dict(query_dim=2**29, num_heads=1), "query_dim must be an integer in 1..536870911, got 536870912"),
         (dict(query_dim=8, num_heads=2, dropout=1.0), "dropout must be in [0, 1), got 1.0"),
     ],
 )

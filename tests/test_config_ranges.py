@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from attnserve.server.config import (
     FLAG_RANGES,
-    INT32_MAX,
-    MAX_WAIT_S,
     ServerConfig,
     env_name,
     flag_name,
     load_config,
 )
+
+from attnserve.ranges import INT32_MAX, MAX_WAIT_S
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "server.md"
 BAD = ("nan", "NaN", "inf", "-inf", "1e30", "-5", str(10**30), str(2**63))

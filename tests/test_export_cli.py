@@ -68,7 +68,8 @@ def our_errors(tmp_path_factory, seed002_checkpoint):
         "device": ("--preset", "cross_attention", "--checkpoint", str(root / "zero.pt"), "--repository", repo),
         "opset": ("--preset", "cross_attention", "--opset", "99999", "--repository", repo),
         "version": ("--preset", "cross_attention", "--version", str(2**63), "--repository", repo),
-        "huge": ("--name", "huge", "--query-dim", str(10**9), "--heads", "1", "--repository", repo),
+        "huge": ("--name", "huge", "--query-dim", str(10**8), "--heads", "1", "--repository", repo),
+        "delay": ("--preset", "cross_attention", "--max-queue-delay-ms", "1e300", "--repository", repo),
         "heads": ("--preset", "self_attention", "--heads", "7", "--repository", repo),
         "missing": ("--preset", "cross_attention", "--checkpoint", str(root / "nowhere.pt"), "--repository", repo),
         "misfit": ("--preset", "self_attention", "--checkpoint", str(seed002_checkpoint), "--repository", repo),
@@ -111,6 +112,11 @@ def test_version_past_int64(our_errors):
 def test_dims_whose_weights_outgrow_the_machine(our_errors):
     _, results = our_errors
     assert_one_error_line(results["huge"], "bytes of weights, more than this machine's")
+
+
+def test_serving_defaults_outside_the_servers_range(our_errors):
+    _, results = our_errors
+    assert_one_error_line(results["delay"], "max_queue_delay_ms must be a number in", "got 1e+300")
 
 
 def test_checkpoint_that_does_not_fit(our_errors):
