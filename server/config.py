@@ -111,6 +111,9 @@ class ServerConfig:
     allow_shared_memory: bool = False
     shared_memory_max_regions: int = 64  # regions registered at once
     shared_memory_max_bytes: int = 4 * 1024**3  # bytes of all registered regions together
+    # A region no request used for this long is unregistered (a caller killed before it unregistered
+    # would hold the bounds for ever); 0: never.
+    shared_memory_idle_timeout_s: float = 3600.0
     # Security (server/security.py). TLS when both cert and key are given; mutual TLS (client
     # certificates required) when a client CA is given too; bearer tokens when a token file is.
     tls_cert: Path | None = None  # PEM certificate chain of the server
@@ -176,6 +179,9 @@ class ServerConfig:
         for name in ("shared_memory_max_regions", "shared_memory_max_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.shared_memory_idle_timeout_s < float("inf"):
+            raise ValueError(f"shared_memory_idle_timeout_s must be >= 0 (0: never), got "
+                             f"{self.shared_memory_idle_timeout_s}")
         if (self.workers or 1) > 1 and self.model_control_mode == "explicit":
             raise ValueError("--workers above 1 cannot be combined with --model-control-mode explicit: a model "
                              "loaded or unloaded through one worker would not change the others' (use --workers 1, "
@@ -275,6 +281,8 @@ _HELP: dict[str, str] = {
     "shared_memory_max_regions": "shared memory regions registered at once",
     "shared_memory_max_bytes": "bytes of all registered shared memory regions together (also counted in the "
                                "memory budget)",
+    "shared_memory_idle_timeout_s": "seconds after which a shared memory region that no request used is "
+                                    "unregistered (0: never)",
     "tls_cert": "PEM certificate chain: serve TLS (with --tls-key)",
     "tls_key": "PEM private key of --tls-cert",
     "tls_client_ca": "PEM roots: require client certificates signed by them (mutual TLS)",
