@@ -55,6 +55,8 @@ class ChunkFailure:
 
 def _hint(err: Exception) -> str:
     if isinstance(err, InferenceError):
+        if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "shared memory region" in err.details:
+            return " (the server's shared memory bounds are spent: lower --concurrency, or --shared-memory off)"
         if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return " (server queue full or message too large: lower --concurrency or --batch-size)"
         if err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
