@@ -163,6 +163,9 @@ def _parser(prog: str = "attnserve") -> argparse.ArgumentParser:
     batch.add_argument("--shared-memory", choices=SHARED_MEMORY_MODES, default="auto",
                        help="auto (default): tensors through system shared memory when the server is on this "
                             "host and allows it (docs/shared-memory.md); off: always in the messages")
+    batch.add_argument("--cleanup-shared-memory", action="store_true",
+                       help="compute nothing: release the shared memory a killed run of the job writing --output "
+                            "left (its regions on --url, its objects in /dev/shm); a rerun does it by itself")
     batch.add_argument("--priority", type=int, default=0, metavar="N",
                        help="priority level of every request, 1 the highest (default 0: the model's default; "
                             "a batch job sends a lower one to yield to online callers)")
@@ -406,7 +409,24 @@ def _batch_on_ray(args: argparse.Namespace, options: ClientOptions) -> int:
     return 0
 
 
+def _cleanup_shared_memory(args: argparse.Namespace, options: ClientOptions) -> int:
+    from attnserve.client.batch.leftovers import release_job_shared_memory
+
+    if args.merge or args.input is not None:
+        raise UsageError("--cleanup-shared-memory takes the job's --output (and --url), not --input or --merge")
+    try:
+        regions, objects = release_job_shared_memory(args.output, options, timeout_s=args.timeout)
+    except BatchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"released {len(regions)} region(s) on {options.url} and {len(objects)} shm object(s) of the job "
+          f"writing {args.output}", flush=True)
+    return 0
+
+
 def _batch(args: argparse.Namespace, options: ClientOptions) -> int:
+    if args.cleanup_shared_memory:
+        return _cleanup_shared_memory(args, options)
     if args.merge:
         return _merge(args)
     missing = [flag for flag, value in (("--model", args.model), ("--input", args.input)) if value is None]

@@ -120,6 +120,11 @@ class AsyncInferenceClient:
         request = pb.SystemSharedMemoryUnregisterRequest(name=name)
         await self._call("infer.SystemSharedMemoryUnregister", request, timeout_s, retry=False)
 
+    async def system_shared_memory_status(self, name: str = "", *, timeout_s: float | None = None) -> list[str]:
+        """The names of the regions registered on the server (`name`: that one, or NOT registered: an error)."""
+        request = pb.SystemSharedMemoryStatusRequest(name=name)
+        return list((await self._call("infer.SystemSharedMemoryStatus", request, timeout_s)).regions)
+
     async def model_infer(self, request: pb.ModelInferRequest, *, timeout_s: float | None = None,
                           metadata: tuple[tuple[str, str], ...] = ()) -> pb.ModelInferResponse:
         """One ModelInfer call with a request built elsewhere (attnserve.client.shm's), with the

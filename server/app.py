@@ -171,6 +171,7 @@ class Server:
         self._receive_slots = 0  # ModelInfer messages received at once (server.gate.ReceiveSlots)
         self.tracing: Tracing | None = None  # OpenTelemetry, when OTEL_* variables ask (server.tracing)
         self._shared_memory: SystemSharedMemory | None = None  # --allow-shared-memory
+        self._shm_expiry: asyncio.Task | None = None  # unregisters idle regions (--shared-memory-idle-timeout-s)
         self._gc_frozen = False  # server.memory.heap.freeze_gc() since the start, and no model change since
 
     async def start(self) -> int:
@@ -221,8 +222,11 @@ class Server:
         self.registry.start()
         if cfg.allow_shared_memory:
             self._shared_memory = SystemSharedMemory(cfg.shared_memory_max_regions, cfg.shared_memory_max_bytes,
-                                                     self.budget)
+                                                     self.budget, cfg.shared_memory_idle_timeout_s)
             self.metrics.watch_shared_memory(self._shared_memory)
+            if cfg.shared_memory_idle_timeout_s:
+                self._shm_expiry = asyncio.get_running_loop().create_task(shm.expire_forever(self._shared_memory),
+                                                                          name="shared-memory-expiry")
         request_path = RequestPath(self.registry, self.metrics, self._draining, Calls(self.tracing, cfg.access_log),
                                    shared_memory=self._shared_memory, data_plane=plane,
                                    why_no_cuda_shm=shm.why_no_cuda(device.providers[0] == CUDA, device.why_not_cuda))
@@ -439,6 +443,8 @@ class Server:
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # the last spans exported (the exporter's timeout bounds it)
             self.tracing = None
+        if self._shm_expiry is not None:
+            self._shm_expiry.cancel()
         if self._shared_memory is not None:
             self._shared_memory.close()
         if self._private_dir is not None:

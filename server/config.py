@@ -81,6 +81,7 @@ FLAG_RANGES: dict[str, Range] = {
     "access_records_buffer": count(unit="records"),
     "shared_memory_max_regions": count(),
     "shared_memory_max_bytes": count(unit="bytes"),
+    "shared_memory_idle_timeout_s": _seconds(low_open=False),  # 0: never
     "grpc_max_connection_age_s": dataclasses.replace(_GRPC_TIME, never="never"),
     "grpc_max_connection_age_grace_s": dataclasses.replace(_GRPC_TIME, never="no limit"),
     "grpc_keepalive_time_s": _GRPC_TIME,
@@ -172,6 +173,9 @@ class ServerConfig:
     allow_shared_memory: bool = False
     shared_memory_max_regions: int = 64  # regions registered at once
     shared_memory_max_bytes: int = 4 * 1024**3  # bytes of all registered regions together
+    # A region no request used for this long is unregistered (a caller killed before it unregistered
+    # would hold the bounds for ever); 0: never.
+    shared_memory_idle_timeout_s: float = 3600.0
     # Security (server/security.py). TLS when both cert and key are given; mutual TLS (client
     # certificates required) when a client CA is given too; bearer tokens when a token file is.
     tls_cert: Path | None = None  # PEM certificate chain of the server
@@ -293,6 +297,8 @@ _HELP: dict[str, str] = {
     "shared_memory_max_regions": "shared memory regions registered at once",
     "shared_memory_max_bytes": "bytes of all registered shared memory regions together (also counted in the "
                                "memory budget)",
+    "shared_memory_idle_timeout_s": "seconds after which a shared memory region that no request used is "
+                                    "unregistered (0: never)",
     "tls_cert": "PEM certificate chain: serve TLS (with --tls-key)",
     "tls_key": "PEM private key of --tls-cert",
     "tls_client_ca": "PEM roots: require client certificates signed by them (mutual TLS)",

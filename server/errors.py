@@ -23,7 +23,7 @@ from attnserve.server.memory.budget import MemoryExhausted, MemoryTooLarge
 from attnserve.server.models import ModelControlDisabled, ModelLoadFailed, ModelNotFound, ModelUnavailable
 from attnserve.server.quoting import bounded_details
 from attnserve.server.ratelimit import CLIENT_ERRORS
-from attnserve.server.shm import SharedMemoryUnavailable
+from attnserve.server.shm import SharedMemoryExhausted, SharedMemoryUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ _STATUS: dict[type[BaseException], tuple[grpc.StatusCode, int]] = {
     BatcherClosed: (_S.UNAVAILABLE, 503),  # never computed: safe to retry elsewhere
     ShuttingDown: (_S.UNAVAILABLE, 503),  # likewise
     SharedMemoryUnavailable: (_S.UNAVAILABLE, 503),  # an extension off here (server.shm says why)
+    SharedMemoryExhausted: (_S.RESOURCE_EXHAUSTED, 429),  # regions, bytes or fds spent now: retry later
     Unauthenticated: (_S.UNAUTHENTICATED, 401),
     ClientGone: (_S.CANCELLED, 499),  # nobody reads the answer; counted apart from server faults
     BatchFailed: (_S.INTERNAL, 500),  # details: its public message; logged by the batcher

@@ -395,6 +395,9 @@ class _SharedMemoryCollector:
                                 "(--shared-memory-max-regions bounds them).", value=r.mapped)
         yield GaugeMetricFamily("attnserve_shared_memory_mapped_bytes", "Bytes of the system shared memory regions "
                                 "mapped now (--shared-memory-max-bytes bounds them).", value=r.mapped_bytes)
+        yield CounterMetricFamily("attnserve_shared_memory_expired", "System shared memory regions unregistered "
+                                  "because no request used them for --shared-memory-idle-timeout-s.",
+                                  value=r.expired_total)
 
 
 # With several workers, how often figures kept outside the collectors reach the multiprocess files.

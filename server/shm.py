@@ -22,18 +22,26 @@ Why each rule (Triton fixed each of them in its own server):
   (a count of users), and numpy views keep the mapping alive beyond that if anything still
   holds one (mmap refuses to close under exported buffers);
 - the count of regions and their bytes are bounded, and their bytes are reserved in the
-  server's memory budget while mapped.
-Every refusal is a SharedMemoryError (a ValueError: INVALID_ARGUMENT / 400) naming the region
-and the bound; SharedMemoryUnavailable (UNAVAILABLE / 503) says why an extension is off.
+  server's memory budget while mapped;
+- a region no call has used for idle_timeout_s (and none uses now) is unregistered by
+  `expire_idle()`: a caller killed before it unregistered cannot hold the bounds for ever.
+Every refusal of a request's own making is a SharedMemoryError (a ValueError: INVALID_ARGUMENT /
+400) naming the region and the bound; SharedMemoryExhausted (RESOURCE_EXHAUSTED / 429) is a
+bound or a resource of the server's spent now (retry once regions are unregistered);
+SharedMemoryUnavailable (UNAVAILABLE / 503) says why an extension is off.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import logging
 import mmap
 import os
 import stat
-from collections.abc import Mapping
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from attnserve.server.memory.budget import MemoryBudget, MemoryExhausted, Reservation
@@ -63,6 +71,15 @@ def why_no_cuda(on_cuda: bool, why_not_cuda: str | None = None) -> str:
 
 class SharedMemoryError(ValueError):
     """A region or a tensor placement refused; the message names the region and the bound."""
+
+
+class SharedMemoryExhausted(Exception):
+    """A region refused for want of what the server has now (the region bound, its bytes, file
+    descriptors, address space): retry once regions are unregistered."""
+
+
+# Out of descriptors or memory when opening or mapping: the server's state, not the caller's key.
+_EXHAUSTED_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
 
 
 class SharedMemoryUnavailable(Exception):
@@ -111,7 +128,7 @@ class _Region:
     """One registered mapping: [offset, offset + byte_size) of the object, mapped from the page
     below offset. `users`: requests holding it; unmapped at unregister, or when the last ends."""
 
-    __slots__ = ("status", "view", "_mmap", "users", "retired", "_reservation")
+    __slots__ = ("status", "view", "_mmap", "users", "retired", "_reservation", "last_used")
 
     def __init__(self, status: RegionStatus, mapping: mmap.mmap, start: int, reservation: Reservation | None) -> None:
         self.status = status
@@ -120,6 +137,7 @@ class _Region:
         self.users = 0
         self.retired = False
         self._reservation = reservation
+        self.last_used = 0.0  # monotonic: registered, or a request's use began or ended
 
     def close(self) -> None:
         try:
@@ -137,35 +155,50 @@ class _Region:
 
 
 class SystemSharedMemory:
-    """The registered system shared memory regions of one server process (on its event loop)."""
+    """The registered system shared memory regions of one server process (on its event loop).
 
-    def __init__(self, max_regions: int, max_bytes: int, budget: MemoryBudget | None = None) -> None:
+    idle_timeout_s: a region that no request has used for this long, and that none uses now, is
+    unregistered at the next `expire_idle()` (0: never). Regions belong to no connection (as in
+    Triton): any caller may use or unregister any name."""
+
+    def __init__(self, max_regions: int, max_bytes: int, budget: MemoryBudget | None = None,
+                 idle_timeout_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_regions = max_regions
         self.max_bytes = max_bytes
+        self.idle_timeout_s = idle_timeout_s
+        self._clock = clock
         self._budget = budget
         self._regions: dict[str, _Region] = {}
         self._mapped: list[_Region] = []  # registered, or unregistered and still in use
         self._mapped_bytes = 0
         self._registered_bytes = 0  # kept, not summed: the metrics port's thread reads it at a scrape
+        self.expired_total = 0  # regions unregistered by expire_idle()
+        # Names expired lately (bounded), so that a request naming one is told why it is gone.
+        self._expired: OrderedDict[str, None] = OrderedDict()
 
     # -- the extension's three calls ----------------------------------------------------------
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         _check_region_name(name)
         object_name = check_key(key)
+        self.expire_idle()  # a region left by a dead caller must not hold the bounds below
         if name in self._regions:
             raise SharedMemoryError(f"shared memory region {name!r} is already registered (key "
                                     f"{self._regions[name].status.key!r}); unregister it first")
         if not 0 <= offset < _U64 or not 0 < byte_size < _U64:
             raise SharedMemoryError(f"shared memory region {name!r}: offset {offset} and byte_size {byte_size} must be "
                                     "unsigned 64-bit integers, byte_size at least 1")
+        if byte_size > self.max_bytes:
+            raise SharedMemoryError(f"shared memory region {name!r}: {byte_size:,} bytes exceed the bound of "
+                                    f"{self.max_bytes:,} bytes (--shared-memory-max-bytes)")
         if len(self._mapped) >= self.max_regions:
-            raise SharedMemoryError(f"shared memory region {name!r}: {len(self._mapped)} regions are mapped, the bound "
-                                    f"is {self.max_regions} (--shared-memory-max-regions); unregister one first")
+            raise SharedMemoryExhausted(f"shared memory region {name!r}: {len(self._mapped)} regions are mapped, the "
+                                        f"bound is {self.max_regions} (--shared-memory-max-regions); unregister one "
+                                        "first")
         if byte_size > self.max_bytes - self._mapped_bytes:
-            raise SharedMemoryError(f"shared memory region {name!r}: {byte_size:,} bytes more than the "
-                                    f"{self._mapped_bytes:,} mapped would exceed the bound of {self.max_bytes:,} bytes "
-                                    "(--shared-memory-max-bytes)")
+            raise SharedMemoryExhausted(f"shared memory region {name!r}: {byte_size:,} bytes more than the "
+                                        f"{self._mapped_bytes:,} mapped would exceed the bound of {self.max_bytes:,} "
+                                        "bytes (--shared-memory-max-bytes); unregister one first")
         reservation = None
         if self._budget is not None:
             reservation = self._budget.try_reserve(byte_size)
@@ -179,6 +212,8 @@ class SystemSharedMemory:
             if reservation is not None:
                 reservation.release()
             raise
+        region.last_used = self._clock()
+        self._expired.pop(name, None)
         self._regions[name] = region
         self._mapped.append(region)
         self._mapped_bytes += byte_size
@@ -190,6 +225,10 @@ class SystemSharedMemory:
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as err:
+            if err.errno in _EXHAUSTED_ERRNOS:
+                raise SharedMemoryExhausted(f"shared memory region {name!r}: cannot open key {key!r}: the server "
+                                            f"is out of a resource ({err.strerror}) with {len(self._mapped)} "
+                                            "regions mapped; unregister some and retry") from None
             raise SharedMemoryError(f"shared memory region {name!r}: cannot open key {key!r}: "
                                     f"{err.strerror or err}") from None
         try:
@@ -204,7 +243,14 @@ class SystemSharedMemory:
             try:
                 mapping = mmap.mmap(fd, start + byte_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE,
                                     offset=offset - start)
-            except (OSError, ValueError) as err:
+            except OSError as err:
+                # mmap dups the descriptor, so it runs out of them too; ENOMEM: out of address space
+                if err.errno in _EXHAUSTED_ERRNOS:
+                    raise SharedMemoryExhausted(f"shared memory region {name!r}: cannot map key {key!r}: "
+                                                f"{err.strerror} ({len(self._mapped)} regions mapped); unregister "
+                                                "some and retry") from None
+                raise SharedMemoryError(f"shared memory region {name!r}: cannot map key {key!r}: {err}") from None
+            except ValueError as err:
                 raise SharedMemoryError(f"shared memory region {name!r}: cannot map key {key!r}: {err}") from None
         finally:
             os.close(fd)  # mmap holds its own descriptor until it is closed
@@ -213,18 +259,49 @@ class SystemSharedMemory:
     def unregister(self, name: str = "") -> None:
         """Unregister `name`, or every region (""); one in use stays mapped until its requests end."""
         if name and name not in self._regions:
-            raise SharedMemoryError(f"shared memory region {name!r} is not registered")
+            raise self._unknown(name)
         for region_name in [name] if name else list(self._regions):
-            region = self._regions.pop(region_name)
-            self._registered_bytes -= region.status.byte_size
-            region.retired = True
-            if region.users == 0:
-                self._unmap(region)
+            self._retire(region_name)
+
+    def _retire(self, name: str) -> _Region:
+        region = self._regions.pop(name)
+        self._registered_bytes -= region.status.byte_size
+        region.retired = True
+        if region.users == 0:
+            self._unmap(region)
+        return region
 
     def status(self, name: str = "") -> list[RegionStatus]:
+        self.expire_idle()  # what the caller sees is what a request would find
         if name and name not in self._regions:
-            raise SharedMemoryError(f"shared memory region {name!r} is not registered")
+            raise self._unknown(name)
         return [self._regions[name].status] if name else [r.status for r in self._regions.values()]
+
+    def expire_idle(self) -> int:
+        """Unregister every region unused for idle_timeout_s: no request began or ended with it
+        since, and none holds it now. Returns how many (each logged, and counted in expired_total)."""
+        if not self.idle_timeout_s or not self._regions:
+            return 0
+        now = self._clock()
+        idle = [name for name, r in self._regions.items()
+                if r.users == 0 and now - r.last_used >= self.idle_timeout_s]
+        for name in idle:
+            region = self._retire(name)
+            self.expired_total += 1
+            self._expired[name] = None
+            while len(self._expired) > self.max_regions:
+                self._expired.popitem(last=False)
+            logger.info("shared memory region %r (key %r, %d bytes) expired: unused for %.1fs "
+                        "(--shared-memory-idle-timeout-s %g)", name, region.status.key, region.status.byte_size,
+                        now - region.last_used, self.idle_timeout_s)
+        return len(idle)
+
+    def _unknown(self, name: str) -> SharedMemoryError:
+        if name in self._expired:
+            return SharedMemoryError(f"shared memory region {name!r} is not registered: it expired after "
+                                     f"{self.idle_timeout_s:g}s unused (--shared-memory-idle-timeout-s); "
+                                     "register it again")
+        return SharedMemoryError(f"shared memory region {name!r} is not registered")
 
     def close(self) -> None:
         """Unmap everything (the server stops)."""
@@ -256,12 +333,14 @@ class SystemSharedMemory:
     def _take(self, name: str) -> _Region:
         region = self._regions.get(name)
         if region is None:
-            raise SharedMemoryError(f"shared memory region {name!r} is not registered")
+            raise self._unknown(name)
         region.users += 1
+        region.last_used = self._clock()
         return region
 
     def _give_back(self, region: _Region) -> None:
         region.users -= 1
+        region.last_used = self._clock()
         if region.users == 0 and region.retired:
             self._unmap(region)
 
@@ -269,6 +348,15 @@ class SystemSharedMemory:
         self._mapped.remove(region)
         self._mapped_bytes -= region.status.byte_size
         region.close()
+
+
+async def expire_forever(regions: SystemSharedMemory) -> None:
+    """regions.expire_idle() a few times per idle timeout, until cancelled (the server stops), so
+    that idle regions go even when no shared memory call comes."""
+    period_s = min(max(regions.idle_timeout_s / 4, 0.05), 60.0)  # expiry at most a quarter late
+    while True:
+        await asyncio.sleep(period_s)
+        regions.expire_idle()
 
 
 class Lease:

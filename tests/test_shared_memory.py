@@ -222,13 +222,18 @@ def test_each_validation_case_is_refused_and_the_server_serves_on(grpc_client, h
     _refused(lambda: register("good", good._shm_key, 16), "'good'", "already registered")
     for i in range(MAX_REGIONS - 1):
         register(f"extra{i}", good._shm_key, 16)
+    # The bounds are spent now (retry once regions go): RESOURCE_EXHAUSTED, not the caller's mistake.
     _refused(lambda: register("one-more", good._shm_key, 16), "'one-more'", f"bound is {MAX_REGIONS}",
-             "--shared-memory-max-regions")
+             "--shared-memory-max-regions", status="StatusCode.RESOURCE_EXHAUSTED")
     grpc_client.unregister_system_shared_memory()
     big = regions("big", MAX_BYTES)
     register("big", big._shm_key, MAX_BYTES)
-    _refused(lambda: register("more", good._shm_key, 16), "'more'", f"{MAX_BYTES:,}", "--shared-memory-max-bytes")
+    _refused(lambda: register("more", good._shm_key, 16), "'more'", f"{MAX_BYTES:,}", "--shared-memory-max-bytes",
+             status="StatusCode.RESOURCE_EXHAUSTED")
     grpc_client.unregister_system_shared_memory()
+    bigger = regions("bigger", MAX_BYTES + 4096)  # more than the bound itself: never fits
+    _refused(lambda: register("bigger", bigger._shm_key, MAX_BYTES + 1), "'bigger'", "exceed the bound",
+             "--shared-memory-max-bytes")
     # Unknown names.
     _refused(lambda: grpc_client.unregister_system_shared_memory("nope"), "'nope'", "not registered")
     _refused(lambda: grpc_client.get_system_shared_memory_status("nope"), "'nope'", "not registered")

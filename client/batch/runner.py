@@ -12,6 +12,7 @@ from starting; the ones in flight finish (and keep their parts).
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +28,18 @@ from attnserve.client.batch.spec import BatchError, BatchJob, BatchSummary
 from attnserve.client.batch.workdir import WorkDir
 from attnserve.client.errors import InferenceError
 from attnserve.client.options import ClientOptions
-from attnserve.client.shm import SharedMemorySlot, same_host, slot_dims, uses_shared_memory
+from attnserve.client.shm import (
+    SharedMemorySlot,
+    job_prefix,
+    release_leftovers,
+    same_host,
+    slot_dims,
+    stored_job_prefix,
+    uses_shared_memory,
+)
 from attnserve.client.tracecontext import JobTrace
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +55,8 @@ class ChunkFailure:
 
 def _hint(err: Exception) -> str:
     if isinstance(err, InferenceError):
+        if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "shared memory region" in err.details:
+            return " (the server's shared memory bounds are spent: lower --concurrency, or --shared-memory off)"
         if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return " (server queue full or message too large: lower --concurrency or --batch-size)"
         if err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -77,10 +90,22 @@ class Runner:
         reader = ShardReader(self._shards, chunks)
         async with AsyncInferenceClient(self._options) as client:
             try:
+                await self._release_leftovers(client)
                 await self._open_slots(client)
                 return await self._compute(client, reader, chunks)
             finally:
                 await self._close_slots(client)
+
+    async def _release_leftovers(self, client: AsyncInferenceClient) -> None:
+        """A run of this job killed before it closed its slots left their regions registered and
+        their shm objects in /dev/shm: release them (their names carry the work directory's id)."""
+        prefix = stored_job_prefix(self._workdir.path)
+        if prefix is None:
+            return
+        try:
+            await release_leftovers(client, prefix, timeout_s=self._job.timeout_s)
+        except InferenceError as err:  # the server's idle expiry reclaims them in the end
+            logger.warning("could not unregister the regions an earlier run of this job left (%s*): %s", prefix, err)
 
     async def _open_slots(self, client: AsyncInferenceClient) -> None:
         """--shared-memory auto: one pair of regions per request in flight, when the server is on
@@ -92,9 +117,10 @@ class Runner:
         if not uses_shared_memory(self._job.shared_memory, self._options.url, extensions, metadata):
             return
         out_dim, heads = slot_dims(metadata)
+        prefix = await asyncio.to_thread(job_prefix, self._workdir.path)
         self._slots = asyncio.Queue()
         for index in range(self._job.concurrency):
-            self._slots.put_nowait(SharedMemorySlot(f"attnserve-batch-{index}", out_dim, heads))
+            self._slots.put_nowait(SharedMemorySlot(f"{prefix}{index}", out_dim, heads))
         self._summary.shared_memory = True
 
     async def _close_slots(self, client: AsyncInferenceClient) -> None:

@@ -99,4 +99,9 @@ class BatchJob:
     @property
     def parts_dir(self) -> Path:
         """The work directory beside the output: `<output>.parts/`."""
-        return self.output_path.with_name(self.output_path.name + ".parts")
+        return parts_dir_of(self.output_path)
+
+
+def parts_dir_of(output_path: Path) -> Path:
+    """The work directory of the job writing `output_path`: `<output>.parts/` beside it."""
+    return output_path.with_name(output_path.name + ".parts")
