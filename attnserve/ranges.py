@@ -72,4 +72,4 @@ LENGTH = count(high=MAX_ELEMENTS, unit="positions")  # max_q_len, max_kv_len
 CROSSOVER_LENGTH = count(low=0, high=MAX_ELEMENTS, unit="positions")
 VERSION = count()  # version numbers and counts of versions
 PRIORITY_LEVELS = count()
-QUEUE_TIMEOUT_US = count(low=0, high=MAX_WAIT_US, unit="microseconds")  # 0: none
+QUEUE_TIMEOUT_US = count(low=0, high=MAX_WAIT_US - 1, unit="microseconds")  # 0: none; the plane reads its bound as none

@@ -43,6 +43,7 @@ py::tuple RecordTuple(const attnserve::CallRecord& r) {
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "The native data plane: a C++ gRPC listener for ModelInfer handing Python one call per batch.";
+  m.attr("MAX_TIMEOUT_US") = attnserve::kMaxTimeoutUs;
   // The plane's gRPC core's channelz, named as grpcio's cygrpc names its own: server.handover.CoreCalls
   // reads either (the plane's core is not grpcio's).
   auto channelz = [](char* json) {

@@ -80,8 +80,6 @@ struct Data {
 // A gRPC client cancels at its own deadline, which runs out before the server's: a cancel this
 // close to it counts as the deadline (server.request_path's _DEADLINE_SLACK_S).
 constexpr auto kDeadlineSlack = std::chrono::milliseconds(500);
-// Longer timeouts are as good as none, and stay clear of the clock's overflow.
-constexpr uint64_t kMaxTimeoutUs = uint64_t{1} << 50;
 enum CancelReason : size_t { kClient = 0, kDeadline = 1 };
 enum CancelStage : size_t { kQueued = 0, kRunning = 1, kTerminated = 2, kAnswered = 3 };
 // Batch::cancelled[i]: 0 live, 1 cancelled, 2 settled by Complete (a cancel then is the answered stage),

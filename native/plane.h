@@ -29,6 +29,10 @@
 
 namespace attnserve {
 
+// Longer timeouts are as good as none, and stay clear of the clock's overflow; the config layer's
+// ranges stop every wait below it (attnserve.ranges.MAX_WAIT_US, tied by a test).
+constexpr uint64_t kMaxTimeoutUs = uint64_t{1} << 50;
+
 // The tensor contract's names and datatypes, handed over from attnserve.contract (never re-derived).
 struct Contract {
   std::string query, key, value, mask;   // input names

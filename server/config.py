@@ -34,19 +34,22 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 # -- ranges: every flag's bound (attnserve.ranges holds the ones config.json shares) ------------
 
-# gRPC takes its times as int milliseconds, INT_MAX meaning never; under 1 ms would round to 0.
-MIN_GRPC_S = 0.001
+# A wait that must be positive is at least 1 ms: less (a REST head timeout, a heartbeat) fails every
+# call or kills every healthy worker, and gRPC, which takes its times as int milliseconds with
+# INT_MAX meaning never, would round it to 0.
+MIN_S = 0.001
+MIN_GRPC_S = MIN_S
 MAX_GRPC_S = (INT32_MAX - 1) / 1000
 # Threads (per model: --batches-in-flight runners, ONNX Runtime's pool) or worker processes one
 # setting starts, all at once: far beyond any machine's cores, short of the process limits.
 MAX_THREADS = 1024
 
 
-def _seconds(low: float = 0.0, high: float = MAX_WAIT_S, low_open: bool = True, never: str = "") -> Range:
-    return Range(low, high, integer=False, unit="seconds", low_open=low_open, never=never)
+def _seconds(low: float = MIN_S, high: float = MAX_WAIT_S, never: str = "") -> Range:
+    return Range(low, high, integer=False, unit="seconds", never=never)
 
 
-_GRPC_TIME = _seconds(MIN_GRPC_S, MAX_GRPC_S, low_open=False)
+_GRPC_TIME = _seconds(MIN_GRPC_S, MAX_GRPC_S)
 
 # Each numeric ServerConfig field's range (None, where a field takes it, is its default: unset).
 FLAG_RANGES: dict[str, Range] = {
@@ -72,8 +75,8 @@ FLAG_RANGES: dict[str, Range] = {
     "max_json_bytes": count(unit="bytes"),
     "max_http_connections": count(high=INT32_MAX),
     "http_header_timeout_s": _seconds(),
-    "drain_delay_s": _seconds(low_open=False),
-    "grace_period_s": _seconds(low_open=False),
+    "drain_delay_s": _seconds(0),
+    "grace_period_s": _seconds(0),
     "repository_poll_secs": _seconds(),
     "workers": count(high=MAX_THREADS, unit="processes"),
     "worker_heartbeat_s": _seconds(),
@@ -81,7 +84,7 @@ FLAG_RANGES: dict[str, Range] = {
     "access_records_buffer": count(unit="records"),
     "shared_memory_max_regions": count(),
     "shared_memory_max_bytes": count(unit="bytes"),
-    "shared_memory_idle_timeout_s": _seconds(low_open=False),  # 0: never
+    "shared_memory_idle_timeout_s": _seconds(0),  # 0: never
     "grpc_max_connection_age_s": dataclasses.replace(_GRPC_TIME, never="never"),
     "grpc_max_connection_age_grace_s": dataclasses.replace(_GRPC_TIME, never="no limit"),
     "grpc_keepalive_time_s": _GRPC_TIME,

@@ -49,9 +49,9 @@ def test_queue_policy_defaults_and_tritons_names():
     ({"priority_levels": "2"}, "priority_levels must be an integer in 1..9223372036854775807, got '2'"),
     ({"default_queue_policy": {"timeout_action": "DELAY"}}, "DELAY is not supported"),
     ({"default_queue_policy": {"default_timeout_microseconds": -1}}, "default_timeout_microseconds must be"),
-    # Past the native plane's longest timer (2**50 us), and beyond int64: refused, not served as none.
-    ({"default_queue_policy": {"default_timeout_microseconds": 2**50 + 1}},
-     "default_timeout_microseconds must be an integer in 0..1125899906842624 microseconds"),
+    # The native plane's longest timer (2**50 us) reads as none, and 1e30 is beyond int64: refused.
+    ({"default_queue_policy": {"default_timeout_microseconds": 2**50}},
+     "default_timeout_microseconds must be an integer in 0..1125899906842623 microseconds"),
     ({"default_queue_policy": {"default_timeout_microseconds": 1e30}}, "got 1e+30"),
     ({"priority_levels": 2**64}, "priority_levels must be an integer in 1..9223372036854775807"),
     ({"default_queue_policy": {"allow_timeout_override": 1}}, "allow_timeout_override must be true or false"),

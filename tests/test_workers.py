@@ -401,11 +401,14 @@ def test_a_worker_count_over_the_ceiling_is_a_flag_error_naming_it():
     from attnserve.server.workers import max_workers
 
     ceiling = max_workers()
-    for args, env in ((["--workers", str(ceiling + 1)], {}), ([], {"ATTNSERVE_WORKERS": "100000"})):
+    assert ceiling + 2 <= 1024, "the test needs a count over the ceiling and within --workers' range"
+    for args, env in ((["--workers", str(ceiling + 1)], {}), ([], {"ATTNSERVE_WORKERS": str(ceiling + 2)})):
         done = _serve("--model-repository", "nowhere", *args, env=env)
         assert done.returncode == 2, done.stderr
         assert f"over the ceiling of {ceiling}" in done.stderr and "per CPU" in done.stderr, done.stderr
         assert "starting" not in done.stderr  # refused before any worker started
+    done = _serve("--model-repository", "nowhere", env={"ATTNSERVE_WORKERS": "100000"})  # past the range itself
+    assert done.returncode == 2 and "ATTNSERVE_WORKERS must be an integer in 1..1024" in done.stderr, done.stderr
 
 
 def test_a_stop_signal_while_workers_start_starts_no_more_and_exits(tmp_path):
