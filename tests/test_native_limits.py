@@ -538,7 +538,8 @@ def test_a_malformed_request_is_refused_with_the_python_planes_words(bounded_ser
 
 def test_the_config_layers_longest_wait_is_the_planes():
     """attnserve.ranges bounds every delay and timeout by the plane's longest timer: one number."""
-    from attnserve.ranges import MAX_WAIT_US
     from attnserve.server import _native
+
+    from attnserve.ranges import MAX_WAIT_US
 
     assert _native.MAX_TIMEOUT_US == MAX_WAIT_US
