@@ -180,3 +180,17 @@ def test_an_input_that_is_not_a_regular_file_says_so(server, tmp_path, case):
     assert result.returncode == 1
     assert error_line(result.stderr) == f"error: cannot read input {bad}: {reason}"
     assert not out.exists() and not (tmp_path / "out.npz.parts").exists()
+
+
+def test_merge_checks_its_parts_and_output_before_reading_any(tmp_path):
+    good = tmp_path / "a.npz"
+    np.savez(good, output=np.zeros((2, 3, WIDTH), np.float32))
+    fifo = tmp_path / "b.npz"
+    os.mkfifo(fifo)  # reading it would block forever
+    for parts, out, message in [
+        ([good, fifo], tmp_path / "m.npz", f"error: cannot read merge part {fifo}: it is a FIFO, not a regular file"),
+        ([good], Path("/proc/m.npz"), "error: cannot write output /proc/m.npz: "),
+    ]:
+        result = cli("--merge", *map(str, parts), "--output", str(out))
+        assert result.returncode == 1 and error_line(result.stderr).startswith(message), result.stderr
+        assert not out.exists()
