@@ -32,7 +32,7 @@ from attnserve.client.batch import DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, Batc
 from attnserve.client.batch.progress import DEFAULT_EVERY_S
 from attnserve.client.batch.spec import SHARED_MEMORY_MODES
 from attnserve.client.client import InferenceClient
-from attnserve.client.codec import ModelIndexEntry
+from attnserve.client.codec import ModelIndexEntry, check_values
 from attnserve.client.errors import InferenceError
 from attnserve.client.options import (
     COMPRESSION,
@@ -44,8 +44,10 @@ from attnserve.client.options import (
     TlsConfig,
     parse_addresses,
 )
+from attnserve.client.paths import check_input_file, check_output_file
 
 from attnserve.contract import OUTPUT_NAMES
+from attnserve.files import write_atomic
 
 logger = logging.getLogger("attnserve.client")
 
@@ -179,6 +181,10 @@ def _parser(prog: str = "attnserve") -> argparse.ArgumentParser:
 
 
 def _client_options(args: argparse.Namespace) -> ClientOptions:
+    for flag, path in (("--token-file", args.token_file), ("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert),
+                       ("--tls-key", args.tls_key)):
+        if path is not None:  # a FIFO here would block the read forever
+            _check_input(path, flag)
     token = None
     if args.token_file is not None:
         try:
@@ -300,7 +306,22 @@ def _why(entry: ModelIndexEntry) -> str:
     return (f"version {entry.version}: " if entry.version else "") + (entry.reason or "no reason given")
 
 
+def _check_input(path: Path, flag: str) -> None:
+    try:
+        check_input_file(path, flag)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def _check_output(path: Path, flag: str) -> None:
+    try:
+        check_output_file(path, flag)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
 def _load_npy(path: Path, what: str) -> np.ndarray:
+    _check_input(path, f"--{what}")
     try:
         return np.load(path, allow_pickle=False)
     except (OSError, ValueError) as err:
@@ -312,6 +333,7 @@ def _infer_inputs(args: argparse.Namespace) -> dict[str, np.ndarray | None]:
     if args.input is not None:
         if any(separate.values()):
             raise UsageError("give either --input IN.npz or --query/--key/--value[/--mask], not both")
+        _check_input(args.input, "--input")
         try:
             with np.load(args.input, allow_pickle=False) as npz:
                 arrays = {name: npz[name] for name in npz.files}
@@ -331,7 +353,17 @@ def _infer(args: argparse.Namespace, options: ClientOptions) -> int:
     outputs = _names(args.outputs)
     if args.plot is not None and "attn_probs" not in outputs:
         outputs += ("attn_probs",)
+    for flag, path in (("--output", args.output), ("--plot", args.plot)):
+        if path is not None:  # before the inference, not after it
+            _check_output(path, flag)
     inputs = _infer_inputs(args)
+    try:
+        rounded = check_values(inputs)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if rounded:  # documented (docs/client.md), but numbers changed: say so once
+        logger.warning("%d input values were rounded to float32 (float64's extra digits, or integers past "
+                       "2**24); store the input as float32 to send it unchanged", rounded)
     if args.plot is not None:  # checked before the inference runs, not after
         query = np.asarray(inputs["query"])
         batch = query.shape[0] if query.ndim == 3 else None
@@ -345,7 +377,8 @@ def _infer(args: argparse.Namespace, options: ClientOptions) -> int:
         except ValueError as err:  # the client's input validation
             raise UsageError(str(err)) from None
     if args.output is not None:
-        np.savez(args.output, **result)
+        # To the path as given (np.savez would add .npz to a name without it), whole or not at all.
+        write_atomic(args.output, lambda f: np.savez(f, **result))
         print(f"wrote {', '.join(f'{n} {list(a.shape)}' for n, a in result.items())} to {args.output}")
     else:
         for name, array in result.items():
@@ -446,7 +479,7 @@ def _batch(args: argparse.Namespace, options: ClientOptions) -> int:
     try:
         summary = run_batch(job, options, progress_stream=sys.stderr, progress_every_s=args.progress_every_s)
     except BatchError as err:
-        if err.summary is not None:
+        if err.summary is not None and err.summary.items:  # a job that found no items: the error alone
             print(err.summary.line(), flush=True)
         print(f"error: {err}", file=sys.stderr)
         return EXIT_FAILED

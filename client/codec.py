@@ -85,6 +85,88 @@ def _as_mask(array: Any, expected: tuple[int, int, int]) -> np.ndarray:
     return np.ascontiguousarray(keep, dtype=np.bool_)
 
 
+# float32's largest finite value: a larger one would become inf and every output NaN.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_values(arrays: Mapping[str, Any], first_item: int = 0) -> int:
+    """Refuse what the conversion to float32 / bool would change silently; returns how many values it rounds.
+
+    query, key and value must be real-valued and finite within float32's range (NaN, inf and
+    1e39 are refused); a mask must be bool or integers 0/1 (7 and -3 are refused). A refusal is a
+    ValueError naming the array, the item (the index along the first axis plus `first_item`) and
+    the value. The count is of values float32 rounds (float64's extra digits, integers past 2**24):
+    the caller says it once, as a warning.
+    """
+    rounded = 0
+    for name, array in arrays.items():
+        if array is None:
+            continue
+        array = np.asarray(array)
+        if name == "mask":
+            _check_mask_values(array, first_item)
+        else:
+            rounded += _check_float32_values(name, array, first_item)
+    return rounded
+
+
+def _where(name: str, array: np.ndarray, bad: np.ndarray, first_item: int) -> tuple[str, Any]:
+    """'query of item 7, at [7, 0, 3],' and the value there, for the first True of `bad`."""
+    index = np.unravel_index(int(np.argmax(bad)), bad.shape)
+    value = array[index].item()
+    at = [int(i) for i in index]
+    if array.ndim < 3:  # one (lq, lk) mask for every item
+        return f"{name}, at {at},", value
+    at[0] += first_item
+    return f"{name} of item {at[0]}, at {at},", value
+
+
+def _check_float32_values(name: str, array: np.ndarray, first_item: int) -> int:
+    if array.dtype.kind not in "fiu":
+        raise ValueError(f"{name}: expected a real-valued array (converted to float32), got dtype {array.dtype}")
+    if array.dtype == _FLOAT32 or array.dtype.itemsize <= 2:  # float16 and small integers are exact in float32
+        if array.dtype.kind == "f":
+            bad = ~np.isfinite(array)
+            if bad.any():
+                where, value = _where(name, array, bad, first_item)
+                raise ValueError(f"{where} is {value}; expected finite numbers")
+        return 0
+    with np.errstate(over="ignore", invalid="ignore"):
+        converted = array.astype(_FLOAT32)
+    if array.dtype.kind == "f":
+        bad = ~np.isfinite(converted)
+        if bad.any():
+            where, value = _where(name, array, bad, first_item)
+            if not np.isfinite(value):
+                raise ValueError(f"{where} is {value}; expected finite numbers")
+            raise ValueError(f"{where} is {value!r}, beyond float32's range (±{_FLOAT32_MAX:.4g}); "
+                             "scale the input into it")
+        return int(np.count_nonzero(converted != array))  # compared in the wider type: exact
+    return _rounded_integers(array, converted)
+
+
+def _rounded_integers(array: np.ndarray, converted: np.ndarray) -> int:
+    """How many integers float32 changes: those with a set bit below their top 24 (float32's mantissa)."""
+    magnitude = np.abs(array).astype(np.uint64)  # abs(int64 min) wraps to itself: 2**63 as uint64
+    _, exponent = np.frexp(converted.astype(np.float64))  # the bit length, off by one only where rounded up
+    shift = np.maximum(exponent - 24, 0).astype(np.uint64)
+    low = magnitude & ((np.uint64(1) << shift) - np.uint64(1))
+    return int(np.count_nonzero(low))
+
+
+def _check_mask_values(array: np.ndarray, first_item: int) -> None:
+    if array.dtype.kind == "b":
+        return
+    if array.dtype.kind not in "iu":
+        raise ValueError(
+            f"mask: expected bool (True = attend, False = masked) or integer 0/1, got dtype {array.dtype}; "
+            "additive float masks are not supported")
+    bad = (array != 0) & (array != 1)
+    if bad.any():
+        where, value = _where("mask", array, bad, first_item)
+        raise ValueError(f"{where} is {value}; expected bool (True = attend) or integer 0/1")
+
+
 def validate_inputs(query: Any, key: Any, value: Any, mask: Any = None) -> dict[str, np.ndarray]:
     """The request's inputs as float32 / bool C-contiguous arrays, or a ValueError naming the problem.
 

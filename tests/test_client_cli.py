@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -187,3 +189,74 @@ def test_server_refusal_exits_1_with_code_and_details(server, tmp_path, capsys):
                  str(tmp_path / "x.npz")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: INVALID_ARGUMENT:") and "512" in err
+
+
+@pytest.mark.parametrize(("spoil", "message"), [
+    (lambda a: a["query"].__setitem__((1, 2, 3), 1e39), "query of item 1, at [1, 2, 3], is 1e+39, beyond float32's"),
+    (lambda a: a["key"].__setitem__((0, 0, 0), np.nan), "key of item 0, at [0, 0, 0], is nan; expected finite"),
+    (lambda a: a.__setitem__("mask", np.where(a["mask"], 7, 0)), "mask of item 0, at [0, 0, 0], is 7; expected bool"),
+], ids=["overflow", "nan", "mask-7"])
+def test_infer_refuses_values_float32_or_the_mask_cannot_hold_before_sending(server, tmp_path, capsys, spoil,
+                                                                              message):
+    q, k, v, mask = _inputs(32)
+    arrays = {"query": q.astype(np.float64), "key": k, "value": v, "mask": mask}
+    arrays["mask"][0, 0, 0] = True
+    spoil(arrays)
+    np.savez(tmp_path / "x.npz", **arrays)
+    with InferenceClient(server.address) as c:
+        before = c.model_statistics("cross_attention")[0].inference_count
+    assert main(["infer", "--url", server.address, "--model", "cross_attention", "--input",
+                 str(tmp_path / "x.npz"), "--output", str(tmp_path / "out.npz")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {message}")
+    assert not (tmp_path / "out.npz").exists()
+    with InferenceClient(server.address) as c:
+        assert c.model_statistics("cross_attention")[0].inference_count == before
+
+
+def test_infer_says_once_how_many_values_float32_rounded(server, tmp_path, capsys, caplog):
+    q, k, v, _ = _inputs(32)
+    q64 = q.astype(np.float64) + 1e-12  # every value gains digits float32 drops
+    np.savez(tmp_path / "x.npz", query=q64, key=k, value=v)
+    assert main(["infer", "--url", server.address, "--model", "cross_attention", "--input",
+                 str(tmp_path / "x.npz"), "--output", str(tmp_path / "out.npz")]) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and f"{q.size} input values were rounded to float32" in warnings[0]
+
+
+@pytest.mark.parametrize("case", ["proc", "directory", "fifo-output", "plot-directory", "fifo-input", "fifo-token"])
+def test_infer_paths_are_checked_before_anything_is_sent(server, tmp_path, capsys, case):
+    q, k, v, _ = _inputs(32)
+    np.savez(tmp_path / "x.npz", query=q, key=k, value=v)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opening it to read would block forever
+    (tmp_path / "d").mkdir()
+    extra, message = {
+        "proc": (["--output", "/proc/out.npz"], "cannot write --output /proc/out.npz: "),
+        "directory": (["--output", str(tmp_path / "d")], f"cannot write --output {tmp_path / 'd'}: it is a directory"),
+        "fifo-output": (["--output", str(fifo)], f"cannot write --output {fifo}: it is a FIFO"),
+        "plot-directory": (["--plot", str(tmp_path / "d")], f"cannot write --plot {tmp_path / 'd'}: it is a directory"),
+        "fifo-input": (["--query", str(fifo), "--key", str(fifo), "--value", str(fifo)],
+                       f"cannot read --query {fifo}: it is a FIFO, not a regular file"),
+        "fifo-token": (["--token-file", str(fifo)], f"cannot read --token-file {fifo}: it is a FIFO"),
+    }[case]
+    inputs = [] if case == "fifo-input" else ["--input", str(tmp_path / "x.npz")]
+    with InferenceClient(server.address) as c:
+        before = c.model_statistics("cross_attention")[0].inference_count
+    assert main(["infer", "--url", server.address, "--model", "cross_attention", *inputs, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "fifo", "x.npz"]
+    with InferenceClient(server.address) as c:
+        assert c.model_statistics("cross_attention")[0].inference_count == before
+
+
+def test_infer_output_is_written_at_the_path_given(server, tmp_path, capsys):
+    q, k, v, _ = _inputs(32)
+    np.savez(tmp_path / "x.npz", query=q, key=k, value=v)
+    out = tmp_path / "out.data"  # np.savez would have written out.data.npz
+    assert main(["infer", "--url", server.address, "--model", "cross_attention", "--input",
+                 str(tmp_path / "x.npz"), "--output", str(out)]) == 0
+    assert f"to {out}" in capsys.readouterr().out
+    with np.load(out) as npz:
+        assert npz["output"].shape == (2, 5, 32)
+    assert not Path(f"{out}.npz").exists()

@@ -360,3 +360,15 @@ def test_plan_chunks_cover_exactly_what_is_left(sizes, batch_size, old_batch_siz
     for c in chunks:
         shard = shards[c.shard_index]
         assert 1 <= c.count <= batch_size and shard.offset <= c.start and c.stop <= shard.offset + shard.count
+
+
+def test_check_values_counts_exactly_what_float32_rounds_and_refuses_what_it_cannot_hold():
+    ints = np.array([[[2**24 + 1, 2**24, 2**60, 2**60 + 1, -(2**63), 2**63 - 1, 3]]], dtype=np.int64)
+    assert codec.check_values({"query": ints}) == 3  # 2**24+1, 2**60+1 and 2**63-1 change
+    assert codec.check_values({"query": np.array([[[2**64 - 1, 2**63, 2**25 + 2]]], dtype=np.uint64)}) == 2
+    assert codec.check_values({"query": np.full((1, 1, 2), 0.5), "key": np.full((1, 1, 2), 0.1)}) == 2
+    assert codec.check_values({"query": np.ones((1, 1, 2), np.float32), "mask": np.ones((1, 1, 1), np.uint8)}) == 0
+    with pytest.raises(ValueError, match=r"^value of item 5, at \[5, 0, 1\], is 1e\+39, beyond float32's range"):
+        codec.check_values({"value": np.array([[[0.0, 1e39]]])}, first_item=5)
+    with pytest.raises(ValueError, match=r"^mask, at \[0, 1\], is -3; expected bool"):
+        codec.check_values({"mask": np.array([[1, -3]])})

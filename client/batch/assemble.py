@@ -16,6 +16,7 @@ from attnserve.client.batch import tables
 from attnserve.client.batch.shards import Shard
 from attnserve.client.batch.spec import BatchError, BatchJob
 from attnserve.client.batch.workdir import WorkDir
+from attnserve.client.paths import check_input_file, check_output_file
 
 _FLOAT32 = np.dtype("<f4")
 
@@ -91,6 +92,12 @@ def merge_outputs(parts: list[Path], output: Path) -> int:
     if any(tables.is_table(p) != tables.is_table(output) for p in parts):
         raise BatchError(f"merge parts and output must all be .npz or all .parquet, got {[str(p) for p in parts]} "
                          f"and {output}")
+    try:  # every path before anything is read: a FIFO part would block, a bad output fail at the end
+        for part in parts:
+            check_input_file(part, "merge part")
+        check_output_file(output, "output")
+    except ValueError as err:
+        raise BatchError(str(err)) from None
     if tables.is_table(output):
         pieces = [tables.read_parquet(p) for p in parts]
         names = list(pieces[0])

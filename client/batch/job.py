@@ -19,10 +19,11 @@ from attnserve.client.batch.plan import Chunk, check_parts, plan_chunks
 from attnserve.client.batch.preflight import preflight
 from attnserve.client.batch.progress import DEFAULT_EVERY_S, Progress
 from attnserve.client.batch.runner import Runner
-from attnserve.client.batch.shards import ItemShape, Shard, discover_shards, take_share, total_items
-from attnserve.client.batch.spec import BatchError, BatchJob, BatchSummary
+from attnserve.client.batch.shards import ItemShape, Shard, discover_shards, is_shard_name, take_share, total_items
+from attnserve.client.batch.spec import BatchError, BatchJob, BatchSummary, InputRefused
 from attnserve.client.batch.workdir import WorkDir
 from attnserve.client.options import ClientOptions
+from attnserve.client.paths import check_output_file
 from attnserve.client.tracecontext import JobTrace
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ def _run(job: BatchJob, options: ClientOptions, progress_to: tuple[IO[str] | Non
     output = job.output_path.resolve()
     if any(s.path.resolve() == output for s in shards):
         raise BatchError(f"output {job.output_path} is one of the input shards; write it elsewhere")
+    _check_output_paths(job)
     identity = fingerprint(job, shards)
     first_item = 0  # the global number of this job's first item
     if job.shard is not None:
@@ -80,13 +82,33 @@ def _run(job: BatchJob, options: ClientOptions, progress_to: tuple[IO[str] | Non
             manifest = Manifest.start(identity, total, job.batch_size)
             workdir.write_manifest(manifest)
         logger.info("batch job: %d items, %d already done, %d chunks to compute", total, summary.resumed, len(chunks))
-        _compute(job, options, shards, workdir, manifest, chunks, progress_to, summary)
+        try:
+            _compute(job, options, shards, workdir, manifest, chunks, progress_to, summary)
+        except InputRefused as err:
+            raise _refused(err, workdir, new_workdir) from None
         assemble_started = time.monotonic()
         assemble(job, workdir, total, identity.key, shards, first_item)
         workdir.remove()
         logger.info("assembled %s in %.2f s", job.output_path, time.monotonic() - assemble_started)
     finally:
         workdir.unlock()
+
+
+def _check_output_paths(job: BatchJob) -> None:
+    """Before anything is read or sent: the output and its work directory can be written, and the
+    output will not become a shard of this job's input directory when the job is rerun."""
+    try:
+        check_output_file(job.output_path, "output")
+    except ValueError as err:
+        raise BatchError(str(err)) from None
+    parts = job.parts_dir
+    if parts.exists() and not parts.is_dir():
+        raise BatchError(f"{parts} (the job's work directory beside the output) is not a directory; "
+                         "move it or choose another --output")
+    if (job.input_path.is_dir() and is_shard_name(job.output_path)
+            and job.output_path.parent.resolve() == job.input_path.resolve()):
+        raise BatchError(f"output {job.output_path} is inside the input directory {job.input_path}, where "
+                         "a rerun would read it as a shard; write it elsewhere")
 
 
 def _resume_point(workdir: WorkDir, identity: Fingerprint) -> tuple[Manifest | None, list[tuple[int, int]]]:
@@ -103,6 +125,16 @@ def _resume_point(workdir: WorkDir, identity: Fingerprint) -> tuple[Manifest | N
             f"arguments, or delete {workdir.path} (or choose another --output) to start this one"
         )
     return manifest, done
+
+
+def _refused(err: InputRefused, workdir: WorkDir, new_workdir: bool) -> InputRefused:
+    """The refusal, once the work directory of a new job that finished nothing is gone: a bad
+    input leaves no trace, or the refusal says where this input's finished parts are."""
+    if new_workdir and not workdir.parts():
+        workdir.remove()
+        return err
+    return InputRefused(f"{err}; this input's finished parts are kept in {workdir.path}: once the input "
+                        "is fixed it is another job, so delete that directory and rerun")
 
 
 def _preflight(job: BatchJob, options: ClientOptions, item: ItemShape, workdir: WorkDir, new_workdir: bool,
@@ -130,5 +162,8 @@ def _compute(job: BatchJob, options: ClientOptions, shards: list[Shard], workdir
         progress.close()
         summary.compute_seconds = progress.seconds
     logger.info("computed %d items in %.2f s", summary.computed, time.monotonic() - started)
+    if summary.rounded:  # documented (docs/client.md), but numbers changed: say so once
+        logger.warning("%d input values were rounded to float32 (float64's extra digits, or integers past "
+                       "2**24); store the input as float32 to send it unchanged", summary.rounded)
     if failure is not None:
         raise failure.to_error(workdir.path) from None

@@ -24,7 +24,7 @@ from attnserve.client.batch.plan import Chunk
 from attnserve.client.batch.progress import Progress
 from attnserve.client.batch.reader import ShardReader
 from attnserve.client.batch.shards import Shard
-from attnserve.client.batch.spec import BatchError, BatchJob, BatchSummary
+from attnserve.client.batch.spec import BatchError, BatchJob, BatchSummary, InputRefused
 from attnserve.client.batch.workdir import WorkDir
 from attnserve.client.errors import InferenceError
 from attnserve.client.options import ClientOptions
@@ -49,6 +49,8 @@ class ChunkFailure:
 
     def to_error(self, workdir: Path) -> BatchError:
         where = f"items {self.chunk.start}..{self.chunk.stop - 1}"
+        if isinstance(self.error, InputRefused):  # read, refused, never sent
+            return InputRefused(f"{self.error}; no request was sent for {where}")
         return BatchError(f"request for {where} failed: {self.error}{_hint(self.error)}; finished parts are "
                           f"kept in {workdir}: rerun the same command to resume")
 
@@ -88,13 +90,16 @@ class Runner:
     async def compute(self, chunks: list[Chunk]) -> ChunkFailure | None:
         """Run every chunk, or stop launching at the first failure and return it."""
         reader = ShardReader(self._shards, chunks)
-        async with AsyncInferenceClient(self._options) as client:
-            try:
-                await self._release_leftovers(client)
-                await self._open_slots(client)
-                return await self._compute(client, reader, chunks)
-            finally:
-                await self._close_slots(client)
+        try:
+            async with AsyncInferenceClient(self._options) as client:
+                try:
+                    await self._release_leftovers(client)
+                    await self._open_slots(client)
+                    return await self._compute(client, reader, chunks)
+                finally:
+                    await self._close_slots(client)
+        finally:
+            self._summary.rounded = reader.rounded
 
     async def _release_leftovers(self, client: AsyncInferenceClient) -> None:
         """A run of this job killed before it closed its slots left their regions registered and

@@ -14,6 +14,7 @@ from pathlib import Path
 from attnserve.client import npzio
 from attnserve.client.batch import tables
 from attnserve.client.batch.spec import BatchError
+from attnserve.client.paths import check_input_file
 
 SUFFIXES = (".npz", tables.SUFFIX)
 
@@ -41,16 +42,24 @@ class ItemShape:
     kv_dim: int
 
 
+def is_shard_name(path: Path) -> bool:
+    """A name an input directory's listing takes as a shard (hidden names are temporaries)."""
+    return path.suffix in SUFFIXES and not path.name.startswith(".")
+
+
 def _shard_paths(input_path: Path) -> list[Path]:
     if input_path.is_dir():
-        paths = sorted(p for p in input_path.iterdir()
-                       if p.suffix in SUFFIXES and p.is_file() and not p.name.startswith("."))
+        paths = sorted(p for p in input_path.iterdir() if is_shard_name(p))
         if not paths:
             raise BatchError(f"input directory {input_path} holds no .npz or .parquet shards")
-        return paths
-    if not input_path.is_file():
-        raise BatchError(f"input {input_path} does not exist")
-    return [input_path]
+    else:
+        paths = [input_path]
+    for path in paths:  # a shard skipped would drop its items silently; a FIFO would block the read
+        try:
+            check_input_file(path, "input")
+        except ValueError as err:
+            raise BatchError(str(err)) from None
+    return paths
 
 
 def _describe_table(path: Path) -> tuple[int, ItemShape, bool]:

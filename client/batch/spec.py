@@ -29,6 +29,7 @@ class BatchSummary:
     errors: int = 0
     trace_id: str = ""  # the W3C trace its calls were sent in (client.tracecontext); "": none sent
     shared_memory: bool = False  # tensors went through system shared memory (--shared-memory auto)
+    rounded: int = 0  # input values float32 rounds (float64's extra digits, integers past 2**24)
 
     @property
     def items_per_s(self) -> float:
@@ -49,6 +50,11 @@ class BatchError(Exception):
     """The job cannot go on; the message says why and what to do. Finished parts stay."""
 
     summary: BatchSummary | None = None  # set by run_batch: how far the job got
+
+
+class InputRefused(BatchError):
+    """An input item the job will not send (a value float32 cannot hold, a mask outside {0, 1}):
+    the message names the file, the array and the item."""
 
 
 @dataclass(frozen=True)

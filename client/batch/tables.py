@@ -80,6 +80,12 @@ def read_parquet(path: Path, columns: tuple[str, ...] | None = None) -> dict[str
     """The named columns (default: every column) of a Parquet file, as numpy arrays."""
     pa = pyarrow()
     table = pa.parquet.read_table(path, columns=list(columns) if columns else None)
+    for name in table.column_names:
+        column = table.column(name)
+        if column.null_count:  # numpy would make it an object array, or fail on a ragged one
+            first = column.is_null().to_numpy(zero_copy_only=False).argmax()
+            raise ValueError(f"column {name!r} has {column.null_count} null rows, the first row {first}; "
+                             "every item needs a value in every column")
     return {name: column_to_numpy(table.column(name)) for name in table.column_names}
 
 
