@@ -46,6 +46,7 @@ from attnserve.client.options import (
 )
 
 from attnserve.contract import OUTPUT_NAMES
+from attnserve.files import MAX_TOKEN_BYTES, FileRefused, read_bounded
 
 logger = logging.getLogger("attnserve.client")
 
@@ -178,8 +179,10 @@ def _parser(prog: str = "attnserve") -> argparse.ArgumentParser:
 def _client_options(args: argparse.Namespace) -> ClientOptions:
     token = None
     if args.token_file is not None:
-        try:
-            token = args.token_file.read_text(encoding="utf-8").strip()
+        try:  # a FIFO or /dev/zero is refused, never waited on or read without end
+            token = read_bounded(args.token_file, MAX_TOKEN_BYTES).decode("utf-8").strip()
+        except (FileRefused, UnicodeDecodeError) as err:
+            raise UsageError(f"cannot read --token-file {args.token_file}: {err}") from None
         except OSError as err:
             raise UsageError(f"cannot read --token-file {args.token_file}: {err.strerror}") from None
     tls = None
