@@ -10,12 +10,25 @@ file is removed and `path` is left as it was. A leaf: the standard library only.
 
 Only a kill (kill -9, a power cut) can leave a temporary behind: `.<name>.<random>.tmp`, beside
 `path`. `remove_temporaries(directory)` clears them from a directory its caller owns.
+
+And one bounded-read routine for every file the server and the tools read (config.json, TLS
+files, tokens, manifests):
+
+    data = read_bounded(path, max_bytes)   # FileRefused: not a regular file, or larger than max_bytes
+    config = read_json(path)               # the same, then a JSON object nested at most MAX_JSON_DEPTH deep
+    check_regular(path)                    # before a library (ONNX Runtime, OpenSSL) opens it by name
+
+A FIFO, a device (/dev/zero) or a directory is refused without blocking: the file is opened with
+O_NONBLOCK (an open of a FIFO waits for a writer otherwise) and checked with fstat before any
+read, and at most max_bytes + 1 bytes are read. Symlinks to regular files are followed
+(Kubernetes mounts ConfigMaps and Secrets as symlinks).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +39,17 @@ DEFAULT_MODE = 0o644
 # Temporaries are `.<name>.<random>.tmp`: hidden, and never matched by a caller's own names.
 _TMP_PREFIX = "."
 _TMP_SUFFIX = ".tmp"
+# read_json's bounds: config.json and manifests are a few KiB; a deeper or larger one is an attack or a mistake.
+MAX_JSON_BYTES = 1 << 20
+MAX_JSON_DEPTH = 64
+# The server's and the client's TLS files (a certificate chain, a key, a CA bundle) and token files.
+MAX_PEM_BYTES = 1 << 20
+MAX_TOKEN_BYTES = 64 << 10
+
+
+class FileRefused(ValueError):
+    """A file that is not read: not a regular file, too large, or (read_json) nested too deep.
+    The message says why and leaves the path to the caller, which names the file (or its flag)."""
 
 
 def fsync_dir(directory: Path) -> None:
@@ -84,10 +108,70 @@ def write_json_atomic(path: Path, data: Any) -> Path:
     return write_atomic(path, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from `path`; ValueError if the file holds anything else."""
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def check_regular(path: Path) -> os.stat_result:
+    """The file's stat (symlinks followed) if it is a regular file, else FileRefused; opens nothing."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise FileRefused(f"not a regular file ({_kind(st.st_mode)})")
+    return st
+
+
+def read_bounded(path: Path, max_bytes: int) -> bytes:
+    """The bytes of `path`, a regular file of at most max_bytes; FileRefused otherwise (OSError
+    when it cannot be opened). Never blocks on a FIFO, never reads more than max_bytes + 1."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)  # the file opened, not what the name points to by now
+        if not stat.S_ISREG(st.st_mode):
+            raise FileRefused(f"not a regular file ({_kind(st.st_mode)})")
+        if st.st_size > max_bytes:
+            raise FileRefused(f"larger than {max_bytes} bytes ({st.st_size} bytes)")
+        chunks, got = [], 0
+        while got <= max_bytes:  # the size may have grown since fstat: read one byte past the bound at most
+            chunk = os.read(fd, max_bytes + 1 - got)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        if got > max_bytes:
+            raise FileRefused(f"larger than {max_bytes} bytes (it grew while read)")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """A JSON object from `path` (read_bounded); ValueError if the file holds anything else,
+    FileRefused (a ValueError) if it is nested deeper than max_depth."""
+    data = read_bounded(path, max_bytes)
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except RecursionError:  # the parser's own recursion: deeper than any bound we accept
+        raise FileRefused(f"JSON nested deeper than {max_depth} levels") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    if json_depth(value) > max_depth:
+        raise FileRefused(f"JSON nested deeper than {max_depth} levels")
+    return value
+
+
+def json_depth(value: Any) -> int:
+    """How deep a parsed JSON value nests (a scalar: 0, {} or []: 1), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        elif not isinstance(item, list):
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in item if isinstance(child, (dict, list)))
+    return deepest

@@ -47,7 +47,7 @@ from attnserve.client.options import (
 from attnserve.client.paths import check_input_file, check_output_file
 
 from attnserve.contract import OUTPUT_NAMES
-from attnserve.files import write_atomic
+from attnserve.files import MAX_TOKEN_BYTES, FileRefused, read_bounded, write_atomic
 
 logger = logging.getLogger("attnserve.client")
 
@@ -187,8 +187,10 @@ def _client_options(args: argparse.Namespace) -> ClientOptions:
             _check_input(path, flag)
     token = None
     if args.token_file is not None:
-        try:
-            token = args.token_file.read_text(encoding="utf-8").strip()
+        try:  # a FIFO or /dev/zero is refused, never waited on or read without end
+            token = read_bounded(args.token_file, MAX_TOKEN_BYTES).decode("utf-8").strip()
+        except (FileRefused, UnicodeDecodeError) as err:
+            raise UsageError(f"cannot read --token-file {args.token_file}: {err}") from None
         except OSError as err:
             raise UsageError(f"cannot read --token-file {args.token_file}: {err.strerror}") from None
     tls = None

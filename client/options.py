@@ -28,6 +28,8 @@ from typing import Any
 import grpc
 from attnserve.client.errors import InferenceError
 
+from attnserve.files import MAX_PEM_BYTES, FileRefused, read_bounded
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_URL = "localhost:8001"
@@ -100,8 +102,10 @@ class TlsConfig:
         def read(path: str | Path | None) -> bytes | None:
             if path is None:
                 return None
-            try:
-                return Path(path).read_bytes()
+            try:  # a FIFO or /dev/zero is refused, never waited on or read without end
+                return read_bounded(Path(path), MAX_PEM_BYTES)
+            except FileRefused as err:
+                raise ValueError(f"cannot read TLS file {path}: {err}") from None
             except OSError as err:
                 raise ValueError(f"cannot read TLS file {path}: {err.strerror}") from None
 

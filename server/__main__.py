@@ -33,6 +33,7 @@ async def serve(config: ServerConfig, run_batch: RunBatchFactory | None = None,
     """Serve until a stop signal, then drain; the exit status. run_batch, warm_up_hold: see app.Server."""
     from attnserve.server.app import Server
     from attnserve.server.engine import DeviceUnavailable
+    from attnserve.server.quoting import escaped
     from attnserve.server.repository import ModelLoadError
     from attnserve.server.workers import WorkerContext
 
@@ -50,7 +51,7 @@ async def serve(config: ServerConfig, run_batch: RunBatchFactory | None = None,
     try:
         await server.start()
     except (DeviceUnavailable, ModelLoadError, RuntimeError, OSError) as err:
-        logger.error("cannot start: %s", err)
+        logger.error("cannot start: %s", escaped(err))
         return EXIT_CANNOT_START
     first = await signals.get()
     logger.info("%s received: draining (drain delay %.1fs, grace period %.1fs; a second signal stops at once)",

@@ -39,6 +39,7 @@ from typing import Protocol
 from attnserve.server import priority, scheduling
 from attnserve.server.memory.budget import MemoryBudget, Reservation
 from attnserve.server.memory.costs import Cost
+from attnserve.server.quoting import escaped, logged
 from attnserve.server.tensors import Result, RunBatch, RunStop, RunStopped, Work, batch_masking, compute_batch
 
 logger = logging.getLogger(__name__)
@@ -575,12 +576,13 @@ class Batcher:
         except Exception as err:
             if run.stop is not None and run.stop.stopped:  # every request was cancelled: nobody to tell
                 if not isinstance(err, RunStopped):
-                    logger.debug("model %s: a stopped run raised %s: %s", self.name, type(err).__name__, err)
+                    logger.debug("model %s: a stopped run raised %s: %s", logged(self.name), type(err).__name__,
+                                 escaped(err))
                 failed, terminated = False, True
                 for p in batch:
                     p.drop()
                 return
-            logger.exception("model %s: batch of %d requests failed", self.name, len(batch))
+            logger.exception("model %s: batch of %d requests failed", logged(self.name), len(batch))
             for p in batch:
                 if not p.future.done():
                     failure = BatchFailed(

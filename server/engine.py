@@ -16,7 +16,8 @@ import onnxruntime as ort
 from attnserve.server.cuda_probe import why_cuda_cannot_run
 from attnserve.server.graphs import BYTES_PER_SCORE, GraphSet, masking_of
 from attnserve.server.memory import heap
-from attnserve.server.repository import ModelSpec
+from attnserve.server.quoting import escaped, logged
+from attnserve.server.repository import ModelSpec, check_version_files
 from attnserve.server.tensors import INTO_ALIGNMENT, RunStop, RunStopped, dense_mask
 
 from attnserve.contract import (
@@ -131,6 +132,7 @@ class Engine:
         if chunk_rows < 0:
             raise ValueError(f"chunk_rows must be >= 0, got {chunk_rows}")
         self.spec = spec
+        check_version_files(spec.version_dir)  # before ONNX Runtime opens anything by name (a FIFO would hang it)
         options = session_options(intra_op_threads)
         self._sessions = {ALL_OUTPUTS: self._open(str(spec.graph_all_outputs), options, device)}
         # The probability-free graph is an optimisation: serve without it if it is missing.
@@ -138,7 +140,7 @@ class Engine:
             self._sessions[OUTPUT_ONLY] = self._open(str(spec.graph_output_only), options, device)
         else:
             logger.warning("%s: %s missing; requests for `output` alone will compute attn_probs too",
-                           spec.name, spec.graph_output_only.name)
+                           logged(spec.name), logged(spec.graph_output_only.name))
         # Why a run cannot take a fused graph, by kind (None once it is loaded).
         self.why_not_fused: dict[str, str] = {}
         for kind in FUSED_KINDS:
@@ -166,13 +168,14 @@ class Engine:
         if self.why_no_head_masks is not None:
             for kind in HEAD_MASK_KINDS:
                 self._sessions.pop(kind, None)
-            logger.warning("%s: masks whose heads differ, (B, H, Lq, Lk), are refused: %s", spec.name,
-                           self.why_no_head_masks)
+            logger.warning("%s: masks whose heads differ, (B, H, Lq, Lk), are refused: %s", logged(spec.name),
+                           escaped(self.why_no_head_masks))
         self.graphs = GraphSet(frozenset(self._sessions), dict(spec.crossover))
         if self.why_not_fused:
             logger.warning("%s: runs without a mask or with a key padding mask take the unfused graph, whose "
                            "attention matrix grows with Lq*Lk, where the fused one is missing: %s",
-                           spec.name, "; ".join(f"{k}: {why}" for k, why in self.why_not_fused.items()))
+                           logged(spec.name),
+                           escaped("; ".join(f"{k}: {why}" for k, why in self.why_not_fused.items())))
         self.runs: collections.Counter[str] = collections.Counter()  # graph kind -> runs
         self.providers = tuple(self._sessions[ALL_OUTPUTS].get_providers())
         on_cuda = self.providers[0] == CUDA
@@ -222,7 +225,7 @@ class Engine:
         if why is not None:
             self._row_sessions.clear()
             logger.warning("%s: long fused runs are not split into row chunks (a cancel stops them only after "
-                           "their attention node): %s", self.spec.name, why)
+                           "their attention node): %s", logged(self.spec.name), escaped(why))
         return why
 
     def _row_graph_mismatch(self, kind: str, file: str) -> str | None:

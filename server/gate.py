@@ -38,6 +38,7 @@ from attnserve.server.errors import MalformedMessage, ShuttingDown, Unauthentica
 from attnserve.server.handover import CoreCalls
 from attnserve.server.lifecycle import Admission, Draining
 from attnserve.server.parsing import bounded_infer_request, tolerant_handler
+from attnserve.server.quoting import logged
 from attnserve.server.security import REFUSAL, BearerToken, call_peer
 from attnserve.server.tracing import Calls
 from grpc_health.v1 import health_pb2
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 def log_arrival(method: str) -> None:
     """A call's arrival line with --access-log (its headers read): the gate's, and the native
     plane's calls' (server.native_records), on one logger."""
-    logger.info("rpc %s", method)
+    logger.info("rpc %s", logged(method))
 
 
 def _refusal(error: Exception, on_call: Callable[[str], None] | None = None, relayed: bool = False

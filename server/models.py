@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from attnserve.server.memory import heap
 from attnserve.server.memory.budget import MemoryBudget
 from attnserve.server.memory.costs import AttentionDims, Cost, request_cost, run_working_set
 from attnserve.server.metrics import Metrics
-from attnserve.server.quoting import quoted
+from attnserve.server.quoting import escaped, logged, quoted
 from attnserve.server.repository import (
     ModelLoadError,
     ModelSpec,
@@ -55,6 +56,7 @@ from attnserve.server.warmup import warm_request_path, warm_up, warm_up_plan
 from attnserve.contract import (
     ALL_OUTPUTS,
     BATCH,
+    CONFIG_FILE,
     FUSED_KINDS,
     HEAD_MASK,
     HEAD_MASK_KINDS,
@@ -224,7 +226,7 @@ class ModelRegistry:
                 specs = registry._read(name)
             except ModelLoadError as err:
                 registry._models[name] = _Model(reason=str(err), seen=seen)
-                logger.error("model %s is not ready: %s", name, err)
+                logger.error("model %s is not ready: %s", logged(name), escaped(err))
                 continue
             built, failures = {}, {}
             for spec in specs:
@@ -238,7 +240,7 @@ class ModelRegistry:
             registry._models[name].warming = any(registry._warms(lv) for lv in registry._models[name].versions.values())
         for name in config.pinned_versions:
             if name not in registry._models:
-                logger.warning("pinned model %s is not in the repository %s", name, registry.root)
+                logger.warning("pinned model %s is not in the repository %s", logged(name), logged(registry.root))
         return registry
 
     # -- lookups -----------------------------------------------------------------------------
@@ -379,14 +381,13 @@ class ModelRegistry:
             if name not in self._repository_names():
                 raise ModelNotFound(f"no model {quoted(name)} in the repository {self.root}")
             old = self._models.get(name) or _Model()
-            seen = repository_signature(self.root / name)
-            try:
-                specs = self._read(name)
-            except ModelLoadError as err:
-                self._models[name] = _Model(old.versions, reason=str(err), seen=seen,
+            seen, specs = await self._read_off_loop(name)
+            if isinstance(specs, ModelLoadError):
+                why = str(specs)
+                self._models[name] = _Model(old.versions, reason=why, seen=seen,
                                             unloaded_versions=() if old.versions else old.unloaded_versions)
-                logger.error("model %s: load failed, %s: %s", name, self._serving_note(old), err)
-                raise ModelLoadFailed(f"load of model {name} failed ({self._serving_note(old)}): {err}") from None
+                logger.error("model %s: load failed, %s: %s", logged(name), self._serving_note(old), escaped(why))
+                raise ModelLoadFailed(f"load of model {name} failed ({self._serving_note(old)}): {why}") from None
             keep = {v: lv for v, lv in old.versions.items()
                     if v in {s.version for s in specs} and same_model(lv.spec, specs[0])
                     and lv.fingerprint == version_fingerprint(lv.spec)}
@@ -396,7 +397,7 @@ class ModelRegistry:
                 if spec.version in keep:
                     continue
                 try:
-                    built[spec.version] = await asyncio.to_thread(self._open, spec)
+                    built[spec.version] = await _off_loop(self._open, spec)
                 except Exception as err:
                     failures[spec.version] = _reason(err)
             warms = not failures and self.config.warmup != "none"
@@ -406,7 +407,7 @@ class ModelRegistry:
                 try:
                     for version, opened in sorted(built.items()):
                         if opened.warm_up is not None:
-                            await asyncio.to_thread(self._warm, name, version, opened.warm_up)
+                            await _off_loop(self._warm, name, version, opened.warm_up)
                 except Exception as err:  # a run of a graph that check_servable's tiny run passed
                     failures[min(built)] = f"warm-up failed: {_reason(err)}"
                     del self._warming_loads[name]
@@ -414,7 +415,7 @@ class ModelRegistry:
             if failures:
                 self._models[name] = _Model(old.versions, failed_versions=failures, seen=seen)
                 why = "; ".join(f"version {v}: {r}" for v, r in sorted(failures.items()))
-                logger.error("model %s: load failed, %s: %s", name, self._serving_note(old), why)
+                logger.error("model %s: load failed, %s: %s", logged(name), self._serving_note(old), escaped(why))
                 raise ModelLoadFailed(f"load of model {name} failed ({self._serving_note(old)}): {why}")
             ready_lines: list = []  # said once the new versions serve, not while their request path warms
             new = self._install(name, specs, keep, built, {}, ready_lines)
@@ -459,7 +460,7 @@ class ModelRegistry:
             for lv in model.versions.values():
                 self._retire(lv)
             self._followed()
-            logger.info("model %s unloaded (versions %s)", name, sorted(model.versions))
+            logger.info("model %s unloaded (versions %s)", logged(name), sorted(model.versions))
         await self._tell(name)
 
     async def poll(self) -> None:
@@ -469,7 +470,7 @@ class ModelRegistry:
         try:
             on_disk = set(self._repository_names())
         except (ModelLoadError, OSError) as err:
-            logger.error("repository poll: %s", err)
+            logger.error("repository poll: %s", escaped(err))
             return
         for name in sorted(on_disk):
             model = self._models.get(name)
@@ -497,7 +498,33 @@ class ModelRegistry:
         return model_names(self.root)
 
     def _read(self, name: str) -> tuple[ModelSpec, ...]:
-        return read_model_specs(self.root / name, self.config.pinned_versions.get(name))
+        """The specs of `name` (blocking); ModelLoadError whatever went wrong: at startup one bad
+        model is not ready while the others serve, never a server that does not start."""
+        try:
+            return read_model_specs(self.root / name, self.config.pinned_versions.get(name))
+        except ModelLoadError:
+            raise
+        except Exception as err:  # a check that missed a case: still this model's fault alone
+            logger.exception("model %s: reading its config.json failed", logged(name))
+            where = self.root / name / CONFIG_FILE
+            raise ModelLoadError(f"{where}: unreadable ({type(err).__name__}: {err})") from None
+
+    async def _read_off_loop(self, name: str) -> tuple[tuple, tuple[ModelSpec, ...] | ModelLoadError]:
+        """(repository_signature, the specs or why not) of `name`, read on a thread of its own
+        within _READ_TIMEOUT_S: a file system that hangs (NFS, FUSE) keeps neither the event loop
+        nor, past the bound, the registry's lock."""
+        def read() -> tuple[tuple, tuple[ModelSpec, ...] | ModelLoadError]:
+            seen = repository_signature(self.root / name)
+            try:
+                return seen, self._read(name)
+            except ModelLoadError as err:
+                return seen, err
+
+        try:
+            return await asyncio.wait_for(_off_loop(read), _READ_TIMEOUT_S)
+        except TimeoutError:
+            return (), ModelLoadError(f"{self.root / name / CONFIG_FILE}: not read within {_READ_TIMEOUT_S:.0f}s "
+                                      "(a file system that does not answer?)")
 
     def _open(self, spec: ModelSpec) -> _Opened:
         """Blocking: the run of one version (its ONNX Runtime sessions), what it runs on, its
@@ -538,7 +565,7 @@ class ModelRegistry:
             self.warm_up_hold(name, version)
         started = time.monotonic()
         done = priority.run_lowered(self.config.compute_nice, warm)
-        logger.info("model %s version %d warmed up in %.2fs: %d run(s) (%s)", name, version,
+        logger.info("model %s version %d warmed up in %.2fs: %d run(s) (%s)", logged(name), version,
                     time.monotonic() - started, sum(done.values()),
                     ", ".join(f"{graph} {session} x{n}" for (graph, session), n in sorted(done.items())))
 
@@ -550,9 +577,9 @@ class ModelRegistry:
             done = await warm_request_path(lv.spec, lv.limits, lv.batcher, self._metrics.warm_up_sent(lv.spec.name))
         except Exception as err:
             logger.warning("model %s version %d: the request path's warm-up was refused, serving without it: %s",
-                           lv.spec.name, lv.spec.version, _reason(err))
+                           logged(lv.spec.name), lv.spec.version, escaped(_reason(err)))
             return
-        logger.info("model %s version %d: request path warmed up: %s", lv.spec.name, lv.spec.version,
+        logger.info("model %s version %d: request path warmed up: %s", logged(lv.spec.name), lv.spec.version,
                     ", ".join(f"{session} x{n}" for session, n in sorted(done.items())))
 
     async def warm_up_at_start(self) -> None:
@@ -570,7 +597,7 @@ class ModelRegistry:
                     await self._warm_request_path(lv)
             except Exception as err:  # a run of a graph that check_servable's tiny run passed
                 reason = f"warm-up failed: {_reason(err)}"
-                logger.error("model %s is not ready: %s", name, reason)
+                logger.error("model %s is not ready: %s", logged(name), escaped(reason))
                 for lv in model.versions.values():
                     self._retire(lv)
                 self._models[name] = _Model(reason=reason, seen=model.seen)
@@ -583,7 +610,7 @@ class ModelRegistry:
     def _record_ready(self, name: str, seconds: float, since: str) -> None:
         """Time-to-ready: logged, and the gauge attnserve_model_ready_seconds."""
         self._metrics.model_ready(name, seconds)
-        logger.info("model %s ready: time-to-ready %.2fs since %s (--warmup %s)", name, seconds, since,
+        logger.info("model %s ready: time-to-ready %.2fs since %s (--warmup %s)", logged(name), seconds, since,
                     self.config.warmup)
 
     def _install(self, name: str, specs: tuple[ModelSpec, ...], keep: dict[int, LoadedVersion],
@@ -626,14 +653,14 @@ class ModelRegistry:
                 batcher.start()
             versions[spec.version] = LoadedVersion(spec, batcher, limits, fingerprint, warm)
             line = ("model %s version %d ready on %s (max_batch_size=%d, max_queue_delay_ms=%.2f, graphs=%s)",
-                    name, spec.version, runs_on, policy.max_batch_size, policy.max_queue_delay_s * 1000,
+                    logged(name), spec.version, runs_on, policy.max_batch_size, policy.max_queue_delay_s * 1000,
                     _describe(graphs))
             if ready_lines is None:
                 logger.info(*line)
             else:
                 ready_lines.append(line)
         for version, reason in sorted(failures.items()):
-            logger.error("model %s is not ready: version %d: %s", name, version, reason)
+            logger.error("model %s is not ready: version %d: %s", logged(name), version, escaped(reason))
         if failures:  # at startup: a model serves its whole policy or nothing (as a reload)
             versions = {}
         return _Model(dict(sorted(versions.items())), failed_versions=failures)
@@ -653,7 +680,8 @@ class ModelRegistry:
             # without this, every reload kept its whole working set (docs/hardening-grpc-workers.md).
             await asyncio.to_thread(heap.reclaim)
             self.reclaimed += 1
-            logger.info("model %s version %d retired: its last call is done, its sessions released", name, version)
+            logger.info("model %s version %d retired: its last call is done, its sessions released", logged(name),
+                        version)
 
         task = asyncio.get_running_loop().create_task(finish(), name=f"retire-{name}-{version}")
         self._retire_tasks.add(task)
@@ -692,13 +720,61 @@ class ModelRegistry:
         if self._poll_task is not None:
             self._poll_task.cancel()
             await asyncio.gather(self._poll_task, return_exceptions=True)
-        async with self._lock:  # a load under way completes (or fails) first
+        try:  # a load under way completes (or fails) first, unless it is stuck
+            await asyncio.wait_for(self._lock.acquire(), _CLOSE_WAITS_FOR_LOAD_S)
+        except TimeoutError:
+            logger.warning("a model load or unload still under way after %.0fs: closing without it",
+                           _CLOSE_WAITS_FOR_LOAD_S)
+            locked = False
+        else:
+            locked = True
+        try:
             batchers = [lv.batcher for model in self._models.values() for lv in model.versions.values()]
             batchers += [lv.batcher for lv in list(self._retiring)]
             for batcher in batchers:
                 await batcher.close(abandon_queued)
             if self._retire_tasks:
                 await asyncio.gather(*self._retire_tasks, return_exceptions=True)
+        finally:
+            if locked:
+                self._lock.release()
+
+
+# A config.json (and its model directory's listing) read within this, or the load fails: only a
+# file system that does not answer takes longer, and the load holds the registry's lock meanwhile.
+_READ_TIMEOUT_S = 30.0
+# At shutdown, a load still running after this is left behind (its thread is a daemon): a stop
+# never waits forever behind a load stuck in a file system or in ONNX Runtime.
+_CLOSE_WAITS_FOR_LOAD_S = 10.0
+
+
+async def _off_loop(fn: Callable, *args: object) -> object:
+    """fn(*args) on a daemon thread of its own, awaited. Not asyncio.to_thread: the default
+    executor's threads are joined at exit, so one stuck in a read or in ONNX Runtime would keep
+    the process from ever exiting after SIGTERM."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: object, error: BaseException | None) -> None:
+        if future.done():  # cancelled (a time bound ran out, a stop)
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as err:  # handed to the awaiting caller
+            result, error = None, err
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed meanwhile: nobody awaits it any more
+            pass
+
+    threading.Thread(target=run, name=f"model-{getattr(fn, '__name__', 'work')}", daemon=True).start()
+    return await future
 
 
 # The warm-up's sizes: distinct, so that a graph that swaps two of them answers the wrong shape.

@@ -53,6 +53,7 @@ from attnserve.server.memory.costs import native_cost_terms
 from attnserve.server.metrics import SYNC_PERIOD_S
 from attnserve.server.models import ModelUnavailable
 from attnserve.server.native_records import NativeRecords
+from attnserve.server.quoting import logged
 from attnserve.server.request_path import ANSWERED, CLIENT, DEADLINE
 from attnserve.server.security import OPEN_METHOD_PREFIXES, REFUSAL, read_tls_files, read_token
 from attnserve.server.shm import BYTE_SIZE, OFFSET, REGION
@@ -446,7 +447,7 @@ class NativePlane:
                     plane.fail(batch, "stopped")
                     terminated = True
                 else:  # the batch's calls fail; the plane keeps serving (server.batcher's line and words)
-                    logger.exception("model %s: batch of %d requests failed", name, batch.requests)
+                    logger.exception("model %s: batch of %d requests failed", logged(name), batch.requests)
                     # ONNX Runtime's text stays in the log, as the Python plane keeps it there.
                     plane.fail(batch, f"model {name}: the batch this request was in failed "
                                       f"({type(err).__name__}; the server log has the traceback)")

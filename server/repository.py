@@ -31,7 +31,7 @@ from attnserve.contract import (
     versions,
 )
 from attnserve.contract import model_names as _model_names
-from attnserve.files import read_json
+from attnserve.files import FileRefused, check_regular, read_json
 from attnserve.ranges import BATCH_SIZE, CROSSOVER_LENGTH, LENGTH, QUEUE_DELAY_MS, VERSION, WIDTH, Range
 
 
@@ -205,6 +205,24 @@ def read_model_specs(model_dir: Path, pinned_version: int | None = None) -> tupl
         queue_policy=queue_policy,
     )
     return tuple(dataclasses.replace(first, version=v, version_dir=model_dir / str(v)) for v in chosen)
+
+
+def check_version_files(version_dir: Path) -> None:
+    """ModelLoadError unless every file in a version directory is a regular file (or a symlink to
+    one): ONNX Runtime opens the graphs, and any external data they name, by path, and an open of
+    a FIFO would wait for a writer forever (with the registry's lock held)."""
+    try:
+        entries = sorted(version_dir.iterdir())
+    except OSError as err:
+        raise ModelLoadError(f"{version_dir}: unreadable ({err.strerror or err})") from None
+    for entry in entries:
+        try:
+            if not entry.is_dir():
+                check_regular(entry)
+        except FileRefused as err:
+            raise ModelLoadError(f"{entry}: {err}; a version directory holds regular files only") from None
+        except OSError:  # a dangling symlink: the engine takes it for a missing graph, as before
+            continue
 
 
 def same_model(a: ModelSpec, b: ModelSpec) -> bool:

@@ -47,7 +47,7 @@ from attnserve.server.errors import (
 from attnserve.server.lifecycle import Admission, Draining
 from attnserve.server.listen import listen_addresses
 from attnserve.server.memory.budget import MemoryBudget, MemoryExhausted, Reservation
-from attnserve.server.quoting import quoted
+from attnserve.server.quoting import logged, quoted
 from attnserve.server.ratelimit import CLIENT_ERRORS
 from attnserve.server.request_path import DISCONNECT, RequestPath
 from attnserve.server.rest_codec import (
@@ -255,7 +255,7 @@ class RestPort:
                 raise Unauthenticated(_HTTP_REFUSAL)
             route, params = _route(request.method, path)
             if self._access_log:
-                logger.info("http %s %s", request.method, path[:200])  # the client's text, bounded
+                logger.info("http %s %s", logged(request.method), logged(path, 200))  # the client's text, bounded
             handler = getattr(self, route.handler)
             response = await (self._counted(handler, request, params) if route.infer else handler(request, **params))
         except Exception as err:

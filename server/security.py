@@ -29,6 +29,9 @@ from typing import Any
 
 import grpc
 from attnserve.server.config import ServerConfig
+from attnserve.server.quoting import logged
+
+from attnserve.files import MAX_PEM_BYTES, MAX_TOKEN_BYTES, FileRefused, read_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +59,18 @@ class SecurityError(RuntimeError):
 
 
 def _read(path: Path, flag: str) -> bytes:
+    """The file's bytes; a FIFO or a device (/dev/zero) is refused without blocking or reading it
+    (attnserve.files.read_bounded), and OpenSSL, which opens the certificate and key again by
+    name, only ever meets a regular file."""
+    limit = MAX_TOKEN_BYTES if flag == "--auth-token-file" else MAX_PEM_BYTES
     try:
-        data = Path(path).read_bytes()
+        data = read_bounded(Path(path), limit)
+    except FileRefused as err:
+        raise SecurityError(f"{flag} {logged(path)}: {err}") from None
     except OSError as err:
-        raise SecurityError(f"{flag} {path}: cannot read it ({err.strerror or err})") from None
+        raise SecurityError(f"{flag} {logged(path)}: cannot read it ({err.strerror or err})") from None
     if not data.strip():
-        raise SecurityError(f"{flag} {path}: the file is empty")
+        raise SecurityError(f"{flag} {logged(path)}: the file is empty")
     return data
 
 
@@ -79,8 +88,8 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
             ssl.create_default_context().load_verify_locations(cadata=client_ca.decode("ascii"))
         except (ssl.SSLError, ValueError, UnicodeDecodeError) as err:
             raise SecurityError(f"--tls-client-ca {config.tls_client_ca}: not PEM certificates ({err})") from None
-    logger.info("TLS on (certificate %s)%s", config.tls_cert,
-                f"; mutual TLS: client certificates signed by {config.tls_client_ca} required"
+    logger.info("TLS on (certificate %s)%s", logged(config.tls_cert),
+                f"; mutual TLS: client certificates signed by {logged(config.tls_client_ca)} required"
                 if client_ca is not None else "")
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
                                        require_client_auth=client_ca is not None)
@@ -148,7 +157,7 @@ def bearer_token(config: ServerConfig) -> BearerToken | None:
         return None
     check = BearerToken(read_token(config.auth_token_file))
     logger.info("bearer-token authentication on (token from %s); open without it: %s",
-                config.auth_token_file, ", ".join(p.strip("/") for p in OPEN_METHOD_PREFIXES))
+                logged(config.auth_token_file), ", ".join(p.strip("/") for p in OPEN_METHOD_PREFIXES))
     if config.tls_cert is None and not _is_loopback(config.host):
         logger.warning("bearer tokens will cross the network in plaintext: serve TLS (--tls-cert, --tls-key)")
     return check
@@ -201,7 +210,7 @@ class BearerToken:
         now = time.monotonic()
         if now - self._last_log >= _REFUSAL_LOG_EVERY_S:
             logger.warning("refused %d call(s) without a valid bearer token (latest: %s from %s)",
-                           self._refused_unlogged, method, peer)
+                           self._refused_unlogged, logged(method), logged(peer))
             self._refused_unlogged = 0
             self._last_log = now
 

@@ -10,7 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from attnserve.files import read_json, remove_temporaries, write_atomic, write_json_atomic
+from attnserve.files import (
+    MAX_JSON_BYTES,
+    MAX_JSON_DEPTH,
+    FileRefused,
+    check_regular,
+    json_depth,
+    read_bounded,
+    read_json,
+    remove_temporaries,
+    write_atomic,
+    write_json_atomic,
+)
 from tests.server_process import REPO_ROOT
 
 
@@ -110,3 +121,84 @@ def test_a_killed_writer_leaves_only_a_temporary_that_remove_temporaries_clears(
     assert remove_temporaries(tmp_path) == left
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "keep.npz"]
     assert remove_temporaries(tmp_path) == []
+
+
+# -- read_bounded and read_json's bounds: what the server and the tools read --------------------
+
+
+def _in_thread(call):
+    """call() on a daemon thread, joined with a bound: on the old code a FIFO blocked the open forever."""
+    import threading
+
+    outcome = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as err:  # handed to the test
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the read blocked"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def test_read_bounded_refuses_a_fifo_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(FileRefused, match=r"not a regular file \(a FIFO\)"):
+        _in_thread(lambda: read_bounded(tmp_path / "fifo", 100))
+    with pytest.raises(FileRefused, match=r"not a regular file \(a FIFO\)"):
+        _in_thread(lambda: read_json(tmp_path / "fifo"))
+
+
+def test_read_bounded_refuses_a_link_to_dev_zero_and_a_directory(tmp_path):
+    (tmp_path / "zero").symlink_to("/dev/zero")
+    with pytest.raises(FileRefused, match=r"not a regular file \(a character device\)"):
+        _in_thread(lambda: read_json(tmp_path / "zero"))
+    with pytest.raises(FileRefused, match=r"not a regular file \(a directory\)"):
+        read_bounded(tmp_path, 100)
+    with pytest.raises(FileRefused, match=r"not a regular file \(a character device\)"):
+        check_regular(tmp_path / "zero")
+    with pytest.raises(FileNotFoundError):  # a missing file stays what it was
+        read_bounded(tmp_path / "missing", 100)
+
+
+def test_read_bounded_reads_up_to_its_bound_and_follows_links_to_regular_files(tmp_path):
+    (tmp_path / "exact").write_bytes(b"x" * 100)
+    (tmp_path / "link").symlink_to(tmp_path / "exact")  # as a Kubernetes ConfigMap mounts its files
+    assert read_bounded(tmp_path / "link", 100) == b"x" * 100
+    assert check_regular(tmp_path / "link").st_size == 100
+    (tmp_path / "over").write_bytes(b"x" * 101)
+    with pytest.raises(FileRefused, match="larger than 100 bytes"):
+        read_bounded(tmp_path / "over", 100)
+    (tmp_path / "big.json").write_bytes(b"{}" + b" " * MAX_JSON_BYTES)
+    with pytest.raises(FileRefused, match=f"larger than {MAX_JSON_BYTES} bytes"):
+        read_json(tmp_path / "big.json")
+
+
+def test_read_json_refuses_deep_nesting_with_a_message_never_a_recursion_error(tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(FileRefused, match=f"nested deeper than {MAX_JSON_DEPTH} levels"):
+        read_json(deep)
+    just_over = tmp_path / "over.json"
+    just_over.write_text('{"a": ' + "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH + "}")
+    with pytest.raises(FileRefused, match="nested deeper"):
+        read_json(just_over)
+    at_bound = tmp_path / "at.json"
+    at_bound.write_text('{"a": ' + "[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1) + "}")
+    assert json_depth(read_json(at_bound)) == MAX_JSON_DEPTH
+
+
+def test_log_quoting_leaves_plain_names_and_escapes_newlines_and_escape_sequences():
+    from attnserve.server.quoting import escaped, logged
+
+    assert logged("cross_attention") == "cross_attention"  # log lines stay greppable
+    assert logged("bad\nname\x1b[31m") == "'bad\\nname\\x1b[31m'"
+    assert logged("a b") == "'a b'"
+    assert escaped("/m/bad\nname\x1b[31m/config.json: not a regular file") == (
+        "/m/bad\\nname\\x1b[31m/config.json: not a regular file")
