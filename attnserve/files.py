@@ -108,7 +108,8 @@ def write_json_atomic(path: Path, data: Any) -> Path:
     return write_atomic(path, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file that is not regular is, for a refusal's words."""
     for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket")):
         if test(mode):
@@ -120,7 +121,7 @@ def check_regular(path: Path) -> os.stat_result:
     """The file's stat (symlinks followed) if it is a regular file, else FileRefused; opens nothing."""
     st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
-        raise FileRefused(f"not a regular file ({_kind(st.st_mode)})")
+        raise FileRefused(f"not a regular file ({file_kind(st.st_mode)})")
     return st
 
 
@@ -131,7 +132,7 @@ def read_bounded(path: Path, max_bytes: int) -> bytes:
     try:
         st = os.fstat(fd)  # the file opened, not what the name points to by now
         if not stat.S_ISREG(st.st_mode):
-            raise FileRefused(f"not a regular file ({_kind(st.st_mode)})")
+            raise FileRefused(f"not a regular file ({file_kind(st.st_mode)})")
         if st.st_size > max_bytes:
             raise FileRefused(f"larger than {max_bytes} bytes ({st.st_size} bytes)")
         chunks, got = [], 0

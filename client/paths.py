@@ -14,30 +14,20 @@ import stat
 import tempfile
 from pathlib import Path
 
-
-def _kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "a special file"
+from attnserve.files import FileRefused, check_regular, file_kind
 
 
 def check_input_file(path: Path, what: str) -> None:
     """`path` is a regular file this process can open for reading, or a ValueError says why not."""
     try:
-        mode = os.stat(path).st_mode
+        check_regular(path)
     except FileNotFoundError:
         broken = " (a link to nothing)" if os.path.islink(path) else ""
         raise ValueError(f"cannot read {what} {path}: it does not exist{broken}") from None
+    except FileRefused as err:
+        raise ValueError(f"cannot read {what} {path}: {err}") from None
     except OSError as err:
         raise ValueError(f"cannot read {what} {path}: {err.strerror}") from None
-    if not stat.S_ISREG(mode):
-        raise ValueError(f"cannot read {what} {path}: it is {_kind(mode)}, not a regular file")
     try:
         with open(path, "rb"):
             pass
@@ -55,7 +45,7 @@ def check_output_file(path: Path, what: str) -> None:
         raise ValueError(f"cannot write {what} {path}: {err.strerror}") from None
     if mode is not None and not stat.S_ISREG(mode):
         hint = "; name a file in it" if stat.S_ISDIR(mode) else ""
-        raise ValueError(f"cannot write {what} {path}: it is {_kind(mode)}, not a regular file{hint}")
+        raise ValueError(f"cannot write {what} {path}: not a regular file ({file_kind(mode)}){hint}")
     parent = path.parent
     if not parent.is_dir():
         reason = "is not a directory" if parent.exists() else "does not exist"

@@ -17,6 +17,8 @@ from attnserve.export.attention import MultiHeadAttention
 from attnserve.export.config import AttentionConfig
 from torch import Tensor
 
+from attnserve.files import FileRefused, check_regular
+
 FORMAT = "attnserve.attention/1"
 PROJECTIONS = ("to_q", "to_k", "to_v", "to_out")
 _SEED_NAMES = {"Wq": "to_q", "Wk": "to_k", "Wv": "to_v", "Wo": "to_out"}
@@ -58,8 +60,12 @@ def user_name(state_dict: dict[str, Tensor], name: str) -> str:
 def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], AttentionConfig | None]:
     """Read a checkpoint file; return (state_dict with our names, the config it carries or None)."""
     path = Path(path)
-    if not path.is_file():  # a FIFO or a device would block or never end
-        raise CheckpointError(f"checkpoint {path} " + ("is not a regular file" if path.exists() else "does not exist"))
+    try:  # a FIFO or a device would block or never end
+        check_regular(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} does not exist") from None
+    except (FileRefused, OSError) as err:
+        raise CheckpointError(f"checkpoint {path}: {err}") from None
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError, safe_open
 

@@ -126,9 +126,9 @@ def test_an_output_path_that_cannot_work_is_refused_before_anything_is_read_or_s
         "proc": (Path("/proc/out.npz"), "error: cannot write output /proc/out.npz: "),
         "proc-file": (Path("/proc/self/out.npz"), "error: cannot write output /proc/self/out.npz: "),
         "sys": (Path("/sys/out.npz"), "error: cannot write output /sys/out.npz: "),
-        "directory": (tmp_path / "d", f"error: cannot write output {tmp_path / 'd'}: it is a directory, not a "
-                                      "regular file; name a file in it"),
-        "fifo": (tmp_path / "f.npz", f"error: cannot write output {tmp_path / 'f.npz'}: it is a FIFO"),
+        "directory": (tmp_path / "d", f"error: cannot write output {tmp_path / 'd'}: not a regular file (a "
+                                      "directory); name a file in it"),
+        "fifo": (tmp_path / "f.npz", f"error: cannot write output {tmp_path / 'f.npz'}: not a regular file (a FIFO)"),
         "no-parent": (tmp_path / "nowhere" / "out.npz", f"error: cannot write output {tmp_path / 'nowhere' / 'out.npz'}"
                                                         f": its directory {tmp_path / 'nowhere'} does not exist"),
         "parts-is-a-file": (tmp_path / "out.npz", f"error: {tmp_path / 'out.npz.parts'} (the job's work directory"),
@@ -163,14 +163,14 @@ def test_an_input_that_is_not_a_regular_file_says_so(server, tmp_path, case):
     if case == "fifo":
         inp = bad = tmp_path / "in.npz"
         os.mkfifo(inp)
-        reason = "it is a FIFO, not a regular file"
+        reason = "not a regular file (a FIFO)"
     elif case == "device":
         inp = bad = Path("/dev/null")
-        reason = "it is a device, not a regular file"
+        reason = "not a regular file (a character device)"
     elif case == "fifo-in-directory":  # was skipped: its items dropped silently
         inp, bad = directory, directory / "b.npz"
         os.mkfifo(bad)
-        reason = "it is a FIFO, not a regular file"
+        reason = "not a regular file (a FIFO)"
     else:
         inp, bad = directory, directory / "b.npz"
         bad.symlink_to(tmp_path / "gone.npz")
@@ -188,7 +188,7 @@ def test_merge_checks_its_parts_and_output_before_reading_any(tmp_path):
     fifo = tmp_path / "b.npz"
     os.mkfifo(fifo)  # reading it would block forever
     for parts, out, message in [
-        ([good, fifo], tmp_path / "m.npz", f"error: cannot read merge part {fifo}: it is a FIFO, not a regular file"),
+        ([good, fifo], tmp_path / "m.npz", f"error: cannot read merge part {fifo}: not a regular file (a FIFO)"),
         ([good], Path("/proc/m.npz"), "error: cannot write output /proc/m.npz: "),
     ]:
         result = cli("--merge", *map(str, parts), "--output", str(out))

@@ -232,12 +232,14 @@ def test_infer_paths_are_checked_before_anything_is_sent(server, tmp_path, capsy
     (tmp_path / "d").mkdir()
     extra, message = {
         "proc": (["--output", "/proc/out.npz"], "cannot write --output /proc/out.npz: "),
-        "directory": (["--output", str(tmp_path / "d")], f"cannot write --output {tmp_path / 'd'}: it is a directory"),
-        "fifo-output": (["--output", str(fifo)], f"cannot write --output {fifo}: it is a FIFO"),
-        "plot-directory": (["--plot", str(tmp_path / "d")], f"cannot write --plot {tmp_path / 'd'}: it is a directory"),
+        "directory": (["--output", str(tmp_path / "d")],
+                      f"cannot write --output {tmp_path / 'd'}: not a regular file (a directory)"),
+        "fifo-output": (["--output", str(fifo)], f"cannot write --output {fifo}: not a regular file (a FIFO)"),
+        "plot-directory": (["--plot", str(tmp_path / "d")],
+                           f"cannot write --plot {tmp_path / 'd'}: not a regular file (a directory)"),
         "fifo-input": (["--query", str(fifo), "--key", str(fifo), "--value", str(fifo)],
-                       f"cannot read --query {fifo}: it is a FIFO, not a regular file"),
-        "fifo-token": (["--token-file", str(fifo)], f"cannot read --token-file {fifo}: it is a FIFO"),
+                       f"cannot read --query {fifo}: not a regular file (a FIFO)"),
+        "fifo-token": (["--token-file", str(fifo)], f"cannot read --token-file {fifo}: not a regular file (a FIFO)"),
     }[case]
     inputs = [] if case == "fifo-input" else ["--input", str(tmp_path / "x.npz")]
     with InferenceClient(server.address) as c:

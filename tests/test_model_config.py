@@ -50,7 +50,7 @@ BAD_CONFIGS = {
     "huge_levels": ("dynamic_batching", "priority_levels", BIG, "dynamic_batching.priority_levels must be an integer "
                     "in 1..9223372036854775807"),
     "huge_timeout": ("dynamic_batching", "default_queue_policy", {"default_timeout_microseconds": BIG},
-                     "default_timeout_microseconds must be an integer in 0..1125899906842624 microseconds"),
+                     "default_timeout_microseconds must be an integer in 0..1125899906842623 microseconds"),
     "huge_versions": ("version_policy", "latest", {"num_versions": BIG}, "version_policy.latest.num_versions must be "
                       "an integer in 1..9223372036854775807"),
     # 32.0 equals 32 in Python, and then answered ModelMetadata with INTERNAL.
