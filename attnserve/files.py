@@ -125,6 +125,33 @@ def check_regular(path: Path) -> os.stat_result:
     return st
 
 
+def check_writable(path: Path, make_parents: bool = False) -> None:
+    """Whether write_atomic could write `path` now, or FileRefused says why: a regular file or
+    nothing there, and a temporary made and removed beside it (only trying tells a read-only file
+    system or /proc, even to root). make_parents: missing directories are fine (write_atomic makes
+    them), and the nearest one that exists is tried."""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as err:
+        raise FileRefused(err.strerror or str(err)) from None
+    if mode is not None and not stat.S_ISREG(mode):
+        raise FileRefused(f"not a regular file ({file_kind(mode)})")
+    where = path.parent
+    while make_parents and not where.exists() and where != where.parent:
+        where = where.parent
+    if not where.is_dir():
+        raise FileRefused(f"its directory {where} " + ("is not a directory" if where.exists() else "does not exist"))
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{path.name}.", suffix=_TMP_SUFFIX, dir=where)
+    except OSError as err:
+        raise FileRefused(f"cannot write a file in {where} ({err.strerror or err})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 def read_bounded(path: Path, max_bytes: int) -> bytes:
     """The bytes of `path`, a regular file of at most max_bytes; FileRefused otherwise (OSError
     when it cannot be opened). Never blocks on a FIFO, never reads more than max_bytes + 1."""

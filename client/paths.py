@@ -10,11 +10,9 @@ set of permissions for root): so `check_output_file` creates and removes a hidde
 from __future__ import annotations
 
 import os
-import stat
-import tempfile
 from pathlib import Path
 
-from attnserve.files import FileRefused, check_regular, file_kind
+from attnserve.files import FileRefused, check_regular, check_writable
 
 
 def check_input_file(path: Path, what: str) -> None:
@@ -38,23 +36,7 @@ def check_input_file(path: Path, what: str) -> None:
 def check_output_file(path: Path, what: str) -> None:
     """A file can be written at `path` (replacing a regular file there), or a ValueError says why not."""
     try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        mode = None
-    except OSError as err:
-        raise ValueError(f"cannot write {what} {path}: {err.strerror}") from None
-    if mode is not None and not stat.S_ISREG(mode):
-        hint = "; name a file in it" if stat.S_ISDIR(mode) else ""
-        raise ValueError(f"cannot write {what} {path}: not a regular file ({file_kind(mode)}){hint}")
-    parent = path.parent
-    if not parent.is_dir():
-        reason = "is not a directory" if parent.exists() else "does not exist"
-        raise ValueError(f"cannot write {what} {path}: its directory {parent} {reason}")
-    try:
-        # Named like attnserve.files' temporaries, so a kill between these two lines leaves what
-        # a killed writer would.
-        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    except OSError as err:
-        raise ValueError(f"cannot write {what} {path}: {err.strerror} (in {parent})") from None
-    os.close(fd)
-    os.unlink(probe)
+        check_writable(path)
+    except FileRefused as err:
+        hint = "; name a file in it" if path.is_dir() else ""
+        raise ValueError(f"cannot write {what} {path}: {err}{hint}") from None

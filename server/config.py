@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import tempfile
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from attnserve.contract import parse_version
+from attnserve.files import FileRefused, check_writable
 from attnserve.ranges import BATCH_SIZE, INT32_MAX, INT64_MAX, MAX_WAIT_S, QUEUE_DELAY_MS, VERSION, Range, count
 
 ENV_PREFIX = "ATTNSERVE_"
@@ -427,25 +427,13 @@ def load_config(argv: list[str] | None = None, environ: Mapping[str, str] | None
     try:
         config = ServerConfig(**values)
         if config.ready_file is not None:
-            check_writable(config.ready_file)
+            try:  # refused before serving, not found once the ports are bound
+                check_writable(config.ready_file, make_parents=True)
+            except FileRefused as err:
+                raise ValueError(f"--ready-file {config.ready_file}: {err}") from None
     except ValueError as err:
         parser.error(str(err))
         raise  # unreachable: parser.error exits
     return config
 
 
-def check_writable(path: Path, flag: str = "--ready-file") -> None:
-    """Whether a file can be written at `path` as files.write_atomic writes it (a temporary beside
-    it, renamed over it): tried now, so a bad path is refused before serving. Raises ValueError naming `flag`."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{flag} {path}: is a directory (give a file's path)")
-    where = path.parent
-    while not where.exists() and where != where.parent:  # write_atomic makes the missing directories
-        where = where.parent
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=where)
-    except OSError as err:
-        raise ValueError(f"{flag} {path}: cannot write a file in {where} ({err.strerror or err})") from None
-    os.close(fd)
-    os.unlink(tmp)
