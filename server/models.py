@@ -437,7 +437,7 @@ class ModelRegistry:
                 self._followed()
                 for version in built:
                     self._retire(new.versions[version])
-                logger.exception("model %s: load failed, %s: %s", name, self._serving_note(old), why)
+                logger.exception("model %s: load failed, %s: %s", logged(name), self._serving_note(old), escaped(why))
                 raise ModelLoadFailed(f"load of model {name} failed ({self._serving_note(old)}): {why}") from None
             for line in ready_lines:
                 logger.info(*line)
