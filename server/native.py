@@ -55,7 +55,7 @@ from attnserve.server.models import ModelUnavailable
 from attnserve.server.native_records import NativeRecords
 from attnserve.server.quoting import logged
 from attnserve.server.request_path import ANSWERED, CLIENT, DEADLINE
-from attnserve.server.security import OPEN_METHOD_PREFIXES, REFUSAL, read_tls_files, read_token
+from attnserve.server.security import NATIVE_PORT, OPEN_METHOD_PREFIXES, REFUSAL, read_tls_files, read_token
 from attnserve.server.shm import BYTE_SIZE, OFFSET, REGION
 from attnserve.server.tensors import RunStop
 
@@ -405,7 +405,7 @@ class NativePlane:
         if self._token is not None:
             refused, method = self._plane.token_refusals()
             if refused > self._token_refused:
-                self._token.note_refusal(method or "?", "the native port", refused - self._token_refused)
+                self._token.note_refusal(method or "?", NATIVE_PORT, refused - self._token_refused)
                 self._token_refused = refused
         if self._shared_port and self._metrics is not None:
             self.refresh_metrics()

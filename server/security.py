@@ -35,6 +35,9 @@ from attnserve.files import MAX_PEM_BYTES, MAX_TOKEN_BYTES, FileRefused, read_bo
 
 logger = logging.getLogger(__name__)
 
+# The peer of the native port's refusals, which it counts without saying who sent them.
+NATIVE_PORT = "the native port"
+
 # RPCs that need no token: probes (grpc.health.v1) and service discovery (reflection).
 OPEN_METHOD_PREFIXES = (
     "/grpc.health.v1.Health/",
@@ -204,13 +207,14 @@ class BearerToken:
         return matches and scheme.lower() == b"bearer"
 
     def note_refusal(self, method: str, peer: str, count: int = 1) -> None:
-        """count: refusals noted at once (the native port's, read now and then: server.native)."""
+        """count: refusals noted at once (the native port's, read now and then: server.native,
+        which names NATIVE_PORT as the peer: our words, not the caller's, so not quoted)."""
         self.refused += count
         self._refused_unlogged += count
         now = time.monotonic()
         if now - self._last_log >= _REFUSAL_LOG_EVERY_S:
             logger.warning("refused %d call(s) without a valid bearer token (latest: %s from %s)",
-                           self._refused_unlogged, logged(method), logged(peer))
+                           self._refused_unlogged, logged(method), peer if peer == NATIVE_PORT else logged(peer))
             self._refused_unlogged = 0
             self._last_log = now
 

@@ -11,24 +11,16 @@ a future native data plane calls the same code (docs/shared-memory.md).
     lease.release()                                   # the request is over
     regions.unregister(name)                          # unmapped once no request uses it
 
-Why each rule (Triton fixed each of them in its own server):
-- a key is a plain POSIX shm name, opened under /dev/shm without following links: a caller
-  cannot have the server map any other file;
-- offsets and sizes are Python integers checked against the region and the object's size, so
-  nothing wraps around; a request's byte range is checked against its region the same way;
-- each registration opens its own descriptor and mapping (no cache keyed by fd or key, which
-  a reused fd or a recreated key would make stale);
-- a region unregistered while a request uses it stays mapped until the last such request ends
-  (a count of users), and numpy views keep the mapping alive beyond that if anything still
-  holds one (mmap refuses to close under exported buffers);
-- the count of regions and their bytes are bounded, and their bytes are reserved in the
-  server's memory budget while mapped;
-- a region no call has used for idle_timeout_s (and none uses now) is unregistered by
-  `expire_idle()`: a caller killed before it unregistered cannot hold the bounds for ever.
-Every refusal of a request's own making is a SharedMemoryError (a ValueError: INVALID_ARGUMENT /
-400) naming the region and the bound; SharedMemoryExhausted (RESOURCE_EXHAUSTED / 429) is a
-bound or a resource of the server's spent now (retry once regions are unregistered);
-SharedMemoryUnavailable (UNAVAILABLE / 503) says why an extension is off.
+Why each rule (Triton fixed each in its own server; docs/shared-memory.md has the longer account):
+- a key is a plain POSIX shm name, opened under /dev/shm without following links;
+- offsets and sizes are checked as Python integers against the region and the object: nothing wraps;
+- each registration opens its own descriptor and mapping (no cache a reused fd would make stale);
+- a region unregistered while a request uses it stays mapped until the last such request ends;
+- regions and their bytes are bounded, and reserved in the server's memory budget while mapped;
+- a region no call has used for idle_timeout_s (none using it now) is unregistered by `expire_idle()`.
+A refusal of the request's own making is a SharedMemoryError (INVALID_ARGUMENT / 400) naming the
+region and the bound; SharedMemoryExhausted (RESOURCE_EXHAUSTED / 429) a bound or resource of the
+server's spent now; SharedMemoryUnavailable (UNAVAILABLE / 503) says why an extension is off.
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ def test_switches_and_model_control():
 @pytest.mark.parametrize("argv, env, message", [
     (["--device", "tpu"], {}, "device must be one of"),
     (["--model-control-mode", "auto"], {}, "model_control_mode must be one of none, explicit, poll"),
-    (["--repository-poll-secs", "0"], {}, "--repository-poll-secs must be a number in (0, "),
+    (["--repository-poll-secs", "0"], {}, "--repository-poll-secs must be a number in [0.001, "),
     (["--max-batch-size", "0"], {}, "--max-batch-size must be an integer in 1.."),
     ([], {"ATTNSERVE_PORT": "eighty"}, "ATTNSERVE_PORT"),
     ([], {"ATTNSERVE_MODEL_VERSIONS": "x"}, "NAME=VERSION"),
