@@ -359,15 +359,15 @@ def test_cancelled_runs_stop_and_a_batch_with_a_live_call_computes_it_exactly(mo
             long_call = send(x, outputs=("output",))
             assert proc.gate.wait_started() == 1
             proc.gate.release()  # it computes from now on
-            window_s = 0.5
-            during = _cpu_over(proc.proc.pid, window_s) / window_s
-            assert _sample(_scrape(proc), "attnserve_native_in_flight") == 1, "the long run ended within the window"
+            # Cancelled at once: milliseconds after the release, against a run of the longest length
+            # accepted (a window measured first let a fast machine finish the run before the cancel).
             long_call.cancel()
             _wait_metric(proc, "attnserve_cancelled_requests_total", 2, model=MODEL, reason="client",
                          stage="terminated")
             _in_flight(proc, 0)  # the run returned: what it held is freed
             after = _cpu_over(proc.proc.pid, 1.0)
-            assert after < 0.2 * during, f"{after:.2f} CPU s in the second after the stop; {during:.2f}/s running"
+            # A run computing on would hold at least a core for that second; the idle server, next to nothing.
+            assert after < 0.2, f"{after:.2f} CPU s in the second after the stop: the run computed on"
 
             text = _scrape(proc)
             assert _sample(text, "attnserve_requests_total", model=MODEL, code="OK") == 3
