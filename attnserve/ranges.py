@@ -13,7 +13,7 @@ from typing import Any
 
 INT32_MAX = 2**31 - 1  # gRPC's integer channel arguments, socket.listen's backlog, the native plane's Start
 INT64_MAX = 2**63 - 1  # the native plane's int64_t counts, bytes and lengths
-# native/plane.cc's kMaxTimeoutUs: a later deadline would overflow the plane's clock (nanoseconds
+# native/core/types.h's kMaxTimeoutUs: a later deadline would overflow the plane's clock (nanoseconds
 # in an int64). Every delay, wait and timeout is bounded by it, on both planes alike.
 MAX_WAIT_US = 2**50
 MAX_WAIT_MS = MAX_WAIT_US / 1e3

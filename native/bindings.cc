@@ -9,6 +9,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "encode.h"
 #include "plane.h"
 
 namespace py = pybind11;
@@ -162,7 +163,7 @@ PYBIND11_MODULE(_native, m) {
          py::arg("max_attention_bytes"), py::arg("max_queue_size"), py::arg("max_padding_ratio"),
          py::arg("why_no_head_masks") = "", "why_no_head_masks: empty when the head-mask graphs serve masks whose heads differ")
       .def("set_answer", [](Plane& p, const std::string& method, const std::string& name, py::bytes data) {
-        p.SetAnswer(method, name, std::string(data));
+        p.front().SetAnswer(method, name, std::string(data));
       })
       .def("route", &Plane::Route, py::arg("name"), py::arg("versions"), py::arg("code"), py::arg("refusal"),
            py::arg("not_loaded"), py::call_guard<py::gil_scoped_release>(),
@@ -179,7 +180,7 @@ PYBIND11_MODULE(_native, m) {
           py::gil_scoped_acquire gil;
           delete f;
         });
-        p.SetRelay([held](const std::string& method, const std::string& request, RelayDone done) {
+        p.front().SetRelay([held](const std::string& method, const std::string& request, RelayDone done) {
           py::gil_scoped_acquire gil;
           py::cpp_function reply([done](int code, const std::string& details, py::bytes response) {
             std::string bytes(response);
@@ -250,22 +251,23 @@ PYBIND11_MODULE(_native, m) {
         auto f = p.ReceiveFigures();
         return py::make_tuple(f[0], f[1], f[2]);
       }, "(slots, messages being received now, calls whose message waited for a slot)")
-      .def("set_stream_window", &Plane::SetStreamWindow,
+      .def("set_stream_window", [](Plane& p, int64_t window) { p.front().SetStreamWindow(window); },
            "requests of one ModelStreamInfer stream in the plane at once; reading pauses beyond it")
       .def("set_security", [](Plane& p, py::bytes cert_chain, py::bytes private_key, py::bytes client_ca,
                               py::bytes token, const std::string& refusal) {
-        p.SetSecurity(attnserve::Security{std::string(cert_chain), std::string(private_key), std::string(client_ca),
+        p.front().SetSecurity(attnserve::Security{std::string(cert_chain), std::string(private_key), std::string(client_ca),
                                           std::string(token), refusal});
       }, py::arg("cert_chain"), py::arg("private_key"), py::arg("client_ca"), py::arg("token"), py::arg("refusal"),
          "TLS (PEM; empty: plaintext), mutual TLS (client_ca), the bearer token (empty: none) and its refusal; before start")
-      .def("set_reuse_port", &Plane::SetReusePort, "worker processes share the port (SO_REUSEPORT); before start")
-      .def("set_open_prefixes", &Plane::SetOpenPrefixes, "methods that need no token (after set_security)")
-      .def("set_upstream", &Plane::SetUpstream, py::arg("target"),
+      .def("set_reuse_port", [](Plane& p, bool reuse) { p.front().SetReusePort(reuse); }, "worker processes share the port (SO_REUSEPORT); before start")
+      .def("set_open_prefixes", [](Plane& p, std::vector<std::string> prefixes) { p.front().SetOpenPrefixes(std::move(prefixes)); }, "methods that need no token (after set_security)")
+      .def("set_upstream", [](Plane& p, const std::string& target) { p.front().SetUpstream(target); }, py::arg("target"),
            "relay every method not served here to the Python server at target (unix:PATH); before start")
-      .def("set_channel_args", &Plane::SetChannelArgs, "the Python server's gRPC arguments [(name, int)]; before start")
-      .def("set_fallback", &Plane::SetFallback, py::arg("all"), py::arg("keys"),
+      .def("set_channel_args", [](Plane& p, std::vector<std::pair<std::string, int>> args) { p.front().SetChannelArgs(std::move(args)); }, "the Python server's gRPC arguments [(name, int)]; before start")
+      .def("set_fallback", [](Plane& p, bool all, std::vector<std::string> keys) { p.front().SetFallback(all, std::move(keys)); },
+           py::arg("all"), py::arg("keys"),
            "ModelInfer requests relayed to Python as they are: all, or those with one of these parameters")
-      .def("token_refusals", &Plane::TokenRefusals, "calls refused for their token so far, and the latest's method")
+      .def("token_refusals", [](Plane& p) { return p.front().TokenRefusals(); }, "calls refused for their token so far, and the latest's method")
       // Call records (records.h): the access log's and the spans' figures, drained in bulk.
       .def("set_records", &Plane::SetRecords, py::arg("capacity"), py::arg("arrivals") = false,
            "keep a record of each call, up to `capacity` undrained (0: none), and of each arrival "
@@ -290,7 +292,7 @@ PYBIND11_MODULE(_native, m) {
       }, "({method: arrivals}, records) held now: the arrivals' lines go before the records'")
       .def("start", &Plane::Start, py::call_guard<py::gil_scoped_release>(),
            "listen on every address (one port) and serve: the port, or 0 (unbound() says which failed)")
-      .def("unbound", &Plane::Unbound, "the address the last start could not bind (empty: its credentials)")
+      .def("unbound", [](Plane& p) { return p.front().Unbound(); }, "the address the last start could not bind (empty: its credentials)")
       .def("next_batch", &Plane::NextBatch, py::call_guard<py::gil_scoped_release>(),
            "the next batch of model `index` (blocks up to timeout_ms), or None")
       .def("complete", [](Plane& p, Batch& batch, py::array_t<float, py::array::c_style> output,
@@ -306,7 +308,7 @@ PYBIND11_MODULE(_native, m) {
       })
       .def("fail", [](Plane& p, Batch& batch, const std::string& message) {
         py::gil_scoped_release release;
-        p.Fail(batch, grpc::StatusCode::INTERNAL, message);
+        p.Fail(batch, attnserve::StatusCode::INTERNAL, message);
       })
       .def("in_flight", &Plane::InFlight, "calls queued or computing, every model")
       .def("queued", &Plane::Queued, "requests waiting for model `index`")

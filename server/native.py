@@ -14,7 +14,7 @@ registry serves: sync() pushes the registry's state in the same event-loop turn 
 runner ends). The rare RPCs (readiness, metadata, config, statistics, the index) are relayed to
 the event loop as bytes and answered by the same RequestPath as the Python port: one source of
 truth. The rest, and ModelInfer requests it does not carry (shared memory; recorded calls), go
-byte for byte to the Python gRPC server on a private Unix socket (native/relay.h). Metrics: each
+byte for byte to the Python gRPC server on a private Unix socket (native/grpc/relay.h). Metrics: each
 batch's figures go to the event loop once per batch; final statuses are counted in C++ by name.
 Request control as on the Python plane: each model's QueuePolicy and --priority-aging-batches
 go to C++, which reads `priority`/`timeout`, orders and expires its queue; a cancelled call leaves
@@ -22,7 +22,7 @@ it at once, a batch whose calls all left is stopped through its RunStop (plane.o
 Memory: a native call reserves its cost from the process's one budget and waits within its
 deadline in the budget's one queue of waiters (share_budget); --max-queue-size and
 --max-queued-bytes bound each queue. Counters kept in C++ are read at scrape time (with workers,
-once a second). The port serves the Python port's TLS and bearer token (native/security.cc) and,
+once a second). The port serves the Python port's TLS and bearer token (native/grpc/security.cc) and,
 with --workers, is shared by every worker (SO_REUSEPORT). docs/native-data-plane.md.
 """
 
@@ -78,7 +78,7 @@ _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}  # as the P
 IN_FLIGHT_METRIC = "attnserve_native_in_flight"  # registered only while the plane serves
 OBSERVE_EVERY_S = 0.05  # how long a batch's figures may wait for the event loop (NativePlane._observe)
 UNKNOWN_MODEL = "_unknown"  # the label of calls naming no known model (server.request_path's)
-# plane.cancellations(index)'s order (native/plane.h's kCancelReasons x kCancelStages).
+# plane.cancellations(index)'s order (native/core/types.h's kCancelReasons x kCancelStages).
 CANCEL_LABELS = tuple((reason, stage) for reason in (CLIENT, DEADLINE)
                       for stage in (QUEUED, RUNNING, TERMINATED, ANSWERED))
 

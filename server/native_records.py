@@ -5,7 +5,7 @@
     records.batch_done(...)       # once per batch (the runner's figures): the batch's span
     records.stop()                # the last records written
 
-The plane (native/records.h) keeps a bounded record of each call it answers, refused or
+The plane (native/core/records.h) keeps a bounded record of each call it answers, refused or
 computed: the access line's fields, the traceparent it was sent and its times on the plane's
 own clock, turned into epoch time once. The records reach Python in bulk: the plane writes an
 eventfd when its buffer stops being empty, and the event loop takes everything held, so no call

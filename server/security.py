@@ -47,7 +47,7 @@ OPEN_METHOD_PREFIXES = (
 # On the REST port: the probes' paths, the server's liveness and readiness.
 OPEN_PATH_PREFIXES = ("/v2/health/",)
 _REFUSAL_LOG_EVERY_S = 10.0  # refusals are counted; the log gets one line per interval at most
-# The native data plane names the real caller in this header on every call it relays (native/relay.h)
+# The native data plane names the real caller in this header on every call it relays (native/grpc/relay.h)
 # and drops a client's own: trusted only on the private socket it relays to, which no client reaches.
 PEER_HEADER = "x-attnserve-peer"
 # Likewise the method the caller called, where the relayed call's differs (a stream's request relayed

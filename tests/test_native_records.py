@@ -1,4 +1,4 @@
-"""Native calls' access lines and spans (native/records.h, server.native_records, docs/tracing.md).
+"""Native calls' access lines and spans (native/core/records.h, server.native_records, docs/tracing.md).
 
 The native plane keeps a record per call and hands the records to the event loop in bulk, which
 writes them with server.tracing's one writer. Against real servers with `--data-plane native`:

@@ -1,6 +1,6 @@
-// libFuzzer target over the native plane's wire parser, contract checks, batching and split: each
-// input is one serialized ModelInferRequest, admitted as a call beside a valid one of the same
-// model, then batched with it and answered with zeros (`make fuzz-native`,
+// libFuzzer target over the native core's wire parser, contract checks, batching and split, and the
+// gRPC front's answer encoding: each input is one serialized ModelInferRequest, submitted as a call
+// beside a valid one of the same model, then batched with it and answered with zeros (`make fuzz-native`,
 // docs/native-data-plane.md). The models come from plane_models.txt beside the binary, written by
 // native/fuzz/seeds.py from attnserve.contract and the server's defaults.
 #include <unistd.h>
@@ -15,18 +15,19 @@
 
 #include <google/protobuf/stubs/logging.h>
 
-#include "plane.h"
+#include "core.h"
+#include "encode.h"
 
 namespace {
 
 using attnserve::Contract;
+using attnserve::Core;
 using attnserve::ModelLimits;
-using attnserve::Plane;
 
-// A call that is not bound to gRPC: Finish only records the status (gRPC keeps it as a backlog).
-class Call final : public grpc::ServerUnaryReactor {
+// A call of no front: its answer is kept in its response, its status dropped.
+class Call final : public attnserve::Reply {
  public:
-  void OnDone() override {}
+  void Answered(uint64_t, const attnserve::Status&) override {}
 };
 
 struct Model {
@@ -34,7 +35,7 @@ struct Model {
   std::string companion;  // a valid request for this model, serialized
 };
 
-Plane* plane = nullptr;
+Core* plane = nullptr;
 std::vector<Model> models;
 
 std::string Here() {
@@ -70,7 +71,7 @@ void Load() {
     std::fprintf(stderr, "plane_fuzzer: cannot read the contract from %s (make fuzz-native writes it)\n", path.c_str());
     std::exit(2);
   }
-  plane = new Plane(c);  // never freed: libFuzzer exits without running destructors in order
+  plane = new Core(c);  // never freed: libFuzzer exits without running destructors in order
   ModelLimits m;
   while (in >> m.name >> m.version >> m.query_dim >> m.kv_dim >> m.out_dim >> m.num_heads >> m.max_batch_size >>
          m.max_q_len >> m.max_kv_len >> m.max_attention_bytes >> m.max_queue_size >> m.max_padding_ratio) {
@@ -93,9 +94,9 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 }
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  // The handler's own parse: from a gRPC byte buffer of the input's bytes.
-  grpc::Slice slice(data, size);
-  grpc::ByteBuffer bytes(&slice, 1);
+  // The core's own parse, of the input's bytes in two pieces (a front's message may come in several).
+  const std::string_view whole(reinterpret_cast<const char*>(data), size);
+  const attnserve::Chunks bytes = {whole.substr(0, size / 2), whole.substr(size / 2)};
   inference::ModelInferRequest request;
   std::string why;
   if (!plane->Parse(bytes, &request, &why)) return 0;
@@ -109,11 +110,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     requests.back()->ParseFromString(model.companion);
     responses.push_back(std::make_unique<inference::ModelInferResponse>());
     calls.push_back(std::make_unique<Call>());
-    plane->Admit(calls.back().get(), requests.back().get(), responses.back().get());
+    plane->Submit(calls.back().get(), requests.back().get(), responses.back().get());
   }
   responses.push_back(std::make_unique<inference::ModelInferResponse>());
   calls.push_back(std::make_unique<Call>());
-  plane->Admit(calls.back().get(), &request, responses.back().get());
+  plane->Submit(calls.back().get(), &request, responses.back().get());
   // Batch whatever was queued and answer it with zeros of the batch's shapes.
   for (size_t index = 0; index < models.size(); ++index) {
     const ModelLimits& m = models[index].limits;

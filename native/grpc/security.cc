@@ -6,7 +6,7 @@
 
 #include <grpc/grpc_security.h>
 
-#include "plane.h"
+#include "front.h"
 
 namespace attnserve {
 
@@ -75,7 +75,7 @@ bool Authorized(const grpc_metadata* md, size_t count, const std::string& token)
   return AuthorizedValue(value, values, token);
 }
 
-// The plane's own inference methods, whose token Plane::TokenAdmits checks when calls are recorded.
+// The plane's own inference methods, whose token GrpcFront::TokenAdmits checks when calls are recorded.
 bool Deferred(std::string_view path) {
   return path == "/inference.GRPCInferenceService/ModelInfer" || path == "/inference.GRPCInferenceService/ModelStreamInfer";
 }
@@ -129,7 +129,7 @@ std::pair<uint64_t, std::string> Refusals::Read() {
   return {count_, latest_};
 }
 
-bool Plane::TokenAdmits(const grpc::CallbackServerContext* context) const {
+bool GrpcFront::TokenAdmits(const grpc::CallbackServerContext* context) const {
   std::string_view value;
   int values = 0;
   const auto& metadata = context->client_metadata();
@@ -140,7 +140,7 @@ bool Plane::TokenAdmits(const grpc::CallbackServerContext* context) const {
   return AuthorizedValue(value, values, security_.token);
 }
 
-std::shared_ptr<grpc::ServerCredentials> Plane::Credentials() {
+std::shared_ptr<grpc::ServerCredentials> GrpcFront::Credentials() {
   const Security& s = security_;
   grpc_server_credentials* creds = nullptr;
   if (s.cert_chain.empty()) {
@@ -155,7 +155,7 @@ std::shared_ptr<grpc::ServerCredentials> Plane::Credentials() {
   }
   if (creds == nullptr) return nullptr;
   if (!s.token.empty()) {
-    auto* processor = new TokenProcessor{s.token, s.refusal, &refusals_, s.open_prefixes, records_.get()};
+    auto* processor = new TokenProcessor{s.token, s.refusal, &refusals_, s.open_prefixes, core_->records()};
     grpc_server_credentials_set_auth_metadata_processor(
         creds, {&TokenProcessor::Process, &TokenProcessor::Destroy, processor});
   }

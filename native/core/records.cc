@@ -1,5 +1,5 @@
-// Call records of the native data plane (records.h): the bounded buffer, and the Plane's part,
-// which notes a call's headers and turns each settled call into a record.
+// Call records of the native data plane (records.h): the bounded buffer, and the core's part,
+// which turns each settled call into a record.
 // docs/tracing.md, "The native data plane".
 #include "records.h"
 
@@ -10,7 +10,7 @@
 
 #include <google/protobuf/io/coded_stream.h>
 
-#include "plane.h"
+#include "core.h"
 
 namespace attnserve {
 
@@ -34,13 +34,6 @@ std::string Kept(const std::string& text, int64_t* chars) {
   }
   *chars = static_cast<int64_t>(count);
   return text.substr(0, cut);
-}
-
-std::string MetadataValue(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata, const char* key) {
-  auto found = metadata.find(key);
-  if (found == metadata.end()) return {};
-  constexpr size_t kMaxHeaderChars = 512;  // client text: a traceparent is 55 characters
-  return std::string(found->second.data(), std::min(found->second.size(), kMaxHeaderChars));
 }
 
 }  // namespace
@@ -108,59 +101,14 @@ void Records::Add(std::vector<CallRecord>& records) {
   records.clear();
 }
 
-// -- the Plane's part ---------------------------------------------------------------------------
+// -- the core's part ----------------------------------------------------------------------------
 
-void Plane::SetRecords(size_t capacity, bool arrivals) {
+void Core::SetRecords(size_t capacity, bool arrivals) {
   records_ = capacity > 0 ? std::make_unique<Records>(capacity) : nullptr;
   arrivals_ = arrivals;
 }
 
-void Plane::RecordArrival(const char* method) {
-  if (!records_ || !arrivals_) return;
-  records_->AddArrival(std::string("/inference.GRPCInferenceService/") + method);
-}
-
-void Plane::RecordTokenRefusal(const grpc::CallbackServerContext* context, const char* method, bool arrival) {
-  refusals_.Note(std::string("/inference.GRPCInferenceService/") + method);
-  if (!records_) return;
-  if (arrival) RecordArrival(method);
-  CallRecord r;
-  r.traced = false;  // the Python gate's line: the method and the peer, no model, no span
-  r.method = method;
-  r.peer = context->peer();
-  r.code = GRPC_STATUS_UNAUTHENTICATED;
-  r.details = security_.refusal.substr(0, 200);
-  r.start_ns = r.end_ns = records_->EpochNs(Clock::now());
-  records_->Add(std::move(r));
-}
-
-std::shared_ptr<CallNote> Plane::Note(const grpc::CallbackServerContext* context, const char* method,
-                                      int64_t bytes_in) const {
-  auto note = std::make_shared<CallNote>();
-  note->started = Clock::now();
-  note->method = method;
-  note->peer = context->peer();
-  const auto& metadata = context->client_metadata();
-  note->traceparent = MetadataValue(metadata, "traceparent");
-  note->tracestate = MetadataValue(metadata, "tracestate");
-  note->bytes_in = bytes_in;
-  return note;
-}
-
-void Plane::RecordUnparsed(const CallNote& note, const grpc::Status& status) {
-  CallRecord r;
-  r.traced = false;
-  r.method = note.method;
-  r.peer = note.peer;
-  r.code = static_cast<int>(status.error_code());
-  r.details = status.error_message().substr(0, 200);
-  r.start_ns = records_->EpochNs(note.started);
-  r.end_ns = records_->EpochNs(Clock::now());
-  r.bytes_in = note.bytes_in;
-  records_->Add(std::move(r));
-}
-
-void Plane::Record(const Pending& p, const grpc::Status& status, std::vector<CallRecord>* into) {
+void Core::Record(const Pending& p, const Status& status, std::vector<CallRecord>* into) {
   const CallNote& note = *p.note;
   const inference::ModelInferRequest& request = *p.request;
   CallRecord r;
@@ -188,7 +136,7 @@ void Plane::Record(const Pending& p, const grpc::Status& status, std::vector<Cal
     r.run_start_ns = records_->EpochNs(note.run_started);
     r.run_end_ns = records_->EpochNs(note.run_ended);
     const auto size = static_cast<int64_t>(p.response->ByteSizeLong());
-    if (p.stream == nullptr) {
+    if (!p.streamed) {
       r.bytes_out = size;  // the message's size on the wire
     } else {  // the stream's message nests it (infer_response, field 2)
       r.bytes_out = 1 + static_cast<int64_t>(google::protobuf::io::CodedOutputStream::VarintSize64(

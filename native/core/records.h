@@ -1,6 +1,6 @@
 // Call records of the native data plane: what each native call's access line and span need, kept
 // here per call and handed to Python in bulk (server/native_records.py formats and exports them
-// with server/tracing.py's one writer). Only when --access-log or tracing is on (Plane::SetRecords).
+// with server/tracing.py's one writer). Only when --access-log or tracing is on (Core::SetRecords).
 // docs/tracing.md, "The native data plane".
 #pragma once
 
