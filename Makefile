@@ -133,7 +133,7 @@ native: $(STAMP) native-deps
 	  -Dpybind11_DIR="$$($(PY) -c 'import pybind11; print(pybind11.get_cmake_dir())')"
 	cmake --build $(NATIVE_BUILD) -j
 
-# The native plane under AddressSanitizer and UBSan (docs/native-data-plane.md, "Sanitizers and
+# The native plane under AddressSanitizer and UBSan (docs/native-build.md, "Sanitizers and
 # fuzzing"): the extension into build/native-asan/site, loaded there by native/asan/sitecustomize.py
 # (server/_native*.so is left alone), and the native tests run with libasan preloaded into Python.
 # A sanitizer report stops the process it is in and fails the run, whatever the tests said. The
@@ -288,7 +288,7 @@ bench-shm: export
 # Issue 26's question of where the run lives (under a minute): ONNX Runtime's Python session, as the
 # native plane's runner calls it, against its C API from a small C++ program (bench/ort_c), per
 # batch, in alternating rounds; JSON to bench/results/ort-c.json. The wheel ships no C headers:
-# the first build reads them from $ORT_C_HEADERS (docs/native-data-plane.md). ORT_C_ARGS="--rounds 5".
+# the first build reads them from $ORT_C_HEADERS (docs/performance.md, bench.ort_c). ORT_C_ARGS="--rounds 5".
 bench-ort-c: export
 	$(PY) -m bench.ort_c --repository $(MODELS) $(ORT_C_ARGS)
 

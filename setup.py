@@ -7,7 +7,7 @@
 Everything else about the distribution is in pyproject.toml. Where a dependency is missing the
 package installs without attnserve.server._native and carries the reason (NATIVE_MISSING_NAME)
 for `attnserve --version`, `attnserve serve`'s fallback to the Python plane and `--data-plane
-native` to say. docs/native-data-plane.md, "Build".
+native` to say. docs/native-build.md, "Build".
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The REST analogue of bench.aio_floor: `POST /v2/models/{model}/infer` with binar
 (or JSON) is read, its JSON header parsed, and zeros of the model's output shapes sent back as
 binary data. No gate, batcher, codec or metrics: what aiohttp itself costs per call on the plain
 asyncio loop, to set beside the server's REST port (bench.goals, "REST: the decision" in
-docs/native-data-plane.md). It answers inference only, so it is driven by bench.rest_loadgen,
+docs/record/rest.md). It answers inference only, so it is driven by bench.rest_loadgen,
 not perf_analyzer. Writes --ready-file with {"http_port": port} and serves until SIGTERM or SIGINT.
 """
 

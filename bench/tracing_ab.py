@@ -1,5 +1,5 @@
 """Tracing's cost: the same server with traces off and on at 100 % sampling, alternating, at
-concurrency 1 and 32 (docs/tracing.md has the figures).
+concurrency 1 and 32 (docs/record/tracing.md has the figures).
 
     python -m bench.tracing_ab [--repository models] [--seconds 5] [--rounds 1]
 

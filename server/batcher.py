@@ -21,7 +21,7 @@ want_probs)` and runs it on its own worker threads, so the event loop keeps acce
 - Cancellation: a request whose caller is cancelled leaves the queue at once; in a running batch
   it is computed on for the others, and the last one to go stops the run (`stoppable_runs`: a
   RunStop), whose memory goes back when the run returns (it holds that memory until then).
-More, and the figures behind each choice: docs/design.md ("The batcher") and docs/performance.md.
+More, and the figures behind each choice: docs/design.md ("The batcher") and docs/record/performance.md.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ class _Run:
 
 # The longest solo run computed on the event loop ("Solo runs"), judged by the last solo run of
 # the same shape: long enough for the reference workloads' short runs, short enough that the loop
-# never stalls (docs/performance.md, "The event loop first").
+# never stalls (docs/record/performance.md, "The event loop first").
 INLINE_SOLO_MAX_S = 0.002
 SOLO_SHAPES_TIMED = 64  # the shapes whose last solo run's time is kept (the least recent dropped)
 
@@ -371,7 +371,7 @@ class Batcher:
             pending.expiry = None
 
 
-    # -- cancellation (docs/server.md, "Cancellation") --------------------------------------
+    # -- cancellation (docs/scheduling.md, "Cancellation") -----------------------------------
 
     def _cancelled(self, pending: _Pending) -> None:
         """Its caller is gone: out of the queue now, or out of its running batch, whose run the

@@ -89,12 +89,12 @@ def session_options(intra_op_threads: int, spinning: bool = False) -> ort.Sessio
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     # ONNX Runtime's pool threads spin after each run waiting for the next; on a server whose
-    # event loop shares the cores, that spinning starves the loop (docs/performance.md).
+    # event loop shares the cores, that spinning starves the loop (docs/record/performance.md).
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     if spinning:
         options.add_session_config_entry("session.intra_op.spin_duration_us", str(SOLO_SPIN_US))
     # No CPU memory arena: with it RSS stays at the largest run's peak for good, and small runs are
-    # no slower without it (docs/server.md, Memory, has the figures).
+    # no slower without it (docs/record/server.md, "Memory goes back", has the figures).
     options.enable_cpu_mem_arena = False
     return options
 
@@ -106,7 +106,7 @@ class Engine:
     missing (an older export) or unloadable, with the reason logged once. Runs take numpy feeds
     and return numpy outputs on either provider (`session.run`): on CUDA, I/O binding (inputs
     bound from host memory, outputs allocated on the device and copied back) measured slower per
-    call on an H200 (docs/performance.md, "On a GPU"). `io_binding=True` takes that path on
+    call on an H200 (docs/record/performance.md, "On a GPU"). `io_binding=True` takes that path on
     either provider. The fused graphs are chosen by the same rule on CUDA as on CPU
     (server.graphs), with the crossover measured on CPU at export.
 
@@ -123,7 +123,7 @@ class Engine:
     row-chunk graphs (export.chunked) a chunk of rows at a time over key/value projected once, each
     chunk's output written in place, so that a stopped run ends between two chunks: ONNX Runtime
     checks its terminate flag only between nodes, and the fused attention is one node
-    (docs/server.md, "Row chunks"). A version without those graphs runs unchunked."""
+    (docs/scheduling.md, "Row chunks"). A version without those graphs runs unchunked."""
 
     def __init__(self, spec: ModelSpec, device: DeviceChoice, intra_op_threads: int = 0,
                  io_binding: bool = False, solo: bool = False, chunk_rows: int = 0) -> None:

@@ -22,7 +22,7 @@ headers arrive and before its message is read. It answers with
 Every refusal is answered through server.errors, like any other error.
 
 Why not grpc.aio interceptors: they run as a chain of coroutines on every call, on the event
-loop that is this server's bottleneck (docs/performance.md has the figures).
+loop that is this server's bottleneck (docs/record/performance.md has the figures).
 """
 
 from __future__ import annotations

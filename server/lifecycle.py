@@ -129,7 +129,7 @@ class Admission:
     `alone` tells the batchers that the call being dispatched is the only one: no other call in
     flight, no stream open, and the server held none for QUIET_S before it arrived. The quiet
     spell tells a lone client apart from a loaded server whose event loop has only just taken
-    the next call from gRPC's core (whose queue it cannot see; docs/performance.md, "Solo runs",
+    the next call from gRPC's core (whose queue it cannot see; docs/record/performance.md, "Solo runs",
     has how often each case found it empty)."""
 
     QUIET_S = 0.0002

@@ -7,7 +7,7 @@ got about two thirds of one. So the threads that compute run at a lower priority
 loop (a higher nice value, by --compute-nice): each batcher's run threads, and ONNX Runtime's
 intra-op pool threads, which a session starts when it is opened and which inherit the nice value
 of the thread that opens it. Where both want a core the kernel serves the loop first; a run
-alone has the cores to itself as before (docs/performance.md, "The event loop first").
+alone has the cores to itself as before (docs/record/performance.md, "The event loop first").
 
     lower_this_thread(increment)        # the calling thread (a batcher's run thread, as it starts)
     run_lowered(increment, open_model)  # open_model() in a new thread at that priority

@@ -16,7 +16,7 @@ aiohttp's low-level server, no router or middleware chain per request; each conn
 _Connection that times its request head and, at --max-http-connections, is closed first if it
 has waited longest for one. A client that closes its connection while its inference request is
 queued or computing cancels it (_Connection.cancelled_if_lost): it leaves the queue, or its run
-stops (server.batcher, "Cancellation"). Bounds and why: docs/rest-hardening.md, docs/performance.md.
+stops (server.batcher, "Cancellation"). Bounds and why: docs/rest-hardening.md, docs/record/rest.md.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Anti-starvation, by aging in batches: a request that a batch formed without (pas
 one level for every `aging_batches` such batches, up to level 1, and within a level the oldest
 goes first. Counted in batches, not in time, so that the bound holds on any machine: a request
 of level L runs within (L - 1) x aging_batches batches plus those of the level-1 requests
-queued before it, however fast high-priority requests keep arriving (docs/server.md, "Priorities
+queued before it, however fast high-priority requests keep arriving (docs/scheduling.md, "Priorities
 and queue timeouts").
 """
 

@@ -4,7 +4,7 @@ numpy's copy loops let go of the GIL for every array of more than 500 values, an
 when the event loop next gives it up: while the loop is busy that is one switch interval later
 (5 ms by default). A batch merged with np.concatenate waited that long for every request in it,
 and under load the run thread spent more of each batch waiting inside its merge than ONNX
-Runtime spent computing it (docs/performance.md, "The event loop first"). These copies are one
+Runtime spent computing it (docs/record/performance.md, "The event loop first"). These copies are one
 memcpy each, under the GIL (a memoryview's slice assignment), so the run thread waits for the GIL
 once per batch, not once per array:
 

@@ -105,7 +105,7 @@ NO_SKIP_ENV = "ATTNSERVE_TEST_NO_SKIP"
 
 
 # bench.ort_c's C program needs ONNX Runtime's C headers, which no registry here serves (the wheel
-# ships none): its tests build it only where they were fetched (docs/native-data-plane.md).
+# ships none): its tests build it only where they were fetched (docs/performance.md, bench.ort_c).
 ORT_C_HEADERS_MISSING = "ONNX Runtime's C headers are not available"
 
 

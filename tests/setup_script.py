@@ -1,4 +1,4 @@
-"""setup.py (the native data plane's build, docs/native-data-plane.md "Build") loaded as a module,
+"""setup.py (the native data plane's build, docs/native-build.md "Build") loaded as a module,
 for the tests that read its names; loading it builds nothing (setup() runs only as __main__)."""
 
 from __future__ import annotations

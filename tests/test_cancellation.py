@@ -1,4 +1,4 @@
-"""Cancellation stops work (server.batcher, "Cancellation"; docs/server.md): a call whose client
+"""Cancellation stops work (server.batcher, "Cancellation"; docs/scheduling.md): a call whose client
 goes away leaves the queue at once, a run whose requests are all gone stops (ONNX Runtime's
 RunOptions.terminate) and gives its memory back, a batch with a live request finishes for it.
 
@@ -91,7 +91,7 @@ def _long_run_cpu_rate(server: ServerProcess) -> float:
 
 def _assert_stopped(server: ServerProcess, during_rate: float) -> None:
     """The run stopped (at its next graph node: ONNX Runtime checks its terminate flag between
-    nodes, docs/server.md), then no CPU in the second after, and its memory back."""
+    nodes, docs/scheduling.md), then no CPU in the second after, and its memory back."""
     _wait_metric(server, "attnserve_runs_in_flight", 0, model=MODEL)
     after = _cpu_over(server.proc.pid, 1.0)
     assert after < 0.2 * during_rate, f"{after:.2f} CPU s in the second after the stop; {during_rate:.2f}/s running"

@@ -51,7 +51,7 @@ def test_the_pattern_catches_what_it_is_for():
 def test_no_machine_figures_in_code(path):
     found = [f"{path.relative_to(REPO_ROOT)}:{n}: {line.strip()}"
              for n, line in enumerate(path.read_text().splitlines(), 1) if MACHINE_FIGURES.search(line)]
-    assert not found, "figures measured on a machine belong in docs/performance.md or docs/design.md:\n" + \
+    assert not found, "figures measured on a machine belong in docs/record/ (the record of runs):\n" + \
         "\n".join(found)
 
 

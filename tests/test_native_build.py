@@ -1,4 +1,4 @@
-"""`pip wheel .` and the native data plane (setup.py, native/CMakeLists.txt; docs/native-data-plane.md,
+"""`pip wheel .` and the native data plane (setup.py, native/CMakeLists.txt; docs/native-build.md,
 "Build").
 
 Where the build dependencies exist, the wheel holds attnserve/server/_native*.so, and installed

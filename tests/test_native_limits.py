@@ -1,4 +1,4 @@
-"""The native data plane keeps the server's memory bounds (docs/native-data-plane.md, "Memory bounds").
+"""The native data plane keeps the server's memory bounds (docs/memory.md, "The native data plane's memory bounds").
 
 Against real `attnserve serve --data-plane native` processes, each bound answered on the native
 port with the Python port's status and words (the same request sent to both), the plane serving

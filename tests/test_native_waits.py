@@ -1,5 +1,5 @@
 """The native data plane keeps the last of the Python plane's memory bounds and cancel stages
-(docs/native-data-plane.md, "Memory bounds" and "Request control"):
+(docs/memory.md, "The native data plane's memory bounds", and docs/native-data-plane.md, "Request control"):
 
 - a native call with a deadline waits for memory within it, in one arrival order with the Python
   plane's waiters (the budget's one queue, in C++), counted where Python's waiters are; one

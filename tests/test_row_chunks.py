@@ -1,4 +1,4 @@
-"""Row chunks (server.engine, "Row chunks"; docs/server.md, Cancellation): a long fused run is
+"""Row chunks (server.engine, "Row chunks"; docs/scheduling.md, "Row chunks"): a long fused run is
 computed a chunk of query rows at a time over key/value projected once, so a cancelled long run
 stops within one chunk; the answers are those of the unchunked run.
 

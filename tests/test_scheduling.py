@@ -1,4 +1,4 @@
-"""Triton's schedule policy (server.scheduling, docs/server.md "Priorities and queue timeouts"):
+"""Triton's schedule policy (server.scheduling, docs/scheduling.md "Priorities and queue timeouts"):
 request `priority` and `timeout` on both transports, config.json's dynamic_batching, the
 priority queue with aging, and requests refused unrun once their deadline passes in the queue.
 

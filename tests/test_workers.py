@@ -221,7 +221,7 @@ def test_model_statistics_and_metrics_are_the_whole_servers(model_repository):
                 return stats
 
             # Another worker's native batch is in the sum once its event loop has counted it, just
-            # after the answer (docs/native-data-plane.md, "--workers"): the sum reaches every call.
+            # after the answer (docs/native-data-plane.md, "TLS, tokens and workers"): the sum reaches every call.
             _wait_until(lambda statistics=statistics: statistics().inference_count == calls)
             stats = statistics()
             assert (stats.inference_count, stats.execution_count) == (calls, calls), pid

@@ -18,7 +18,8 @@ program opens its own with the same options), so they compute the same thing: `c
 compares the C program's outputs with the Python session's.
 Per-batch overhead of a variant: the median of its paired per-call differences from c_api in each
 round (the variants interleaved call by call), then the median over rounds.
-docs/native-data-plane.md, "ONNX Runtime from C++ or from Python", has the method and the figures.
+docs/performance.md (bench.ort_c) has the method, docs/record/native-plane.md ("ONNX Runtime from C++ or
+from Python") the figures.
 """
 
 from __future__ import annotations
@@ -292,7 +293,7 @@ def shares(results: dict[str, dict], plane: dict[str, dict[str, list[float]]]) -
     engine's per-batch CPU overhead over the C API, spread over the batch's requests, against the
     plane's CPU per request (median of the goals files' figures).
     {model: {"c1": figures of the 1-request run, "c32": {"b<k>": figures of each k-request run}}}:
-    at c=32 the plane's batches held 2.4-2.7 requests (docs/native-data-plane.md, its counters),
+    at c=32 the plane's batches held 2.4-2.7 requests (docs/record/native-plane.md, its counters),
     so the share there is read at the measured k nearest that, and at k=32 (full batches)."""
     out: dict[str, dict] = {}
     for result in results.values():

@@ -59,7 +59,7 @@ def vendor_headers(source: str | None = None) -> Path:
             return INCLUDE
         raise Unavailable(f"ONNX Runtime's C headers are not available: set ${HEADERS_ENV} to a folder with "
                           f"{MAIN_HEADER} or a git directory that has it (the onnxruntime wheel ships none); "
-                          "docs/native-data-plane.md, 'ONNX Runtime from C++ or from Python'")
+                          "docs/performance.md, 'The C program and its headers'")
     path = Path(source)
     staged = BUILD / "include.new"
     shutil.rmtree(staged, ignore_errors=True)

@@ -74,7 +74,7 @@ class BatchJob:
     # (docs/shared-memory.md); off: always in the messages.
     shared_memory: str = "off"
     # Triton's schedule policy, on every request: 1 the highest priority, and the longest wait in
-    # the server's queue in microseconds; 0: the model's defaults (docs/server.md).
+    # the server's queue in microseconds; 0: the model's defaults (docs/scheduling.md).
     priority: int = 0
     timeout_us: int = 0
 

@@ -7,5 +7,5 @@ the heap's modes and the passes that give memory back, and the table of every si
     reclaim.py   Reclaimer: the budget's on_idle/on_crowded turned into heap passes
     limits.py    LIMITS: each size bound, its default, its setting and where it is enforced
 
-docs/server.md ("Memory") explains the model; docs/design.md the why of each mechanism.
+docs/memory.md ("Memory") explains the model; docs/design.md the why of each mechanism.
 """

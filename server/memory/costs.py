@@ -13,7 +13,7 @@ Runtime's CPU arena off (server.engine), over a grid of shapes of both presets a
 graphs. With S = B*H*Lq*Lk*4 (the attention matrix) the unfused graph holds about 3.5 S at its
 peak (scores, the scaled and masked copies, the softmax), plus its projections, inputs and
 outputs, and with attn_probs another 0.5 S; times SAFETY. The estimate must never be below the
-peak (tests/test_memory.py checks it; docs/server.md, Memory, has the factors found). The fused
+peak (tests/test_memory.py checks it; docs/memory.md, "Memory", has the factors found). The fused
 graphs are not fitted: they are given the unfused output-only figure (fused_working_set), an
 upper bound.
 """

@@ -20,7 +20,7 @@ crowded (the one place that sets it up and trims).
 - freeze_gc() freezes what exists at startup out of the collector's walk (a collection holds the
   GIL); unfreeze_gc() gives it back when a model version goes.
 An operator's own glibc tunables are left as they are. Elsewhere than glibc on Linux nothing is
-set or trimmed. Figures and history: docs/design.md ("The heap") and docs/server.md (Memory).
+set or trimmed. Figures and history: docs/design.md ("The heap") and docs/record/server.md ("Memory goes back").
 """
 
 from __future__ import annotations

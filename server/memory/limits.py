@@ -7,7 +7,7 @@ where it is enforced.
 
 tests/test_memory_limits.py checks the table against server/config.py's defaults and the named
 constants, and that every `enforced_by` names a real object, so it cannot drift from the code.
-docs/server.md ("Memory") explains how the bounds work together.
+docs/memory.md ("Memory") explains how the bounds work together.
 """
 
 from __future__ import annotations
