@@ -2,7 +2,7 @@
 // Python's runners once per batch. It parses and checks a request, admits it (drain, receive slots,
 // the memory budget), queues it by priority with its deadline, forms padded batches, splits the
 // answers and settles each call once through its front's Reply. It knows no transport.
-// docs/native-data-plane.md, "The core and its seam", lists the calls below and what crosses them.
+// docs/design.md, "The native core and its seam", lists the calls below and what crosses them.
 #pragma once
 
 #include <array>

@@ -137,7 +137,7 @@ struct Pending {
   int64_t* held = nullptr;        // where its budget reservation is kept until the answer is sent
   std::atomic<int64_t>* answered_by = nullptr;  // its call's: the model index once answered OK (the answered stage)
   std::chrono::steady_clock::time_point started, arrived;  // the handler's start; queued
-  // The schedule (docs/server.md, "Priorities and queue timeouts"): refused unrun once `deadline`
+  // The schedule (docs/scheduling.md, "Priorities and queue timeouts"): refused unrun once `deadline`
   // (the earlier of the call's and its `timeout`) passes while queued; served by aged level.
   TimePoint deadline = kNever;
   uint64_t priority = 1;

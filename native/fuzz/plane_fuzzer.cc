@@ -1,7 +1,7 @@
 // libFuzzer target over the native core's wire parser, contract checks, batching and split, and the
 // gRPC front's answer encoding: each input is one serialized ModelInferRequest, submitted as a call
 // beside a valid one of the same model, then batched with it and answered with zeros (`make fuzz-native`,
-// docs/native-data-plane.md). The models come from plane_models.txt beside the binary, written by
+// docs/native-build.md, "Sanitizers and fuzzing"). The models come from plane_models.txt beside the binary, written by
 // native/fuzz/seeds.py from attnserve.contract and the server's defaults.
 #include <unistd.h>
 

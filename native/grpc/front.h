@@ -1,7 +1,7 @@
 // The gRPC front: grpc++'s callback server on the one gRPC port. It frames calls and submits each
 // ModelInfer request into the core (core/core.h); the rare RPCs go to Python through the relay
 // callback, and the methods it does not serve to the Python server behind a Unix socket (relay.h).
-// docs/native-data-plane.md says how it is built, flagged and measured.
+// docs/native-data-plane.md says what it does, docs/native-build.md how it is built.
 #pragma once
 
 #include <atomic>
