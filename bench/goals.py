@@ -14,6 +14,8 @@ round each round, so every side sees the machine's drift), at concurrency 1 and 
     python        `attnserve serve --data-plane python`, its gRPC port
     native        `attnserve serve --data-plane native`, its gRPC port (the native plane)
     rest_binary   the python server's REST port, binary tensor data (perf_analyzer -i http)
+    native_rest_binary   the native server's REST port, binary (perf_analyzer -i http): REST over gRPC there
+    native_beside_rest   the native server's gRPC port while REST binary calls (c=8) run beside it
     rest_binary_aiohttp, rest_json   the same port driven by bench.rest_loadgen, binary and JSON
     aiohttp_floor bench.aiohttp_floor: bare aiohttp answering zeros (binary), by bench.rest_loadgen
     in-process    ONNX Runtime on the served graph: the batch-1 call and 32 requests per run
@@ -40,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -55,6 +58,8 @@ LEVELS = (1, 32)
 C32_SHARE = 0.7  # of 1/(1/native floor + 1/in-process b32)
 C1_SLACK_MS = 0.1  # over native floor p50 + b1 call
 PEER_GOAL = 3.0  # our c32 over PyTriton's
+REST_GOAL = 0.8  # the native server's REST binary c32 over its gRPC c32
+BESIDE_REST_CONCURRENCY = 8  # REST calls in flight beside native_beside_rest's gRPC load
 SERVERS = ("native", "python")  # the sides the goals are judged for
 # side: (process, how it is driven)
 SIDES = {
@@ -66,6 +71,10 @@ SIDES = {
     "rest_binary_aiohttp": ("python", "rest_binary"),
     "rest_json": ("python", "rest_json"),
     "aiohttp_floor": ("aiohttp_floor", "rest_binary"),
+    # The native server's REST port (its calls join the core's queues beside gRPC's), by the gRPC
+    # sides' own generator; and its gRPC port at c=32 while REST calls (c=8) run beside them.
+    "native_rest_binary": ("native", "http"),
+    "native_beside_rest": ("native", "grpc_beside_rest"),
     # Asked for by name only: the native floor answering from a thread of its own (what a handoff costs).
     "native_floor_handoff": ("native_floor_handoff", "grpc"),
 }
@@ -161,7 +170,8 @@ def start(name: str, repository: Path, workdir: Path, models: list[str], device:
                        workdir, "grpc_port")
     if name == "native":
         return Process(name, _server_command("attnserve.server", repository, "--data-plane", "native",
-                                             "--device", device, *server_args), workdir, "grpc_port")
+                                             "--http-port", "0", "--device", device, *server_args),
+                       workdir, "grpc_port")
     if name == "aiohttp_floor":
         return Process(name, [sys.executable, "-m", "bench.aiohttp_floor", "--model-repository", str(repository)],
                        workdir, "http_port")
@@ -239,7 +249,11 @@ def summarize(rounds: list[dict]) -> dict:
                 entry["met"] = passes(entry[ratio])
             mine[goal] = entry
         goals[name] = mine
-    return {"sides": medians, "in_process": in_process, "goals": goals}
+    per_round = [got["sides"]["native_rest_binary"][32]["requests_per_s"] / got["sides"]["native"][32]["requests_per_s"]
+                 for got in rounds if 32 in got["sides"].get("native_rest_binary", {})
+                 and 32 in got["sides"].get("native", {})]
+    rest_over_grpc = {"per_round": per_round, "median": _median(per_round)} if per_round else None
+    return {"sides": medians, "in_process": in_process, "goals": goals, "rest_over_grpc": rest_over_grpc}
 
 
 def rest_decision(medians: dict) -> list[dict]:
@@ -247,8 +261,8 @@ def rest_decision(medians: dict) -> list[dict]:
     and p50 at c=1, and each one's CPU over the Python gRPC path's."""
     base = medians.get("python", {}).get(32, {}).get("cpu_ms_per_req")
     rows = []
-    for side in ("native", "python", "rest_binary", "rest_binary_aiohttp", "rest_json", "native_floor", "aio_floor",
-                 "aiohttp_floor"):
+    for side in ("native", "native_rest_binary", "native_beside_rest", "python", "rest_binary", "rest_binary_aiohttp",
+                 "rest_json", "native_floor", "aio_floor", "aiohttp_floor"):
         levels = medians.get(side)
         if not levels:
             continue
@@ -302,6 +316,11 @@ def report(model: str, shape, summary: dict) -> list[str]:
             d = goals["pytriton"]
             lines.append(f"  {name}: c32 / PyTriton's c32 = {d['of_pytriton']:.2f} (goal {PEER_GOAL:.0f}x) "
                          f"{'PASS' if d['met'] else 'FAIL'}")
+    ratios = summary.get("rest_over_grpc")
+    if ratios:
+        per_round = ", ".join(f"{x:.2f}" for x in ratios["per_round"])
+        lines.append(f"  native: REST binary c32 / gRPC c32 on the same server = {ratios['median']:.2f} "
+                     f"(rounds {per_round}; goal {REST_GOAL}) {'PASS' if ratios['median'] >= REST_GOAL else 'FAIL'}")
     rest = rest_decision(summary["sides"])
     if any(r["side"].startswith(("rest", "aiohttp")) for r in rest):
         lines.append("  REST next to gRPC (server CPU ms per request at c=32, p50 at c=1; CPU over Python gRPC's):")
@@ -383,6 +402,21 @@ def main(argv: list[str] | None = None) -> int:
                                        on_stop=lambda: window.update(cpu1=tree_cpu_s(pid)))
                 cpu_ms = (window["cpu1"] - window["cpu0"]) * 1000
                 got["cpu_ms_per_req"] = cpu_ms / got["requests"] if got["requests"] else float("nan")
+            elif how == "grpc_beside_rest":  # gRPC at c, REST binary calls running beside it the whole time
+                beside = threading.Thread(target=rest_loadgen.run, args=(
+                    f"127.0.0.1:{proc.ports['http_port']}", model, dims, shape, BESIDE_REST_CONCURRENCY,
+                    args.seconds * 3 + 30), daemon=True)
+                beside.start()
+                time.sleep(2)  # its processes warmed up and sending
+                cpu0, t0 = tree_cpu_s(pid), time.monotonic()
+                if found is not None:
+                    got = perf_analyzer.run(*found, proc.address, model, dims, shape, c, args.seconds, workdir,
+                                            spec.version)
+                else:
+                    got = loadgen.run(proc.address, model, dims, shape, c, args.seconds)
+                share = (tree_cpu_s(pid) - cpu0) / (time.monotonic() - t0)
+                got["cpu_ms_per_req"] = 1000 * share / got["requests_per_s"]
+                beside.join()
             else:
                 address = f"127.0.0.1:{proc.ports['http_port']}" if how == "http" else proc.address
                 cpu0, t0 = tree_cpu_s(pid), time.monotonic()
@@ -406,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                     got["in_process"] = inprocess.measure(specs[model], SHAPES[model], (1, 32), args.in_process_s,
                                                           providers=providers)
                 for side in order:
-                    for c in ((32,) if side == "pytriton" else LEVELS):
+                    for c in ((32,) if side in ("pytriton", "native_beside_rest") else LEVELS):
                         try:
                             figures = drive(side, model, c)
                         except RuntimeError as err:  # perf_analyzer found no stable window: this level is left out

@@ -1,5 +1,6 @@
 // attnserve.server._native: the native data plane's few coarse calls, for server/native.py.
 #include <algorithm>
+#include <chrono>
 #include <optional>
 #include <string>
 
@@ -10,6 +11,7 @@
 #include <pybind11/stl.h>
 
 #include "encode.h"
+#include "log.h"
 #include "plane.h"
 
 namespace py = pybind11;
@@ -45,6 +47,8 @@ py::tuple RecordTuple(const attnserve::CallRecord& r) {
 PYBIND11_MODULE(_native, m) {
   m.doc() = "The native data plane: a C++ gRPC listener for ModelInfer handing Python one call per batch.";
   m.attr("MAX_TIMEOUT_US") = attnserve::kMaxTimeoutUs;
+  m.def("protobuf_lines_left_out", &attnserve::ProtobufLinesLeftOut,
+        "protobuf's log lines left out so far (at most a few per minute are written: core/log.h)");
   // The plane's gRPC core's channelz, named as grpcio's cygrpc names its own: server.handover.CoreCalls
   // reads either (the plane's core is not grpcio's).
   auto channelz = [](char* json) {
@@ -276,6 +280,62 @@ PYBIND11_MODULE(_native, m) {
            "readable once records wait to be taken (-1: not recording)")
       .def("records_dropped", [](const Plane& p) { return p.records() ? p.records()->dropped() : uint64_t{0}; },
            "records dropped so far because the buffer was full")
+      // The outbox (core/outbox.h): the REST front's calls, submitted whole, answered in bulk.
+      .def("submit", [](Plane& p, py::bytes message, std::optional<double> timeout_s, bool figures) {
+        char* data = nullptr;
+        Py_ssize_t size = 0;
+        if (PyBytes_AsStringAndSize(message.ptr(), &data, &size) != 0) throw py::error_already_set();
+        attnserve::TimePoint deadline = attnserve::kNever;
+        if (timeout_s && *timeout_s < 1e9) {  // beyond: as good as none
+          deadline = std::chrono::steady_clock::now() +
+                     std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                         std::chrono::duration<double>(std::max(*timeout_s, 0.0)));
+        }
+        py::gil_scoped_release release;  // `message` stays referenced by this frame
+        return p.outbox().Submit({std::string_view(data, static_cast<size_t>(size))}, deadline, figures);
+      }, py::arg("message"), py::arg("timeout_s") = py::none(), py::arg("figures") = false,
+         "parse and submit a serialized ModelInferRequest: its ticket; the answer comes through take_answers")
+      .def("cancel_submitted", [](Plane& p, uint64_t ticket, bool disconnected) {
+        return p.outbox().Cancel(ticket, disconnected);
+      }, py::arg("ticket"), py::arg("disconnected") = false, py::call_guard<py::gil_scoped_release>(),
+         "its client went away (disconnected: its connection ended): out of the core")
+      .def("answers_fd", [](Plane& p) { return p.outbox().wake_fd(); }, "readable once answers wait to be taken")
+      .def("submitted", [](Plane& p) { return p.outbox().pending(); }, "calls submitted and not yet answered")
+      .def("take_answers", [](Plane& p) {
+        std::vector<attnserve::Outbox::Answer> taken;
+        {
+          py::gil_scoped_release release;
+          taken = p.outbox().Take();
+        }
+        const attnserve::Records* records = p.records();
+        auto epoch = [records](std::chrono::steady_clock::time_point t) { return records ? records->EpochNs(t) : 0; };
+        py::list out;
+        for (auto& a : taken) {
+          py::object head = py::none();
+          py::list raw;
+          if (a.response) {
+            google::protobuf::RepeatedPtrField<std::string> contents;
+            contents.Swap(a.response->mutable_raw_output_contents());  // the bytes change hands, uncopied
+            head = py::bytes(a.response->SerializeAsString());
+            for (std::string& bytes : contents) {
+              auto* owned = new std::string(std::move(bytes));
+              py::capsule free(owned, [](void* s) { delete static_cast<std::string*>(s); });
+              raw.append(py::memoryview(py::array_t<uint8_t>({static_cast<py::ssize_t>(owned->size())}, {1},
+                                                             reinterpret_cast<const uint8_t*>(owned->data()), free)));
+            }
+          }
+          py::object figures = py::none();
+          if (a.note && a.note->rows > 0) {
+            const attnserve::CallNote& n = *a.note;
+            figures = py::make_tuple(epoch(n.admitted), n.rows, n.q_len, n.k_len, n.queue_s, n.run_s, n.batch_requests,
+                                     n.batch, epoch(n.run_ended));
+          }
+          out.append(py::make_tuple(a.ticket, static_cast<int>(a.status.error_code()), py::bytes(a.status.error_message()), head,
+                                    raw, a.reserved, figures));
+        }
+        return out;
+      }, "[(ticket, code, details (bytes), response without its raw outputs (None unless OK), raw outputs, reserved bytes, "
+         "figures: (admitted_ns, rows, q_len, k_len, queue_s, run_s, batch_requests, batch, run_end_ns) or None)]")
       .def("take_arrivals_and_records", [](Plane& p) {
         py::dict arrivals;
         py::list out;
@@ -364,7 +424,8 @@ PYBIND11_MODULE(_native, m) {
         if (index >= p.Models()) throw py::index_error("no such model");
         auto counts = p.Cancellations(index);
         return std::vector<uint64_t>(counts.begin(), counts.end());
-      }, "cancelled calls of model `index`: (client, deadline) x (queued, running, terminated, answered), a list of 8")
+      }, "cancelled calls of model `index`: (client, deadline, disconnect) x (queued, running, terminated, answered), "
+         "a list of 12")
       .def("counters", [](const Plane& p) {
         const auto& c = p.counters();
         py::dict d;

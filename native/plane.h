@@ -1,5 +1,6 @@
 // The process's native data plane as attnserve.server._native serves it: the core (core/) with
-// the gRPC front (grpc/) on it. Stop order: refuse, close the port, end the threads.
+// its fronts, the gRPC front (grpc/) and the outbox the REST front submits through. Stop order:
+// refuse, close the port, end the threads.
 #pragma once
 
 #include <string>
@@ -8,16 +9,18 @@
 
 #include "core.h"
 #include "front.h"
+#include "outbox.h"
 
 namespace attnserve {
 
 class Plane final : public Core {
  public:
-  explicit Plane(Contract contract) : Core(std::move(contract)), front_(this) {}
+  explicit Plane(Contract contract) : Core(std::move(contract)), front_(this), outbox_(this) {}
   ~Plane() override {
     if (front_.Serving()) Stop(0);  // halted but not stopped: its listener still closes
   }
   GrpcFront& front() { return front_; }
+  Outbox& outbox() { return outbox_; }
   // Listens and serves (GrpcFront::Start); the deadlines' timer starts with it.
   int Start(const std::vector<std::string>& addresses, int max_message_bytes, int max_concurrent_streams) {
     const int port = front_.Start(addresses, max_message_bytes, max_concurrent_streams);
@@ -37,6 +40,7 @@ class Plane final : public Core {
 
  private:
   GrpcFront front_;
+  Outbox outbox_;
 };
 
 }  // namespace attnserve

@@ -277,7 +277,8 @@ class Server:
         if cfg.http_port >= 0:
             self._rest = RestPort(request_path, self._admission, self._draining, token, cfg.max_message_bytes,
                                   cfg.access_log, cfg.max_json_bytes, budget=self.budget,
-                                  max_connections=cfg.max_http_connections, head_timeout_s=cfg.http_header_timeout_s)
+                                  max_connections=cfg.max_http_connections, head_timeout_s=cfg.http_header_timeout_s,
+                                  core=self._native)
             try:
                 self.http_port = await self._rest.start(cfg.host, cfg.http_port, ssl_context,
                                                         reuse_port=self.worker is not None)

@@ -42,11 +42,12 @@ from attnserve.server.codec import (
     _REQUEST_OVERHEAD_BYTES,
     _RESPONSE_OVERHEAD_BYTES,
     WIRE_MIN_BYTES,
+    InferResponse,
     heads_differ_refusal,
     native_graph_terms,
 )
 from attnserve.server.data_plane import NATIVE_MISSING_NOTE, why_unavailable  # noqa: F401 (this module's API too)
-from attnserve.server.errors import status_for
+from attnserve.server.errors import OK, status_for, status_of_code
 from attnserve.server.lifecycle import Arrivals
 from attnserve.server.listen import listen_addresses, reserve_port
 from attnserve.server.memory.costs import native_cost_terms
@@ -54,7 +55,7 @@ from attnserve.server.metrics import SYNC_PERIOD_S
 from attnserve.server.models import ModelUnavailable
 from attnserve.server.native_records import NativeRecords
 from attnserve.server.quoting import logged
-from attnserve.server.request_path import ANSWERED, CLIENT, DEADLINE
+from attnserve.server.request_path import ANSWERED, CLIENT, DEADLINE, DISCONNECT
 from attnserve.server.security import NATIVE_PORT, OPEN_METHOD_PREFIXES, REFUSAL, read_tls_files, read_token
 from attnserve.server.shm import BYTE_SIZE, OFFSET, REGION
 from attnserve.server.tensors import RunStop
@@ -79,7 +80,7 @@ IN_FLIGHT_METRIC = "attnserve_native_in_flight"  # registered only while the pla
 OBSERVE_EVERY_S = 0.05  # how long a batch's figures may wait for the event loop (NativePlane._observe)
 UNKNOWN_MODEL = "_unknown"  # the label of calls naming no known model (server.request_path's)
 # plane.cancellations(index)'s order (native/core/types.h's kCancelReasons x kCancelStages).
-CANCEL_LABELS = tuple((reason, stage) for reason in (CLIENT, DEADLINE)
+CANCEL_LABELS = tuple((reason, stage) for reason in (CLIENT, DEADLINE, DISCONNECT)
                       for stage in (QUEUED, RUNNING, TERMINATED, ANSWERED))
 
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
@@ -193,6 +194,9 @@ class NativePlane:
         # A drain waits for a call whose message is still arriving as long as the Python plane does.
         self._plane.set_arrival_timeout(Arrivals.TIMEOUT_S)
         self._tracers: list = []  # server.tracing.BatchTracer by the plane's model index (tracing on)
+        self._budget_counter = budget_counter
+        # The REST front's calls in the core (submit_infer): ticket -> (future, call), until answered.
+        self._submitted: dict[int, tuple[asyncio.Future, object]] = {}
         if budget_counter is not None:
             from attnserve.server.service import STREAM_BUDGET_SHARE
 
@@ -333,6 +337,60 @@ class NativePlane:
             return
         reply(0, "", response.SerializeToString())
 
+    # -- the REST front's calls (docs/native-data-plane.md, "REST in the core") -----------------
+
+    @staticmethod
+    def takes(message: pb.ModelInferRequest) -> bool:
+        """Whether the core serves this request: all but shared memory's (the Python request path's)."""
+        return not any(key in tensor.parameters for tensor in (*message.inputs, *message.outputs)
+                       for key in SHARED_MEMORY_PARAMETERS)
+
+    async def submit_infer(self, message: pb.ModelInferRequest, call=None) -> tuple[InferResponse | None, object]:
+        """One inference request into the core's queue for its model version, beside the gRPC
+        port's calls: (the answer, OK), or (None, the status). Called on the event loop, which the
+        answers reach once for all that are ready (_take_answers). The caller releases the answer
+        once it is sent (its memory reservation). call (server.tracing.Call): given the core's
+        figures (admitted, queue wait, run, batch) for its line and span. A cancelled caller (its
+        connection ended: REST has no cancel of its own) takes its request out of the core, as a
+        gRPC call whose client went away does, counted under the reason `disconnect`."""
+        ticket = self._plane.submit(message.SerializeToString(), None, call is not None)
+        future = self._loop.create_future()
+        self._submitted[ticket] = (future, call)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._plane.cancel_submitted(ticket, True)  # its answer still comes: _take_answers drops it
+            raise
+
+    def _take_answers(self) -> None:
+        """On the event loop: every answer ready, to its caller."""
+        for ticket, code, details, head, raw, reserved, figures in self._plane.take_answers():
+            future, call = self._submitted.pop(ticket, (None, None))
+            reservation = _Reserved(self._budget_counter, reserved)
+            if future is None or future.done():  # its caller went away
+                reservation.release()
+                continue
+            if code != 0:
+                reservation.release()
+                future.set_result((None, status_of_code(code, details.decode("utf-8", "replace"))))
+                continue
+            message = pb.ModelInferResponse.FromString(head)
+            if call is not None and figures is not None:
+                self._figures(call, message.model_version, *figures)
+            future.set_result((InferResponse(message, list(raw), reservation), OK))
+
+    def _close_answers(self) -> None:
+        self._loop.remove_reader(self._plane.answers_fd())
+        self._take_answers()
+
+    def _figures(self, call, version: str, admitted_ns: int, rows: int, q_len: int, k_len: int, queue_s: float,
+                 run_s: float, batch_requests: int, batch: int, run_end_ns: int) -> None:
+        call.admitted(rows, q_len, k_len, at_ns=admitted_ns or None)
+        call.computed(queue_s, run_s, batch_requests, version, at_ns=run_end_ns or None)
+        call.encoded(at_ns=run_end_ns or None)
+        if self._records is not None:
+            self._records.joins_batch(batch, call.span)
+
     def answer_from_own_thread(self) -> None:
         """The floor (zeros) only: its calls answered from one thread of the plane's, not gRPC's."""
         self._plane.set_zeros_handoff()
@@ -370,6 +428,8 @@ class NativePlane:
             raise OSError(f"cannot listen on {unbound} (--host {cfg.host})")
         if self._records is not None:
             self._records.start(self._loop)
+        if self._loop is not None and not self._zeros:
+            self._loop.add_reader(self._plane.answers_fd(), self._take_answers)
         if not self._zeros:
             self._started = True
             for index in sorted(self._lanes.values()):
@@ -519,6 +579,7 @@ class NativePlane:
             self._observers[index].on_batch(stats)
             self._metrics.requests_answered(self._models[index][0], done_s)
             if span_figures is not None and self._records is not None:
+                self._take_answers()  # the REST calls' spans of this batch, before its span links them
                 self._records.batch_done(self._tracers[index], stats, *span_figures)
             if self._shared_port and self._metrics is not None:  # the supervisor's /metrics reads the files:
                 self._count_final_statuses()  # its calls there by the time ModelStatistics counts them
@@ -600,6 +661,11 @@ class NativePlane:
                 self._loop.call_soon_threadsafe(self.count_pending)
             except RuntimeError:
                 pass  # the loop is closed: the server is gone
+        if self._loop is not None and not self._zeros:  # the REST calls' last answers (refused by the stop)
+            try:
+                self._loop.call_soon_threadsafe(self._close_answers)
+            except RuntimeError:
+                pass  # the loop is closed: the server is gone
         if self._records is not None:  # the last calls' lines and spans, on the event loop
             try:
                 self._loop.call_soon_threadsafe(self._records.stop)
@@ -614,3 +680,18 @@ class NativePlane:
     def _last_sync(self) -> None:
         self._sync_task.cancel()
         self._sync_counts()
+
+
+class _Reserved:
+    """A core call's budget reservation, given back once its answer is sent (InferResponse.release)."""
+
+    __slots__ = ("_counter", "_nbytes")
+
+    def __init__(self, counter, nbytes: int) -> None:
+        self._counter = counter
+        self._nbytes = nbytes
+
+    def release(self) -> None:
+        if self._nbytes > 0 and self._counter is not None:
+            self._counter.give(self._nbytes)
+        self._nbytes = 0

@@ -117,9 +117,13 @@ class NativeRecords:
             call.computed(queue_s, run_s, batch_requests, _text(version), at_ns=run_end_ns or None)
             call.encoded(at_ns=run_end_ns or None)
         call.finish(status, bytes_out, end_ns=end_ns)
-        span = call.span
-        if batch and span is not None and span.get_span_context().trace_flags.sampled:
-            self._batch_spans.setdefault(batch, []).append(span)
+        self.joins_batch(batch, call.span)
+
+    def joins_batch(self, batch_id: int, span) -> None:
+        """A REST call computed in batch `batch_id` (server.native's submit_infer): its span, linked
+        from the batch's span as a gRPC call's is."""
+        if batch_id and span is not None and span.get_span_context().trace_flags.sampled:
+            self._batch_spans.setdefault(batch_id, []).append(span)
             while len(self._batch_spans) > _MAX_OPEN_BATCHES:
                 self._batch_spans.pop(next(iter(self._batch_spans)))
 

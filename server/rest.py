@@ -132,13 +132,16 @@ class RestPort:
     def __init__(self, request_path: RequestPath, admission: Admission, draining: Draining, token: BearerToken | None,
                  max_body_bytes: int, access_log: bool = False, max_json_bytes: int | None = None,
                  budget: MemoryBudget | None = None, max_connections: int = MAX_CONNECTIONS,
-                 head_timeout_s: float = HEAD_TIMEOUT_S) -> None:
+                 head_timeout_s: float = HEAD_TIMEOUT_S, core=None) -> None:
         """max_json_bytes: the most JSON text a request, or an answer's `data`, may take
         (--max-json-bytes): it is parsed and written on the event loop. budget: the server's
         memory budget, which a body takes from as it is received and parsed (None: unbounded
         but for max_body_bytes). max_connections: open at once (--max-http-connections);
-        head_timeout_s: the most a request head may take (--http-header-timeout-s)."""
+        head_timeout_s: the most a request head may take (--http-header-timeout-s). core: the native
+        data plane (server.native.NativePlane), whose queues its inference requests join beside the
+        gRPC port's (None: the Python request path serves them)."""
         self._request_path = request_path
+        self._core = core
         self._budget = budget
         self._max_connections = max_connections
         self._head_timeout_s = head_timeout_s
@@ -434,7 +437,14 @@ class RestPort:
         start()  # no await from here to the batcher's queue (lifecycle.Arrivals)
         call = request.get(_CALL)
         with request.protocol.cancelled_if_lost():
-            answer, status = await self._request_path.infer(message, None, call, DISCONNECT)
+            if self._core is not None and self._core.takes(message):  # one queue with the gRPC port's calls
+                if call is not None:
+                    call.request(message.model_name, message.model_version, message.id)
+                answer, status = await self._core.submit_infer(message, call)
+                if answer is None and call is not None:
+                    call.finish(status)
+            else:
+                answer, status = await self._request_path.infer(message, None, call, DISCONNECT)
         if answer is None:
             return error_response(status)
         try:

@@ -15,17 +15,18 @@ using Clock = std::chrono::steady_clock;
 // A gRPC client cancels at its own deadline, which runs out before the server's: a cancel this
 // close to it counts as the deadline (server.request_path's _DEADLINE_SLACK_S).
 constexpr auto kDeadlineSlack = std::chrono::milliseconds(500);
-enum CancelReason : size_t { kClient = 0, kDeadline = 1 };
+enum CancelReason : size_t { kClient = 0, kDeadline = 1, kDisconnect = 2 };
 enum CancelStage : size_t { kQueued = 0, kRunning = 1, kTerminated = 2, kAnswered = 3 };
 
-size_t ReasonOf(TimePoint call_deadline) {
-  return call_deadline != kNever && Clock::now() >= call_deadline - kDeadlineSlack ? kDeadline : kClient;
+size_t ReasonOf(TimePoint call_deadline, bool disconnected = false) {
+  if (call_deadline != kNever && Clock::now() >= call_deadline - kDeadlineSlack) return kDeadline;
+  return disconnected ? kDisconnect : kClient;
 }
 
 }  // namespace
 
-bool Core::Cancel(const Reply* reply, TimePoint call_deadline) {
-  const size_t reason = ReasonOf(call_deadline);
+bool Core::Cancel(const Reply* reply, TimePoint call_deadline, bool disconnected) {
+  const size_t reason = ReasonOf(call_deadline, disconnected);
   auto mine = [&](const Pending& p) { return p.reply == reply; };
   std::vector<std::pair<int64_t, Parked>> waiting;  // waiting for memory: they leave the budget's queue
   std::vector<std::pair<Queue*, std::vector<Pending>>> left;

@@ -2,11 +2,12 @@
 // Settle, once, whichever front it came from.
 #include "core.h"
 
+#include "log.h"
 #include "text.h"
 
 namespace attnserve {
 
-Core::Core(Contract contract) : contract_(std::move(contract)) {}
+Core::Core(Contract contract) : contract_(std::move(contract)) { BoundProtobufLog(); }
 
 Core::~Core() {
   StopTimer();
@@ -25,7 +26,7 @@ void Core::Settle(const Pending& p, Queue* queue, const Status& status, std::vec
 
 void Core::Settle(const Pending& p, Codes* codes, const Status& status, std::vector<CallRecord>* into) {
   Count(codes, status);
-  if (p.note && records_) Record(p, status, into);  // before the answer: its request and response go with it
+  if (p.note && p.note->recorded && records_) Record(p, status, into);  // before the answer: its request and response go with it
   p.reply->Answered(p.seq, Bounded(status));
 }
 

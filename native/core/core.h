@@ -133,9 +133,10 @@ class Core {
 
   // -- cancellation (cancel.cc) ---------------------------------------------------------------------
   // A call's client went away: out of its queue now, or marked in its running batch, whose stop is
-  // called once every call in it is gone. call_deadline: its deadline (the reason). Whether it found
-  // the call (every request of a stream's Reply).
-  bool Cancel(const Reply* reply, TimePoint call_deadline);
+  // called once every call in it is gone. call_deadline: its deadline (the reason, near it);
+  // disconnected: its connection ended (else its client cancelled). Whether it found the call (every
+  // request of a stream's Reply).
+  bool Cancel(const Reply* reply, TimePoint call_deadline, bool disconnected = false);
   // A call answered OK whose client went away before the answer was sent (the `answered` stage).
   void CancelAnswered(size_t index, TimePoint call_deadline);
   // The runner's way to stop `batch`'s run: called once every call in it is cancelled (now if so).

@@ -16,6 +16,7 @@ namespace attnserve {
 
 // What a recorded call keeps from its headers to its answer (the Pending's note; nullptr: not recorded).
 struct CallNote {
+  bool recorded = true;     // false: its figures only, for a front that records the call itself
   const char* method = "";  // "ModelInfer", "ModelStreamInfer": literals
   std::string peer, traceparent, tracestate;
   int64_t bytes_in = 0;

@@ -92,8 +92,9 @@ using TimePoint = std::chrono::steady_clock::time_point;
 constexpr TimePoint kNever = TimePoint::max();
 
 // Cancelled calls by why x where (attnserve_cancelled_requests_total's reason and stage), in this
-// order: (client, deadline) x (queued, running, terminated, answered); Core::Cancellations reads them.
-constexpr size_t kCancelReasons = 2, kCancelStages = 4;
+// order: (client, deadline, disconnect) x (queued, running, terminated, answered); Core::Cancellations
+// reads them. disconnect: a REST client's connection ended (HTTP has no cancel of its own).
+constexpr size_t kCancelReasons = 3, kCancelStages = 4;
 using Cancels = std::array<std::atomic<uint64_t>, kCancelReasons * kCancelStages>;
 
 // Batch::cancelled[i]: 0 live, 1 cancelled, 2 settled by Complete (a cancel then is the answered stage),
