@@ -342,8 +342,8 @@ class NativePlane:
     @staticmethod
     def takes(message: pb.ModelInferRequest) -> bool:
         """Whether the core serves this request: all but shared memory's (the Python request path's)."""
-        return not any(key in tensor.parameters for tensor in (*message.inputs, *message.outputs)
-                       for key in SHARED_MEMORY_PARAMETERS)
+        return not any(tensor.parameters and any(key in tensor.parameters for key in SHARED_MEMORY_PARAMETERS)
+                       for tensor in (*message.inputs, *message.outputs))
 
     async def submit_infer(self, message: pb.ModelInferRequest, call=None) -> tuple[InferResponse | None, object]:
         """One inference request into the core's queue for its model version, beside the gRPC
