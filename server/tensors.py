@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from attnserve.server.graphs import GENERAL, HEADS, KEY_PADDING, NO_MASK
@@ -37,6 +37,14 @@ RunBatch = Callable[[dict[str, np.ndarray], bool], tuple[np.ndarray, "np.ndarray
 # Where an answer's outputs go without a copy, when the run can write straight there (64: ONNX
 # Runtime's own buffers' alignment, which its kernels may count on).
 INTO_ALIGNMENT = 64
+
+
+class OutputWriter(Protocol):
+    """Where one output of a request goes instead of its Result (server.shm.RegionWriter: the
+    caller's shared memory region): `write` gets the output's bytes on the batch's thread and
+    never raises for the request's own fault (it keeps it, for the request alone)."""
+
+    def write(self, data: memoryview) -> None: ...
 
 
 class RunStopped(Exception):
@@ -88,12 +96,16 @@ class Work:
     # its heads differ (module docstring, "Masks").
     mask: np.ndarray | None
     want_probs: bool
-    # Where its outputs go (server.shm: views of the caller's region), shaped as the outputs,
-    # float32, writable; None: returned as the run made them. See compute_batch.
+    # Where its outputs go (attnserve.runtime's callers' arrays), shaped as the outputs, float32,
+    # writable; None: returned as the run made them. See compute_batch.
     output_into: np.ndarray | None = None  # (b, lq, out_dim)
     probs_into: np.ndarray | None = None  # (b, h, lq, lk)
-    # How compute_batch filled output_into/probs_into: "run" (the run wrote there, no copy),
-    # "copied" (from the run's result), "" (not yet, or nothing to fill).
+    # Outputs written out instead (server.shm: into the caller's regions), by name ("output",
+    # "attn_probs"): each writer gets the output's bytes from the batch's thread. See compute_batch.
+    write_to: dict[str, OutputWriter] | None = None
+    # How compute_batch filled output_into/probs_into or write_to: "run" (the run wrote there, no
+    # copy; to write_to: the lone run's own arrays, written whole), "copied" (from the run's
+    # result: a merged batch's rows), "" (not yet, or nothing to fill).
     written: str = field(init=False, default="")
     # True if some query row masks all of its keys: see "Exactness" above.
     exact_k_len: bool = field(init=False)
@@ -181,7 +193,8 @@ def compute_batch(run_batch: RunBatch, works: list[Work], writes_into: bool = Fa
     and splitting. A request's output_into/probs_into are filled: by the run itself when it is the
     whole batch and `writes_into` (run_batch takes `into`), else by the split copying its rows
     there; its outputs returned are then None (they are in those arrays, which the caller holds:
-    nothing that views the caller's memory outlives the call on the run's thread).
+    nothing that views the caller's memory outlives the call on the run's thread). A request's
+    write_to writers get their outputs' bytes here, on this thread, in place of returning them.
     stop: handed to a stoppable run_batch; RunStopped if it was stopped before the run."""
     t0 = time.perf_counter()
     feeds, padding_ratio = merge(works)
@@ -204,8 +217,9 @@ def compute_batch(run_batch: RunBatch, works: list[Work], writes_into: bool = Fa
         works[0].written = "run"
         if output is not into.get("output", output) or attn_probs is not into.get("attn_probs", attn_probs):
             raise RuntimeError("the run did not return the arrays it was given to write into")
-    results = [_copy_into(w, out, probs) for w, (out, probs) in zip(works, split(works, output, attn_probs),
-                                                                     strict=True)]
+    lone = len(works) == 1
+    results = [_copy_into(w, out, probs, lone) for w, (out, probs) in zip(works, split(works, output, attn_probs),
+                                                                           strict=True)]
     return results, padding_ratio, (t1 - t0, t2 - t1, time.perf_counter() - t2)
 
 
@@ -226,10 +240,19 @@ def _run_into(works: list[Work], feeds: dict[str, np.ndarray]) -> dict[str, np.n
     return into
 
 
-def _copy_into(w: Work, output: np.ndarray | None, attn_probs: np.ndarray | None
+def _copy_into(w: Work, output: np.ndarray | None, attn_probs: np.ndarray | None, lone: bool = False
                ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """A request's rows copied into its destinations (the split writing there) unless the run
-    wrote them there; None in place of each output that is in a destination."""
+    wrote them there, or handed to its writers (write_to; lone: its run was the whole batch);
+    None in place of each output that is in a destination."""
+    if w.write_to:
+        for name, array in (("output", output), ("attn_probs", attn_probs)):
+            writer = w.write_to.get(name)
+            if writer is not None and array is not None:
+                # A lone run's array is contiguous already; a merged batch's rows are copied once here.
+                writer.write(memoryview(np.ascontiguousarray(array, dtype="<f4")).cast("B"))
+        w.written = "run" if lone else "copied"
+        return (None if "output" in w.write_to else output), (None if "attn_probs" in w.write_to else attn_probs)
     if w.output_into is None and w.probs_into is None:
         return output, attn_probs
     written = "run" if w.written == "run" else "copied"
