@@ -149,6 +149,8 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits,
         dtype = _DTYPES[tensor.datatype]
         count = math.prod(shape)
         placement = placements[tensor.name]
+        if tensor.HasField("contents"):
+            _check_contents_fields(tensor)
         if placement is not None:
             if tensor.HasField("contents"):
                 raise ValueError(f"input {tensor.name!r}: has typed contents and a {shm.REGION}; use one")
@@ -236,6 +238,17 @@ def native_graph_terms(graphs: GraphSet) -> dict:
     return {"fused_from": crossover(FUSED), "fused_key_padding_from": crossover(FUSED_KEY_PADDING),
             "output_only": OUTPUT_ONLY in graphs.kinds,
             "why_held": [_WHY_HELD[kind] for kind in NATIVE_HELD_ORDER], "flash_hint": _flash_hint(graphs)}
+
+
+def _check_contents_fields(tensor: pb.ModelInferRequest.InferInputTensor) -> None:
+    """An input's typed contents hold its datatype's field alone: another (bytes_contents, int64_contents,
+    ...) would otherwise be ignored, or read as what it is not. The first such, in field order, is
+    named (the native data plane answers the same words)."""
+    own = _TYPED_FIELD[tensor.datatype]
+    for carried, _ in tensor.contents.ListFields():
+        if carried.name != own:
+            raise ValueError(f"input {tensor.name!r}: contents.{carried.name} is not for datatype {tensor.datatype}: "
+                             f"its values go in contents.{own} or raw_input_contents")
 
 
 _BOOL_TRANSLATE_MAX_BYTES = 4096  # where bytes.translate and numpy's max cost the same

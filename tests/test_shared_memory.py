@@ -412,6 +412,42 @@ def test_a_region_unregistered_in_use_stays_open_until_the_request_ends(model_re
 
 
 
+def test_placement_parameters_past_their_bounds_are_refused_on_both_ports(shm_server, grpc_client, http_client,
+                                                                            regions):
+    """shared_memory_offset / _byte_size are Triton's int64: a uint64_param past 2^63 - 1 over gRPC
+    (the native port relays the request to the Python request path) is refused naming the
+    parameter and the bound, as REST refuses a JSON integer past it; the server serves on."""
+    import grpc
+    from attnserve.proto import inference_pb2 as pb
+    from attnserve.proto import inference_pb2_grpc as pb_grpc
+
+    handle = regions("bounded", 1 << 16)
+    grpc_client.register_system_shared_memory("bounded", handle._shm_key, 1 << 16)
+    x = random_inputs(np.random.default_rng(9), 1, 2, 2, 512, 512)
+    for key in (server_shm.OFFSET, server_shm.BYTE_SIZE):
+        request = pb.ModelInferRequest(model_name="self_attention")
+        for name in ("query", "key", "value"):
+            tensor = request.inputs.add(name=name, datatype="FP32", shape=x[name].shape)
+            tensor.parameters[server_shm.REGION].string_param = "bounded"
+            tensor.parameters[server_shm.BYTE_SIZE].int64_param = x[name].nbytes
+        request.inputs[0].parameters[key].uint64_param = 1 << 63
+        with grpc.insecure_channel(shm_server.address) as channel:
+            with pytest.raises(grpc.RpcError) as exc:
+                pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value.details()
+        assert exc.value.details() == (f"input 'query': {key} must be at most 9223372036854775807 (an int64), "
+                                       "got 9223372036854775808")
+        tensor = httpclient.InferInput("query", list(x["query"].shape), "FP32")
+        tensor.set_shared_memory("bounded", x["query"].nbytes)
+        tensor._parameters[key] = 1 << 63
+        others = [httpclient.InferInput(n, list(x[n].shape), "FP32") for n in ("key", "value")]
+        for t, n in zip(others, ("key", "value"), strict=True):
+            t.set_data_from_numpy(x[n])
+        _refused(lambda tensor=tensor, others=others: http_client.infer("self_attention", [tensor, *others]),
+                 f"input 'query': {key} must be a non-negative integer, got 9223372036854775808")
+    assert grpc_client.is_server_ready()
+
+
 # -- server.shm on its own ---------------------------------------------------------------------
 
 
