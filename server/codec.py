@@ -190,7 +190,10 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits,
             nbytes = 4 * math.prod(out_shapes[name])
             writer = regions.output(out_placements[name], nbytes, f"output {name!r}")
             shm_outputs[name] = ShmOutput(out_placements[name], out_shapes[name], writer)
-    if shm_outputs:
+    if shm_outputs:  # the run (or the split) fills each writer's buffer, which its writer writes out
+        buffers = {name: np.frombuffer(placed.writer.buffer, dtype=_DTYPES["FP32"]).reshape(placed.shape)
+                   for name, placed in shm_outputs.items()}
+        work.output_into, work.probs_into = buffers.get("output"), buffers.get("attn_probs")
         work.write_to = {name: placed.writer for name, placed in shm_outputs.items()}
     return Decoded(work=work, outputs=outputs, raw=raw, shm_outputs=shm_outputs)
 

@@ -212,8 +212,9 @@ class RequestPath:
                 raise
         finally:
             if lease is not None:
-                decoded = result = None  # the arrays read from its regions go with the request
-                lease.release()
+                answered = result is not None  # its batch is done with its buffers: they are reused
+                decoded = result = None
+                lease.release(answered)
 
     def _metric_label(self, model_name: str) -> str:
         # Only known names become label values: a client must not grow the metrics without bound.

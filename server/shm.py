@@ -5,9 +5,9 @@ a future native data plane calls the same code (docs/shared-memory.md).
     regions = SystemSharedMemory(max_regions, max_bytes, budget)
     regions.register(name, key, offset, byte_size)   # opens /dev/shm/<key>; SharedMemoryError if refused
     lease = regions.lease()                           # one request's use of regions
-    data = lease.input(placement, nbytes, what)       # the input's bytes, read into memory of its own
-    writer = lease.output(placement, nbytes, what)    # the batch's thread calls writer.write(bytes)
-    lease.release()                                   # the request is over
+    data = lease.input(placement, nbytes, what)       # the input's bytes, read into a staging buffer
+    writer = lease.output(placement, nbytes, what)    # the batch fills writer.buffer, then writes it
+    lease.release(answered)                           # over; answered: its buffers are kept for reuse
     regions.unregister(name)                          # closed once no request uses it
 
 Why each rule (Triton fixed each in its own server; docs/shared-memory.md has the longer account):
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from attnserve.server.memory.budget import MemoryBudget, MemoryExhausted, Reservation
+from attnserve.server.tensors import INTO_ALIGNMENT
 
 logger = logging.getLogger(__name__)
 
@@ -216,20 +217,22 @@ class _Region:
 
 
 class RegionWriter:
-    """Where one output of one request goes: written once, by `write` on the batch's thread. A
+    """Where one output of one request goes: `buffer` (nbytes, aligned for ONNX Runtime) is where
+    the batch puts it, and `write` writes it into the region once, on the batch's thread. A
     refusal (the object shrunk) is kept in `error`, never raised: the batch's other requests
     must not fail for it; the request path raises it for this request alone. `close()` (the
     request is over) cancels a write not begun."""
 
-    __slots__ = ("_region", "_offset", "nbytes", "what", "_state", "error")
+    __slots__ = ("_region", "_offset", "nbytes", "what", "buffer", "_state", "error")
 
     _PENDING, _WRITING, _DONE = 0, 1, 2
 
-    def __init__(self, region: _Region, offset: int, nbytes: int, what: str) -> None:
+    def __init__(self, region: _Region, offset: int, nbytes: int, what: str, buffer: np.ndarray) -> None:
         self._region = region
         self._offset = offset
         self.nbytes = nbytes
         self.what = what
+        self.buffer = buffer
         self._state = self._PENDING
         self.error: SharedMemoryError | None = None
         region._pin()
@@ -261,6 +264,45 @@ class RegionWriter:
             self._region._unpin()
 
 
+class _Staging:
+    """The buffers inputs are read into and outputs are put in before they are written: kept
+    once their request is answered, for the next request of the same sizes. Fresh memory costs a
+    page fault every 4 KiB (blocks of 8 MiB and more are mapped anew each time: server.memory.heap),
+    more than the copy itself. The free ones are at most the bytes of the regions held, which
+    the memory budget reserves for them (the regions themselves are never mapped). Event loop only."""
+
+    __slots__ = ("_free", "free_bytes")
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self.free_bytes = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """nbytes of uint8, not zeroed, starting at an INTO_ALIGNMENT boundary."""
+        kept = self._free.get(nbytes)
+        if kept:
+            self.free_bytes -= nbytes
+            return kept.pop()
+        raw = np.empty(nbytes + INTO_ALIGNMENT, dtype=np.uint8)
+        start = -raw.ctypes.data % INTO_ALIGNMENT
+        return raw[start:start + nbytes]
+
+    def give(self, buffers: list[np.ndarray], bound: int) -> None:
+        for buffer in buffers:
+            if self.free_bytes + buffer.nbytes <= bound:
+                self._free.setdefault(buffer.nbytes, []).append(buffer)
+                self.free_bytes += buffer.nbytes
+
+    def trim(self, bound: int) -> None:
+        while self.free_bytes > bound:
+            nbytes = max(self._free)
+            kept = self._free[nbytes]
+            kept.pop()
+            self.free_bytes -= nbytes
+            if not kept:
+                del self._free[nbytes]
+
+
 class SystemSharedMemory:
     """The registered system shared memory regions of one server process (on its event loop).
 
@@ -278,6 +320,7 @@ class SystemSharedMemory:
         self._regions: dict[str, _Region] = {}
         self._mapped: list[_Region] = []  # registered, or unregistered and still in use
         self._mapped_bytes = 0
+        self._staging = _Staging()  # its free buffers within _mapped_bytes
         self._registered_bytes = 0  # kept, not summed: the metrics port's thread reads it at a scrape
         self.expired_total = 0  # regions unregistered by expire_idle()
         # Names expired lately (bounded), so that a request naming one is told why it is gone.
@@ -443,6 +486,7 @@ class SystemSharedMemory:
     def _unmap(self, region: _Region) -> None:
         self._mapped.remove(region)
         self._mapped_bytes -= region.status.byte_size
+        self._staging.trim(self._mapped_bytes)
         region.close()
 
 
@@ -458,12 +502,13 @@ async def expire_forever(regions: SystemSharedMemory) -> None:
 class Lease:
     """The regions one request uses, held from its decode until `release()` (when it is over)."""
 
-    __slots__ = ("_owner", "_held", "_writers")
+    __slots__ = ("_owner", "_held", "_writers", "_staged")
 
     def __init__(self, owner: SystemSharedMemory) -> None:
         self._owner = owner
         self._held: dict[str, _Region] = {}
         self._writers: list[RegionWriter] = []
+        self._staged: list[np.ndarray] = []  # the inputs' buffers (the outputs': their writers')
 
     def _region(self, placement: Placement, nbytes: int, what: str, exact: bool) -> _Region:
         region = self._held.get(placement.region)
@@ -480,25 +525,33 @@ class Lease:
 
     def input(self, placement: Placement, nbytes: int, what: str) -> memoryview:
         """The `nbytes` bytes of an input (`what`: "input 'query'"), read-only: read from the region
-        into memory of the request's own (one copy, which no later change of the object can
-        reach); SharedMemoryError if the object no longer holds the region."""
+        into a staging buffer of the request's own (one copy, which no later change of the object
+        can reach); SharedMemoryError if the object no longer holds the region."""
         region = self._region(placement, nbytes, what, exact=True)
-        data = memoryview(np.empty(nbytes, dtype=np.uint8))  # not zeroed: the read fills all of it
+        buffer = self._owner._staging.take(nbytes)  # not zeroed: the read fills all of it
+        self._staged.append(buffer)
+        data = memoryview(buffer)
         region.read(data, placement.offset, what)
         return data.toreadonly()
 
     def output(self, placement: Placement, nbytes: int, what: str) -> RegionWriter:
         """Where an output of `nbytes` bytes goes (its region's byte_size may be larger): the
-        batch's thread writes it (RegionWriter.write)."""
+        batch puts it in writer.buffer and its thread writes it (RegionWriter.write)."""
         region = self._region(placement, nbytes, what, exact=False)
-        writer = RegionWriter(region, placement.offset, nbytes, what)
+        writer = RegionWriter(region, placement.offset, nbytes, what, self._owner._staging.take(nbytes))
         self._writers.append(writer)
         return writer
 
-    def release(self) -> None:
+    def release(self, answered: bool = False) -> None:
+        """The request is over. answered: its batch computed it (its Result came back), so nothing
+        reads its buffers any more: they are kept for the next request. Otherwise (refused, or
+        cancelled: its run may go on) they are left to whatever still holds them."""
         writers, self._writers = self._writers, []
         for writer in writers:
             writer.close()  # a write not begun never will be; one under way closes the descriptor after it
+        staged, self._staged = self._staged, []
+        if answered:
+            self._owner._staging.give(staged + [w.buffer for w in writers], self._owner._mapped_bytes)
         held, self._held = self._held, {}
         for region in held.values():
             self._owner._give_back(region)

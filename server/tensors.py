@@ -96,16 +96,15 @@ class Work:
     # its heads differ (module docstring, "Masks").
     mask: np.ndarray | None
     want_probs: bool
-    # Where its outputs go (attnserve.runtime's callers' arrays), shaped as the outputs, float32,
-    # writable; None: returned as the run made them. See compute_batch.
+    # Where its outputs go (server.shm: its staging buffers; attnserve.runtime: its callers'
+    # arrays), shaped as the outputs, float32, writable; None: returned as the run made them.
     output_into: np.ndarray | None = None  # (b, lq, out_dim)
     probs_into: np.ndarray | None = None  # (b, h, lq, lk)
-    # Outputs written out instead (server.shm: into the caller's regions), by name ("output",
-    # "attn_probs"): each writer gets the output's bytes from the batch's thread. See compute_batch.
+    # Then written out (server.shm: into the caller's regions), by name ("output", "attn_probs"):
+    # each writer gets its output_into/probs_into's bytes on the batch's thread. See compute_batch.
     write_to: dict[str, OutputWriter] | None = None
-    # How compute_batch filled output_into/probs_into or write_to: "run" (the run wrote there, no
-    # copy; to write_to: the lone run's own arrays, written whole), "copied" (from the run's
-    # result: a merged batch's rows), "" (not yet, or nothing to fill).
+    # How compute_batch filled output_into/probs_into: "run" (the run wrote there, no copy),
+    # "copied" (from the run's result), "" (not yet, or nothing to fill).
     written: str = field(init=False, default="")
     # True if some query row masks all of its keys: see "Exactness" above.
     exact_k_len: bool = field(init=False)
@@ -217,9 +216,8 @@ def compute_batch(run_batch: RunBatch, works: list[Work], writes_into: bool = Fa
         works[0].written = "run"
         if output is not into.get("output", output) or attn_probs is not into.get("attn_probs", attn_probs):
             raise RuntimeError("the run did not return the arrays it was given to write into")
-    lone = len(works) == 1
-    results = [_copy_into(w, out, probs, lone) for w, (out, probs) in zip(works, split(works, output, attn_probs),
-                                                                           strict=True)]
+    results = [_copy_into(w, out, probs) for w, (out, probs) in zip(works, split(works, output, attn_probs),
+                                                                     strict=True)]
     return results, padding_ratio, (t1 - t0, t2 - t1, time.perf_counter() - t2)
 
 
@@ -240,19 +238,21 @@ def _run_into(works: list[Work], feeds: dict[str, np.ndarray]) -> dict[str, np.n
     return into
 
 
-def _copy_into(w: Work, output: np.ndarray | None, attn_probs: np.ndarray | None, lone: bool = False
+def _copy_into(w: Work, output: np.ndarray | None, attn_probs: np.ndarray | None
                ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """A request's rows copied into its destinations (the split writing there) unless the run
-    wrote them there, or handed to its writers (write_to; lone: its run was the whole batch);
-    None in place of each output that is in a destination."""
-    if w.write_to:
-        for name, array in (("output", output), ("attn_probs", attn_probs)):
-            writer = w.write_to.get(name)
-            if writer is not None and array is not None:
-                # A lone run's array is contiguous already; a merged batch's rows are copied once here.
-                writer.write(memoryview(np.ascontiguousarray(array, dtype="<f4")).cast("B"))
-        w.written = "run" if lone else "copied"
-        return (None if "output" in w.write_to else output), (None if "attn_probs" in w.write_to else attn_probs)
+    wrote them there, then handed to its writers (write_to); None in place of each output that
+    is in a destination."""
+    results = _fill(w, output, attn_probs)
+    for name, writer in (w.write_to or {}).items():
+        into = w.output_into if name == "output" else w.probs_into
+        if into is not None and w.written:
+            writer.write(memoryview(into).cast("B"))  # keeps a refusal to itself: the batch goes on
+    return results
+
+
+def _fill(w: Work, output: np.ndarray | None, attn_probs: np.ndarray | None
+          ) -> tuple[np.ndarray | None, np.ndarray | None]:
     if w.output_into is None and w.probs_into is None:
         return output, attn_probs
     written = "run" if w.written == "run" else "copied"

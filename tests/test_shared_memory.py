@@ -490,6 +490,38 @@ def test_a_lease_keeps_an_unregistered_region_open(regions):
     assert table.mapped == 0
 
 
+def test_staging_buffers_are_kept_only_after_an_answered_request_and_within_the_regions_bytes(regions):
+    """Inputs are read into, and outputs put in, buffers that a request answered (its batch done
+    with them) leaves for the next of the same sizes; a request refused or cancelled (a run may
+    still read them) leaves none. What is kept stays within the bytes of the regions held (which
+    the memory budget reserves), and goes with them."""
+    handle = regions("staged", 1 << 16)
+    shm.set_shared_memory_region(handle, [np.arange(1 << 14, dtype=np.float32)])
+    table = server_shm.SystemSharedMemory(8, 1 << 30)
+    table.register("r", handle._shm_key, 0, 1 << 16)
+
+    def use(answered: bool, nbytes: int = 4096) -> tuple[int, int]:
+        lease = table.lease()
+        data = lease.input(server_shm.Placement("r", 0, nbytes), nbytes, "input 'query'")
+        writer = lease.output(server_shm.Placement("r", 1 << 15, nbytes), nbytes, "output 'output'")
+        assert np.frombuffer(data, np.float32).tolist() == list(range(nbytes // 4))  # its own bytes, reused or not
+        assert writer.buffer.ctypes.data % 64 == 0  # where ONNX Runtime may write
+        addresses = (np.frombuffer(data, np.uint8).ctypes.data, writer.buffer.ctypes.data)
+        lease.release(answered)
+        return addresses
+
+    first = use(answered=False)
+    assert table._staging.free_bytes == 0  # refused or cancelled: nothing kept
+    second = use(answered=True)
+    assert table._staging.free_bytes == 2 * 4096
+    assert set(use(answered=True)) == set(second)  # the same two buffers again
+    assert table._staging.free_bytes == 2 * 4096 and first  # (the first pair went with the request)
+    use(answered=True, nbytes=1 << 15)  # 64 KiB of regions: two more of 32 KiB would pass it
+    assert table._staging.free_bytes <= 1 << 16
+    table.unregister("r")
+    assert table._staging.free_bytes == 0 and table.mapped == 0
+
+
 def test_the_kubernetes_example_shares_dev_shm_and_enables_the_extension():
     yaml = pytest.importorskip("yaml")
     from attnserve.server.config import load_config
