@@ -284,9 +284,10 @@ class _ShmCall:
 
 def _measure_server_shm(repository: Path, model: str, spec, shape: tuple[int, int, int], budget_s: float,
                         server_args: list[str]) -> dict:
-    """A fresh server with --allow-shared-memory, the request through regions (_ShmCall). Its
-    peak RSS increase counts the region pages the server touched (shared, resident in both
-    processes): reported beside it as shm_resident_mb."""
+    """A fresh server with --allow-shared-memory, the request through regions (_ShmCall). Region
+    pages the server touched (shared, resident in both processes) are reported beside its peak
+    RSS increase as shm_resident_mb: none since it reads and writes regions through their
+    descriptors (docs/shared-memory.md), whose staging buffers its peak counts instead."""
     import grpc
     import numpy as np
 

@@ -641,8 +641,9 @@ class Batcher:
 
 def _compute_handed(run_batch: RunBatch, handed: list[list[Work]], writes_into: bool, stop: RunStop | None):
     """compute_batch on the works handed over: the executor's work item, which its (lowered)
-    thread drops only once it is scheduled again, then holds no Work, whose arrays may view a
-    caller's shared memory region that would stay mapped until then."""
+    thread drops only once it is scheduled again, then holds no Work, whose arrays (and, for a
+    request with outputs in shared memory, the writers that hold its region open) would stay
+    until then."""
     return compute_batch(run_batch, handed.pop(), writes_into, stop)
 
 

@@ -67,14 +67,27 @@ class Limits:
     graphs: GraphSet = UNFUSED
 
 
+@dataclass(frozen=True, slots=True)
+class ShmOutput:
+    """An output the caller placed in shared memory (server.shm): where, its shape, and the writer
+    the batch's thread writes it with (Work.write_to)."""
+
+    placement: shm.Placement
+    shape: tuple[int, ...]
+    writer: shm.RegionWriter
+
+
 @dataclass(slots=True)
 class Decoded:
     work: Work
     outputs: tuple[str, ...]  # requested outputs, in response order
     raw: bool  # answer in raw_output_contents
-    # Outputs the caller placed in shared memory (server.shm): name -> (placement, the array in the
-    # region that the batch writes: Work.output_into / probs_into).
-    shm_outputs: dict[str, tuple[shm.Placement, np.ndarray]] = field(default_factory=dict)
+    # Outputs the caller placed in shared memory, by name.
+    shm_outputs: dict[str, ShmOutput] = field(default_factory=dict)
+
+    def shm_refusal(self) -> shm.SharedMemoryError | None:
+        """Why an output could not be written into its region (the object shrunk), if one could not."""
+        return next((o.writer.error for o in self.shm_outputs.values() if o.writer.error is not None), None)
 
 
 def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits,
@@ -136,13 +149,15 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits,
         dtype = _DTYPES[tensor.datatype]
         count = math.prod(shape)
         placement = placements[tensor.name]
+        if tensor.HasField("contents"):
+            _check_contents_fields(tensor)
         if placement is not None:
             if tensor.HasField("contents"):
                 raise ValueError(f"input {tensor.name!r}: has typed contents and a {shm.REGION}; use one")
-            data = regions.input(placement, count * dtype.itemsize, f"input {tensor.name!r}")
+            data = regions.input(placement, count * dtype.itemsize, f"input {tensor.name!r}")  # read: one copy
             if tensor.datatype == "BOOL":
                 _check_bool_bytes(tensor.name, data)
-            array = np.frombuffer(data, dtype=dtype).reshape(shape)  # a view of the mapping: no copy
+            array = np.frombuffer(data, dtype=dtype).reshape(shape)
         elif raw:
             if tensor.HasField("contents"):
                 raise ValueError(f"input {tensor.name!r}: has typed contents and raw_input_contents; use one")
@@ -167,18 +182,19 @@ def decode(request: pb.ModelInferRequest, spec: ModelSpec, limits: Limits,
     if work.masking == HEADS and not limits.graphs.takes_head_masks:
         raise ValueError(heads_differ_refusal(spec))
     _check_attention_bytes(work, spec, limits)
-    # The batch writes these there (server.tensors.compute_batch): the answer has no copy to make.
+    # The batch's thread writes these there (server.tensors.compute_batch): the answer has no copy to make.
     out_shapes = output_shapes(shapes, spec)
     shm_outputs = {}
     for name in outputs:
         if name in out_shm:
             nbytes = 4 * math.prod(out_shapes[name])
-            view = regions.output(out_placements[name], nbytes, f"output {name!r}")
-            shm_outputs[name] = (out_placements[name], np.frombuffer(view, dtype=_DTYPES["FP32"]).reshape(
-                out_shapes[name]))
-    if shm_outputs:
-        work.output_into = shm_outputs["output"][1] if "output" in shm_outputs else None
-        work.probs_into = shm_outputs["attn_probs"][1] if "attn_probs" in shm_outputs else None
+            writer = regions.output(out_placements[name], nbytes, f"output {name!r}")
+            shm_outputs[name] = ShmOutput(out_placements[name], out_shapes[name], writer)
+    if shm_outputs:  # the run (or the split) fills each writer's buffer, which its writer writes out
+        buffers = {name: np.frombuffer(placed.writer.buffer, dtype=_DTYPES["FP32"]).reshape(placed.shape)
+                   for name, placed in shm_outputs.items()}
+        work.output_into, work.probs_into = buffers.get("output"), buffers.get("attn_probs")
+        work.write_to = {name: placed.writer for name, placed in shm_outputs.items()}
     return Decoded(work=work, outputs=outputs, raw=raw, shm_outputs=shm_outputs)
 
 
@@ -225,6 +241,17 @@ def native_graph_terms(graphs: GraphSet) -> dict:
     return {"fused_from": crossover(FUSED), "fused_key_padding_from": crossover(FUSED_KEY_PADDING),
             "output_only": OUTPUT_ONLY in graphs.kinds,
             "why_held": [_WHY_HELD[kind] for kind in NATIVE_HELD_ORDER], "flash_hint": _flash_hint(graphs)}
+
+
+def _check_contents_fields(tensor: pb.ModelInferRequest.InferInputTensor) -> None:
+    """An input's typed contents hold its datatype's field alone: another (bytes_contents, int64_contents,
+    ...) would otherwise be ignored, or read as what it is not. The first such, in field order, is
+    named (the native data plane answers the same words)."""
+    own = _TYPED_FIELD[tensor.datatype]
+    for carried, _ in tensor.contents.ListFields():
+        if carried.name != own:
+            raise ValueError(f"input {tensor.name!r}: contents.{carried.name} is not for datatype {tensor.datatype}: "
+                             f"its values go in contents.{own} or raw_input_contents")
 
 
 _BOOL_TRANSLATE_MAX_BYTES = 4096  # where bytes.translate and numpy's max cost the same
@@ -341,17 +368,20 @@ def encode(request: InferRequest | pb.ModelInferRequest, decoded: Decoded, resul
     response = pb.ModelInferResponse(model_name=request.model_name, model_version=str(version), id=request.id)
     raw_outputs: list[np.ndarray] = []
     for name in decoded.outputs:
-        placement, array = decoded.shm_outputs.get(name) or (None, result.output if name == "output"
-                                                             else result.attn_probs)
-        tensor = response.outputs.add(name=name, datatype="FP32", shape=array.shape)
-        if placement is not None:  # written there already (server.tensors.compute_batch)
+        placed = decoded.shm_outputs.get(name)
+        if placed is not None:  # written there already (server.tensors.compute_batch)
+            placement = placed.placement
+            tensor = response.outputs.add(name=name, datatype="FP32", shape=placed.shape)
             tensor.parameters[shm.REGION].string_param = placement.region
-            tensor.parameters[shm.BYTE_SIZE].int64_param = array.nbytes
+            tensor.parameters[shm.BYTE_SIZE].int64_param = placed.writer.nbytes
             if placement.offset:
                 tensor.parameters[shm.OFFSET].int64_param = placement.offset
             if decoded.raw:
                 raw_outputs.append(_NO_BYTES)  # raw entries stay one per output (Triton's, tritonclient's indexing)
-        elif decoded.raw:
+            continue
+        array = result.output if name == "output" else result.attn_probs
+        tensor = response.outputs.add(name=name, datatype="FP32", shape=array.shape)
+        if decoded.raw:
             raw_outputs.append(np.ascontiguousarray(array, dtype="<f4"))
         else:
             tensor.contents.MergeFromString(_packed("fp32_contents", np.ascontiguousarray(array, dtype="<f4")))

@@ -126,7 +126,7 @@ class Metrics:
                                          multiprocess_mode="livemax")
         self.shared_memory_output_writes = Counter(
             "attnserve_shared_memory_outputs", "Outputs written into a shared memory region, by how: \"run\" "
-            "(ONNX Runtime wrote them there, no copy) or \"copied\" (from a merged batch's result).",
+            "(a lone run's own arrays, written whole) or \"copied\" (a merged batch's rows).",
             ["written"], registry=self.registry)
         self.runs_in_flight = Gauge("attnserve_runs_in_flight", "Batches of the model computing now.",
                                     ["model"], registry=self.registry, multiprocess_mode="livesum")
@@ -182,8 +182,8 @@ class Metrics:
         self._watch(_SharedMemoryCollector(regions))
 
     def shared_memory_outputs(self, written: str, count: int) -> None:
-        """`count` outputs of one request written into shared memory regions: "run" (ONNX Runtime
-        wrote them there) or "copied" (the split copied the batch's rows there)."""
+        """`count` outputs of one request written into shared memory regions: "run" (from the lone
+        run's own arrays) or "copied" (the request's rows of a merged batch)."""
         self.shared_memory_output_writes.labels(written).inc(count)
 
     def _watch(self, collector) -> None:

@@ -199,6 +199,9 @@ class RequestPath:
                 if decoded.shm_outputs:  # the batch wrote them into the region (server.tensors.compute_batch)
                     if not decoded.work.written:
                         raise RuntimeError("the batch returned without writing the outputs into their region")
+                    refused = decoded.shm_refusal()  # the object shrunk under the region: this request alone
+                    if refused is not None:
+                        raise refused
                     self._metrics.shared_memory_outputs(decoded.work.written, len(decoded.shm_outputs))
                 response = codec.encode(request, decoded, result, model.spec.version)
                 if call is not None:
@@ -209,8 +212,9 @@ class RequestPath:
                 raise
         finally:
             if lease is not None:
-                decoded = result = None  # their views of the regions go first, so that a retired one unmaps now
-                lease.release()
+                answered = result is not None  # its batch is done with its buffers: they are reused
+                decoded = result = None
+                lease.release(answered)
 
     def _metric_label(self, model_name: str) -> str:
         # Only known names become label values: a client must not grow the metrics without bound.

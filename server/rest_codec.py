@@ -223,6 +223,8 @@ def _schedule_parameter(value: Any, into: pb.InferParameter, key: str) -> None:
     elif isinstance(value, float):
         into.double_param = value
     else:
+        if isinstance(value, int):  # beyond 64 bits: refused as gRPC's would be where it can say why
+            scheduling.check_parameter_int(key, value)
         raise ValueError(f"parameter {key!r} must be an integer, got {quoted(value)}")
 
 

@@ -94,8 +94,9 @@ class Schedule:
 def request_schedule(parameters: Mapping[str, Any], policy: QueuePolicy) -> Schedule:
     """The `priority` and `timeout` of a request's parameters (InferParameter-like values), under
     its model's policy; other parameters are not looked at (the protocol says to ignore unknown
-    ones). Raises ValueError naming the parameter for a wrong type, a negative value or a
-    priority above the model's levels."""
+    ones). Raises ValueError naming the parameter for a wrong type, a negative value, a
+    priority above the model's levels or a timeout past QUEUE_TIMEOUT_US (the planes' longest
+    timer: past it a timeout would silently be none)."""
     priority = _parameter_int(parameters, PRIORITY)
     if priority is None or priority == 0:
         priority = policy.default_priority_level
@@ -125,9 +126,16 @@ def _parameter_int(parameters: Mapping[str, Any], name: str) -> int | None:
         got = "nothing" if which is None else f"{which} {getattr(value, which)!r}"
         raise ValueError(f"parameter {name!r} must be an integer (int64_param or uint64_param; a JSON integer), "
                          f"got {got}")
-    number = getattr(value, which)
+    return check_parameter_int(name, getattr(value, which))
+
+
+def check_parameter_int(name: str, number: int) -> int:
+    """`number`, the integer given for `priority` or `timeout`, or ValueError naming the parameter:
+    negative, or a timeout past QUEUE_TIMEOUT_US (REST's JSON integers beyond 64 bits come here too)."""
     if number < 0:
         raise ValueError(f"parameter {name!r} must be >= 0, got {number}")
+    if name == TIMEOUT and number > QUEUE_TIMEOUT_US.high:
+        raise ValueError(f"parameter {name!r} must be {QUEUE_TIMEOUT_US.describe()}, got {number}")
     return number
 
 

@@ -3,20 +3,23 @@ requests then name for their inputs' and outputs' bytes. Every region check is h
 a future native data plane calls the same code (docs/shared-memory.md).
 
     regions = SystemSharedMemory(max_regions, max_bytes, budget)
-    regions.register(name, key, offset, byte_size)   # maps /dev/shm/<key>; SharedMemoryError if refused
+    regions.register(name, key, offset, byte_size)   # opens /dev/shm/<key>; SharedMemoryError if refused
     lease = regions.lease()                           # one request's use of regions
-    view = lease.input(placement, nbytes, what)       # a read-only view of the mapping, no copy
-    view = lease.output(placement, nbytes, what)      # where an output's bytes go: the batch writes
-                                                      # there (server.tensors.compute_batch)
-    lease.release()                                   # the request is over
-    regions.unregister(name)                          # unmapped once no request uses it
+    data = lease.input(placement, nbytes, what)       # the input's bytes, read into a staging buffer
+    writer = lease.output(placement, nbytes, what)    # the batch fills writer.buffer, then writes it
+    lease.release(answered)                           # over; answered: its buffers are kept for reuse
+    regions.unregister(name)                          # closed once no request uses it
 
 Why each rule (Triton fixed each in its own server; docs/shared-memory.md has the longer account):
 - a key is a plain POSIX shm name, opened under /dev/shm without following links;
 - offsets and sizes are checked as Python integers against the region and the object: nothing wraps;
-- each registration opens its own descriptor and mapping (no cache a reused fd would make stale);
-- a region unregistered while a request uses it stays mapped until the last such request ends;
-- regions and their bytes are bounded, and reserved in the server's memory budget while mapped;
+- each registration opens its own descriptor (no cache a reused fd would make stale);
+- regions are read and written through it (preadv, pwritev), never mapped: the caller may shrink
+  its object (ftruncate) at any moment, and a mapping touched past the end faults (SIGBUS, the
+  whole server). Each use checks the object still holds the region (fstat); a cut racing a read
+  is a short read, refused alike; one racing a write is grown back by it (the caller's doing);
+- a region unregistered while a request uses it stays open until the last such request ends;
+- regions and their bytes are bounded, and reserved in the server's memory budget while open;
 - a region no call has used for idle_timeout_s (none using it now) is unregistered by `expire_idle()`.
 A refusal of the request's own making is a SharedMemoryError (INVALID_ARGUMENT / 400) naming the
 region and the bound; SharedMemoryExhausted (RESOURCE_EXHAUSTED / 429) a bound or resource of the
@@ -28,15 +31,17 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import mmap
 import os
 import stat
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 from attnserve.server.memory.budget import MemoryBudget, MemoryExhausted, Reservation
+from attnserve.server.tensors import INTO_ALIGNMENT
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +52,8 @@ OFFSET = "shared_memory_offset"
 BYTE_SIZE = "shared_memory_byte_size"
 MAX_NAME_BYTES = 255  # NAME_MAX: the longest key shm_open takes, and our bound on region names
 _U64 = 1 << 64
+# A placement's offset and byte_size: Triton's int64 parameters (REST takes JSON integers in this range too).
+MAX_PLACEMENT = (1 << 63) - 1
 
 _INSTEAD = "use system shared memory (--allow-shared-memory) or send tensors in the request"
 
@@ -117,33 +124,183 @@ def _check_region_name(name: str) -> None:
 
 
 class _Region:
-    """One registered mapping: [offset, offset + byte_size) of the object, mapped from the page
-    below offset. `users`: requests holding it; unmapped at unregister, or when the last ends."""
+    """One registered region: [offset, offset + byte_size) of the object, read and written through
+    its own descriptor (never mapped: see the module's docstring). `users`: requests holding it;
+    closed at unregister, or when the last ends. An output's writer (RegionWriter) holds the
+    descriptor open while the batch's thread writes, should the request end meanwhile."""
 
-    __slots__ = ("status", "view", "_mmap", "users", "retired", "_reservation", "last_used")
+    __slots__ = ("status", "_fd", "users", "retired", "_reservation", "last_used", "_lock", "_writers", "_closing")
 
-    def __init__(self, status: RegionStatus, mapping: mmap.mmap, start: int, reservation: Reservation | None) -> None:
+    def __init__(self, status: RegionStatus, fd: int, reservation: Reservation | None) -> None:
         self.status = status
-        self._mmap = mapping
-        self.view = memoryview(mapping)[start:start + status.byte_size]
+        self._fd = fd
         self.users = 0
         self.retired = False
         self._reservation = reservation
         self.last_used = 0.0  # monotonic: registered, or a request's use began or ended
+        self._lock = threading.Lock()  # _writers and _closing: the batch's thread ends writes
+        self._writers = 0  # RegionWriters not yet written or closed
+        self._closing = False
 
     def close(self) -> None:
-        try:
-            self.view.release()
-            self._mmap.close()
-        except BufferError:
-            # Something still holds a numpy view of it (a run that outlived its cancelled call):
-            # the mapping goes when the last view does; mmap never unmaps under one.
-            logger.debug("region %r: unmapped once its last view is gone", self.status.name)
-        self.view = None
-        self._mmap = None
+        """On the event loop: the region is done with; its descriptor is closed now, or by the
+        last writer still writing (a run that outlived its cancelled call)."""
+        with self._lock:
+            self._closing = True
+            close_now = self._writers == 0
+        if close_now:
+            os.close(self._fd)
         if self._reservation is not None:
             self._reservation.release()
             self._reservation = None
+
+    def _pin(self) -> None:
+        with self._lock:
+            self._writers += 1
+
+    def _unpin(self) -> None:
+        with self._lock:
+            self._writers -= 1
+            close_now = self._closing and self._writers == 0
+        if close_now:
+            os.close(self._fd)
+
+    def _check_size(self, what: str) -> None:
+        """SharedMemoryError unless the object still holds the whole region (a caller may shrink it)."""
+        size = os.fstat(self._fd).st_size
+        s = self.status
+        if size < s.offset + s.byte_size:
+            raise self._smaller(what, size)
+
+    def _smaller(self, what: str, size: int | None = None) -> SharedMemoryError:
+        s = self.status
+        if size is None:
+            try:
+                size = os.fstat(self._fd).st_size
+            except OSError:
+                size = 0
+        return SharedMemoryError(f"{what}: shared memory region {s.name!r} is smaller than registered: its key "
+                                 f"{s.key!r} now has {size:,} bytes, the region is offset {s.offset:,} + byte_size "
+                                 f"{s.byte_size:,}; restore the object's size, or unregister the region and "
+                                 "register it again")
+
+    def read(self, into: memoryview, offset: int, what: str) -> None:
+        """Fill `into` with the region's bytes from `offset` (checked within it by the caller)."""
+        self._check_size(what)
+        at, done, total = self.status.offset + offset, 0, len(into)
+        while done < total:
+            try:
+                got = os.preadv(self._fd, [into[done:]], at + done)
+            except OSError as err:
+                raise SharedMemoryError(f"{what}: cannot read shared memory region {self.status.name!r}: "
+                                        f"{err.strerror or err}") from None
+            if got == 0:  # the object was cut while we read it
+                raise self._smaller(what)
+            done += got
+
+    def write(self, data: memoryview, offset: int, what: str) -> None:
+        """Write `data` at `offset` of the region (checked within it by the caller). A cut after the
+        size check is grown back by the write (pwritev past the end extends the object): the
+        caller's own doing, and nothing can fault."""
+        self._check_size(what)
+        at, done, total = self.status.offset + offset, 0, len(data)
+        while done < total:
+            try:
+                put = os.pwritev(self._fd, [data[done:]], at + done)
+            except OSError as err:
+                raise SharedMemoryError(f"{what}: cannot write shared memory region {self.status.name!r}: "
+                                        f"{err.strerror or err}") from None
+            if put == 0:
+                raise SharedMemoryError(f"{what}: cannot write shared memory region {self.status.name!r}: "
+                                        "nothing was written")
+            done += put
+
+
+class RegionWriter:
+    """Where one output of one request goes: `buffer` (nbytes, aligned for ONNX Runtime) is where
+    the batch puts it, and `write` writes it into the region once, on the batch's thread. A
+    refusal (the object shrunk) is kept in `error`, never raised: the batch's other requests
+    must not fail for it; the request path raises it for this request alone. `close()` (the
+    request is over) cancels a write not begun."""
+
+    __slots__ = ("_region", "_offset", "nbytes", "what", "buffer", "_state", "error")
+
+    _PENDING, _WRITING, _DONE = 0, 1, 2
+
+    def __init__(self, region: _Region, offset: int, nbytes: int, what: str, buffer: np.ndarray) -> None:
+        self._region = region
+        self._offset = offset
+        self.nbytes = nbytes
+        self.what = what
+        self.buffer = buffer
+        self._state = self._PENDING
+        self.error: SharedMemoryError | None = None
+        region._pin()
+
+    def write(self, data: memoryview) -> None:
+        """On the batch's thread: the output's bytes (exactly nbytes) into the region."""
+        region = self._region
+        with region._lock:
+            if self._state != self._PENDING:
+                return  # the request is over: nobody reads the answer
+            self._state = self._WRITING
+        try:
+            if len(data) != self.nbytes:
+                raise RuntimeError(f"{self.what}: {len(data):,} bytes to write, {self.nbytes:,} placed")
+            region.write(data, self._offset, self.what)
+        except SharedMemoryError as err:
+            self.error = err
+        finally:
+            with region._lock:
+                self._state = self._DONE
+            region._unpin()
+
+    def close(self) -> None:
+        with self._region._lock:
+            pending = self._state == self._PENDING
+            if pending:
+                self._state = self._DONE
+        if pending:
+            self._region._unpin()
+
+
+class _Staging:
+    """The buffers inputs are read into and outputs are put in before they are written: kept
+    once their request is answered, for the next request of the same sizes. Fresh memory costs a
+    page fault every 4 KiB (blocks of 8 MiB and more are mapped anew each time: server.memory.heap),
+    more than the copy itself. The free ones are at most the bytes of the regions held, which
+    the memory budget reserves for them (the regions themselves are never mapped). Event loop only."""
+
+    __slots__ = ("_free", "free_bytes")
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self.free_bytes = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """nbytes of uint8, not zeroed, starting at an INTO_ALIGNMENT boundary."""
+        kept = self._free.get(nbytes)
+        if kept:
+            self.free_bytes -= nbytes
+            return kept.pop()
+        raw = np.empty(nbytes + INTO_ALIGNMENT, dtype=np.uint8)
+        start = -raw.ctypes.data % INTO_ALIGNMENT
+        return raw[start:start + nbytes]
+
+    def give(self, buffers: list[np.ndarray], bound: int) -> None:
+        for buffer in buffers:
+            if self.free_bytes + buffer.nbytes <= bound:
+                self._free.setdefault(buffer.nbytes, []).append(buffer)
+                self.free_bytes += buffer.nbytes
+
+    def trim(self, bound: int) -> None:
+        while self.free_bytes > bound:
+            nbytes = max(self._free)
+            kept = self._free[nbytes]
+            kept.pop()
+            self.free_bytes -= nbytes
+            if not kept:
+                del self._free[nbytes]
 
 
 class SystemSharedMemory:
@@ -163,6 +320,7 @@ class SystemSharedMemory:
         self._regions: dict[str, _Region] = {}
         self._mapped: list[_Region] = []  # registered, or unregistered and still in use
         self._mapped_bytes = 0
+        self._staging = _Staging()  # its free buffers within _mapped_bytes
         self._registered_bytes = 0  # kept, not summed: the metrics port's thread reads it at a scrape
         self.expired_total = 0  # regions unregistered by expire_idle()
         # Names expired lately (bounded), so that a request naming one is told why it is gone.
@@ -213,6 +371,7 @@ class SystemSharedMemory:
 
     def _map(self, name: str, key: str, object_name: str, offset: int, byte_size: int,
              reservation: Reservation | None) -> _Region:
+        """The region, its object opened (never mapped: see the module's docstring)."""
         path = os.path.join(SHM_DIR, object_name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -231,22 +390,10 @@ class SystemSharedMemory:
             if byte_size > info.st_size or offset > info.st_size - byte_size:
                 raise SharedMemoryError(f"shared memory region {name!r}: offset {offset} + byte_size {byte_size} runs "
                                         f"past the end of key {key!r} ({info.st_size} bytes)")
-            start = offset % mmap.ALLOCATIONGRANULARITY
-            try:
-                mapping = mmap.mmap(fd, start + byte_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE,
-                                    offset=offset - start)
-            except OSError as err:
-                # mmap dups the descriptor, so it runs out of them too; ENOMEM: out of address space
-                if err.errno in _EXHAUSTED_ERRNOS:
-                    raise SharedMemoryExhausted(f"shared memory region {name!r}: cannot map key {key!r}: "
-                                                f"{err.strerror} ({len(self._mapped)} regions mapped); unregister "
-                                                "some and retry") from None
-                raise SharedMemoryError(f"shared memory region {name!r}: cannot map key {key!r}: {err}") from None
-            except ValueError as err:
-                raise SharedMemoryError(f"shared memory region {name!r}: cannot map key {key!r}: {err}") from None
-        finally:
-            os.close(fd)  # mmap holds its own descriptor until it is closed
-        return _Region(RegionStatus(name, key, offset, byte_size), mapping, start, reservation)
+        except BaseException:
+            os.close(fd)
+            raise
+        return _Region(RegionStatus(name, key, offset, byte_size), fd, reservation)
 
     def unregister(self, name: str = "") -> None:
         """Unregister `name`, or every region (""); one in use stays mapped until its requests end."""
@@ -339,6 +486,7 @@ class SystemSharedMemory:
     def _unmap(self, region: _Region) -> None:
         self._mapped.remove(region)
         self._mapped_bytes -= region.status.byte_size
+        self._staging.trim(self._mapped_bytes)
         region.close()
 
 
@@ -354,13 +502,15 @@ async def expire_forever(regions: SystemSharedMemory) -> None:
 class Lease:
     """The regions one request uses, held from its decode until `release()` (when it is over)."""
 
-    __slots__ = ("_owner", "_held")
+    __slots__ = ("_owner", "_held", "_writers", "_staged")
 
     def __init__(self, owner: SystemSharedMemory) -> None:
         self._owner = owner
         self._held: dict[str, _Region] = {}
+        self._writers: list[RegionWriter] = []
+        self._staged: list[np.ndarray] = []  # the inputs' buffers (the outputs': their writers')
 
-    def _view(self, placement: Placement, nbytes: int, what: str, exact: bool) -> memoryview:
+    def _region(self, placement: Placement, nbytes: int, what: str, exact: bool) -> _Region:
         region = self._held.get(placement.region)
         if region is None:
             region = self._held[placement.region] = self._owner._take(placement.region)
@@ -371,17 +521,37 @@ class Lease:
         if placement.byte_size > size or placement.offset > size - placement.byte_size:
             raise SharedMemoryError(f"{what}: {OFFSET} {placement.offset:,} + {BYTE_SIZE} {placement.byte_size:,} runs "
                                     f"past the end of region {placement.region!r} ({size:,} bytes)")
-        return region.view[placement.offset:placement.offset + nbytes]
+        return region
 
     def input(self, placement: Placement, nbytes: int, what: str) -> memoryview:
-        """The `nbytes` bytes of an input (`what`: "input 'query'"), read-only, without a copy."""
-        return self._view(placement, nbytes, what, exact=True).toreadonly()
+        """The `nbytes` bytes of an input (`what`: "input 'query'"), read-only: read from the region
+        into a staging buffer of the request's own (one copy, which no later change of the object
+        can reach); SharedMemoryError if the object no longer holds the region."""
+        region = self._region(placement, nbytes, what, exact=True)
+        buffer = self._owner._staging.take(nbytes)  # not zeroed: the read fills all of it
+        self._staged.append(buffer)
+        data = memoryview(buffer)
+        region.read(data, placement.offset, what)
+        return data.toreadonly()
 
-    def output(self, placement: Placement, nbytes: int, what: str) -> memoryview:
-        """Where an output of `nbytes` bytes goes (its region's byte_size may be larger)."""
-        return self._view(placement, nbytes, what, exact=False)
+    def output(self, placement: Placement, nbytes: int, what: str) -> RegionWriter:
+        """Where an output of `nbytes` bytes goes (its region's byte_size may be larger): the
+        batch puts it in writer.buffer and its thread writes it (RegionWriter.write)."""
+        region = self._region(placement, nbytes, what, exact=False)
+        writer = RegionWriter(region, placement.offset, nbytes, what, self._owner._staging.take(nbytes))
+        self._writers.append(writer)
+        return writer
 
-    def release(self) -> None:
+    def release(self, answered: bool = False) -> None:
+        """The request is over. answered: its batch computed it (its Result came back), so nothing
+        reads its buffers any more: they are kept for the next request. Otherwise (refused, or
+        cancelled: its run may go on) they are left to whatever still holds them."""
+        writers, self._writers = self._writers, []
+        for writer in writers:
+            writer.close()  # a write not begun never will be; one under way closes the descriptor after it
+        staged, self._staged = self._staged, []
+        if answered:
+            self._owner._staging.give(staged + [w.buffer for w in writers], self._owner._mapped_bytes)
         held, self._held = self._held, {}
         for region in held.values():
             self._owner._give_back(region)
@@ -412,4 +582,6 @@ def _unsigned(parameters: Mapping, key: str, what: str) -> int:
     value = getattr(parameter, kind)
     if value < 0:
         raise SharedMemoryError(f"{what}: {key} must be >= 0, got {value}")
+    if value > MAX_PLACEMENT:  # Triton's int64; nothing this large is inside a region anyway
+        raise SharedMemoryError(f"{what}: {key} must be at most {MAX_PLACEMENT} (an int64), got {value}")
     return value

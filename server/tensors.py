@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from attnserve.server.graphs import GENERAL, HEADS, KEY_PADDING, NO_MASK
@@ -37,6 +37,14 @@ RunBatch = Callable[[dict[str, np.ndarray], bool], tuple[np.ndarray, "np.ndarray
 # Where an answer's outputs go without a copy, when the run can write straight there (64: ONNX
 # Runtime's own buffers' alignment, which its kernels may count on).
 INTO_ALIGNMENT = 64
+
+
+class OutputWriter(Protocol):
+    """Where one output of a request goes instead of its Result (server.shm.RegionWriter: the
+    caller's shared memory region): `write` gets the output's bytes on the batch's thread and
+    never raises for the request's own fault (it keeps it, for the request alone)."""
+
+    def write(self, data: memoryview) -> None: ...
 
 
 class RunStopped(Exception):
@@ -88,10 +96,13 @@ class Work:
     # its heads differ (module docstring, "Masks").
     mask: np.ndarray | None
     want_probs: bool
-    # Where its outputs go (server.shm: views of the caller's region), shaped as the outputs,
-    # float32, writable; None: returned as the run made them. See compute_batch.
+    # Where its outputs go (server.shm: its staging buffers; attnserve.runtime: its callers'
+    # arrays), shaped as the outputs, float32, writable; None: returned as the run made them.
     output_into: np.ndarray | None = None  # (b, lq, out_dim)
     probs_into: np.ndarray | None = None  # (b, h, lq, lk)
+    # Then written out (server.shm: into the caller's regions), by name ("output", "attn_probs"):
+    # each writer gets its output_into/probs_into's bytes on the batch's thread. See compute_batch.
+    write_to: dict[str, OutputWriter] | None = None
     # How compute_batch filled output_into/probs_into: "run" (the run wrote there, no copy),
     # "copied" (from the run's result), "" (not yet, or nothing to fill).
     written: str = field(init=False, default="")
@@ -181,7 +192,8 @@ def compute_batch(run_batch: RunBatch, works: list[Work], writes_into: bool = Fa
     and splitting. A request's output_into/probs_into are filled: by the run itself when it is the
     whole batch and `writes_into` (run_batch takes `into`), else by the split copying its rows
     there; its outputs returned are then None (they are in those arrays, which the caller holds:
-    nothing that views the caller's memory outlives the call on the run's thread).
+    nothing that views the caller's memory outlives the call on the run's thread). A request's
+    write_to writers get their outputs' bytes here, on this thread, in place of returning them.
     stop: handed to a stoppable run_batch; RunStopped if it was stopped before the run."""
     t0 = time.perf_counter()
     feeds, padding_ratio = merge(works)
@@ -229,7 +241,18 @@ def _run_into(works: list[Work], feeds: dict[str, np.ndarray]) -> dict[str, np.n
 def _copy_into(w: Work, output: np.ndarray | None, attn_probs: np.ndarray | None
                ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """A request's rows copied into its destinations (the split writing there) unless the run
-    wrote them there; None in place of each output that is in a destination."""
+    wrote them there, then handed to its writers (write_to); None in place of each output that
+    is in a destination."""
+    results = _fill(w, output, attn_probs)
+    for name, writer in (w.write_to or {}).items():
+        into = w.output_into if name == "output" else w.probs_into
+        if into is not None and w.written:
+            writer.write(memoryview(into).cast("B"))  # keeps a refusal to itself: the batch goes on
+    return results
+
+
+def _fill(w: Work, output: np.ndarray | None, attn_probs: np.ndarray | None
+          ) -> tuple[np.ndarray | None, np.ndarray | None]:
     if w.output_into is None and w.probs_into is None:
         return output, attn_probs
     written = "run" if w.written == "run" else "copied"

@@ -283,7 +283,11 @@ def test_malformed_schedule_parameters_get_the_python_planes_words_and_unknown_o
              {"priority": ("bool_param", True)}, {"timeout": ("double_param", 1.5)},
              {"timeout": ("double_param", 1e20)}, {"timeout": ("double_param", 0.0001)},
              {"timeout": ("int64_param", -5)}, {"priority": ("int64_param", -1)}, {"priority": (None, None)},
-             {"priority": ("uint64_param", 3)}, {"priority": ("uint64_param", 2**64 - 1)}]
+             {"priority": ("uint64_param", 3)}, {"priority": ("uint64_param", 2**64 - 1)},
+             # Past the planes' longest timer (attnserve.ranges.QUEUE_TIMEOUT_US), once read as no timeout.
+             {"timeout": ("uint64_param", 2**50)}, {"timeout": ("int64_param", 2**63 - 1)},
+             {"timeout": ("uint64_param", 2**64 - 1)},
+             {"priority": ("uint64_param", 1), "timeout": ("int64_param", 2**50)}]
     with gated.channel() as ch:
         python = pb_grpc.GRPCInferenceServiceStub(ch)
         for parameters in cases:
@@ -293,11 +297,18 @@ def test_malformed_schedule_parameters_get_the_python_planes_words_and_unknown_o
                     stub.ModelInfer(_request(1, **parameters), timeout=WAIT_S)
                 got.append((exc.value.code(), exc.value.details()))
             assert got[0] == got[1] and got[0][0] == grpc.StatusCode.INVALID_ARGUMENT, (parameters, got)
+            if parameters.get("timeout", ("",))[0].endswith("int64_param") and parameters["timeout"][1] >= 2**50:
+                assert got[0][1] == ("parameter 'timeout' must be an integer in 0..1125899906842623 microseconds, "
+                                     f"got {parameters['timeout'][1]}"), got
     gated.gate.release()  # the next batch computes at once
     ignored = gated.native.ModelInfer(_request(1, sequence_id=("string_param", "x"), timeout=("int64_param", 0),
                                                priority=("int64_param", 0)), timeout=WAIT_S)
     assert outputs_of(ignored)["output"].shape == (1, 4, 512)
     assert gated.gate.wait_started() == 1  # the batch that ran it, released above
+    gated.gate.release()  # the longest timeout taken: served as any
+    longest = gated.native.ModelInfer(_request(1, timeout=("uint64_param", 2**50 - 1)), timeout=WAIT_S)
+    assert outputs_of(longest)["output"].shape == (1, 4, 512)
+    assert gated.gate.wait_started() == 1
 
 
 # -- stopping runs --------------------------------------------------------------------------------

@@ -84,6 +84,8 @@ def test_request_schedule_reads_priority_and_timeout_and_ignores_the_rest():
 
 
 def test_a_request_timeout_only_shortens_the_models_and_only_where_allowed():
+    assert request_schedule(_parameters(timeout=("uint64_param", 2**50 - 1)).parameters,
+                            QueuePolicy()).timeout_s == (2**50 - 1) / 1e6  # the longest taken
     policy = QueuePolicy(default_timeout_us=2000)
     assert request_schedule(_parameters(timeout=("int64_param", 500)).parameters, policy).timeout_s == 0.0005
     assert request_schedule(_parameters(timeout=("int64_param", 9000)).parameters, policy).timeout_s == 0.002
@@ -97,6 +99,9 @@ def test_a_request_timeout_only_shortens_the_models_and_only_where_allowed():
     ({"timeout": ("double_param", 1.5)}, "parameter 'timeout' must be an integer"),
     ({"timeout": ("int64_param", -1)}, "parameter 'timeout' must be >= 0, got -1"),
     ({"priority": ("uint64_param", 3)}, "parameter 'priority': this model has priority levels 1..2"),
+    ({"timeout": ("uint64_param", 2**50)},
+     "parameter 'timeout' must be an integer in 0..1125899906842623 microseconds, got 1125899906842624"),
+    ({"timeout": ("uint64_param", 2**64 - 1)}, "parameter 'timeout' must be an integer in 0..1125899906842623"),
 ])
 def test_malformed_schedule_parameters_are_refused_naming_the_parameter(values, says):
     with pytest.raises(ValueError) as exc:
@@ -362,23 +367,33 @@ def test_a_low_priority_request_is_not_starved_on_a_real_server(model_repository
 def test_malformed_schedule_parameters_are_refused_and_unknown_ones_ignored(server):
     with server.channel() as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        past = "'timeout' must be an integer in 0..1125899906842623 microseconds, got "
         for parameters, says in (({"priority": ("string_param", "high")}, "'priority' must be an integer"),
                                  ({"timeout": ("int64_param", -5)}, "'timeout' must be >= 0"),
-                                 ({"priority": ("uint64_param", 3)}, "priority levels 1..2")):
+                                 ({"priority": ("uint64_param", 3)}, "priority levels 1..2"),
+                                 ({"timeout": ("uint64_param", 2**50)}, past + "1125899906842624"),
+                                 ({"timeout": ("int64_param", 2**63 - 1)}, past + str(2**63 - 1))):
             with pytest.raises(grpc.RpcError) as exc:
                 stub.ModelInfer(_grpc_request(1, **parameters), timeout=WAIT_S)
             assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in exc.value.details()
         response = stub.ModelInfer(_grpc_request(1, sequence_id=("string_param", "x"), timeout=("int64_param", 0)),
                                    timeout=WAIT_S)
         assert response.outputs
+        response = stub.ModelInfer(_grpc_request(1, timeout=("uint64_param", 2**50 - 1)), timeout=WAIT_S)
+        assert response.outputs  # the longest timeout taken
     for parameters, says in (({"priority": "high"}, "'priority' must be an integer"),
                              ({"timeout": -1}, "'timeout' must be >= 0"),
                              ({"timeout": 1.5}, "'timeout' must be an integer"),
                              ({"priority": [1]}, "'priority' must be an integer"),
-                             ({"priority": 7}, "priority levels 1..2")):
+                             ({"priority": 7}, "priority levels 1..2"),
+                             ({"timeout": 2**50}, past + "1125899906842624"),
+                             ({"timeout": 2**64 - 1}, past + str(2**64 - 1)),
+                             ({"timeout": 2**70}, past + str(2**70))):  # beyond 64 bits: the same words
         status, body = _rest_infer(server, 1, parameters)
         assert status == 400 and says in body["error"], (parameters, body)
     status, _ = _rest_infer(server, 1, {"sequence_id": {"nested": [1]}, "priority": 2, "timeout": 60_000_000})
+    assert status == 200
+    status, _ = _rest_infer(server, 1, {"timeout": 2**50 - 1})
     assert status == 200
 
 

@@ -253,7 +253,27 @@ def _bad_requests():
         raw[5] = byte
         request.raw_input_contents[3] = bytes(raw)
         bool_bytes[f"mask byte 0x{byte:02X}"] = (request, f"'mask': BOOL bytes must be 0 or 1; byte 5 is 0x{byte:02X}")
-    return bool_bytes | {
+    # Typed contents in a field not the input's datatype's: refused naming it, never ignored or read.
+    foreign = {}
+    in_bytes = infer_request("self_attention", raw=False, query=q, key=k, value=v)
+    in_bytes.inputs[0].contents.ClearField("fp32_contents")
+    in_bytes.inputs[0].contents.bytes_contents.append(q.tobytes())
+    foreign["FP32 in bytes_contents"] = (in_bytes, "input 'query': contents.bytes_contents is not for datatype FP32: "
+                                                   "its values go in contents.fp32_contents or raw_input_contents")
+    beside = infer_request("self_attention", raw=False, query=q, key=k, value=v)  # fp32_contents whole, and more
+    beside.inputs[1].contents.int64_contents.extend([1, 2])
+    foreign["FP32 with int64_contents beside"] = (beside, "input 'key': contents.int64_contents is not for datatype "
+                                                          "FP32")
+    mask_fields = infer_request("self_attention", raw=False, query=q, key=k, value=v, mask=mask)
+    mask_fields.inputs[3].contents.bytes_contents.append(b"\x01")
+    mask_fields.inputs[3].contents.uint64_contents.append(1)
+    foreign["BOOL with uint64_contents and bytes_contents"] = (
+        mask_fields, "input 'mask': contents.uint64_contents is not for datatype BOOL: its values go in "
+                     "contents.bool_contents or raw_input_contents")  # the first in field order
+    raw_beside = infer_request("self_attention", query=q, key=k, value=v)
+    raw_beside.inputs[2].contents.fp64_contents.append(1.0)
+    foreign["raw with fp64_contents"] = (raw_beside, "input 'value': contents.fp64_contents is not for datatype FP32")
+    return bool_bytes | foreign | {
         "missing key": (infer_request("self_attention", query=q, value=v), "'key'"),
         "unknown input": (infer_request("self_attention", query=q, key=k, value=v, bias=q), "'bias'"),
         "duplicate": (infer_request("self_attention", query=q, key=k, value=v), "more than once"),

@@ -5,8 +5,8 @@ register them and name them in inputs and requested outputs. Answers are compare
 seeds' code (tests.seed_reference's seed 000 with the served weights; our module for the cross
 preset, which test_attention holds to seed 002). Every refusal is checked with the server
 serving on afterwards; a region unregistered while a request (held at the gate) uses it stays
-mapped until it ends; 1,000 register/unregister cycles leave the server's fds and mappings as
-they were.
+open until it ends; 1,000 register/unregister cycles leave the server's fds and mappings as
+they were. (Objects shrunk under their regions: tests/test_shared_memory_shrunk.py.)
 """
 
 from __future__ import annotations
@@ -310,7 +310,8 @@ def test_a_thousand_register_unregister_cycles_leave_fds_and_mappings(grpc_clien
         grpc_client.unregister_system_shared_memory("cycled")
     fds, maps, threads = len(_fds(pid)), len(_maps(pid)), len(os.listdir(f"/proc/{pid}/task"))
     grpc_client.register_system_shared_memory("cycled", key, 4096, offset=4096)
-    assert sum(key in line for line in _maps(pid)) == 1 and sum(key in f for f in _fds(pid)) == 1
+    # One descriptor, and never a mapping (regions are read and written through it: server.shm).
+    assert sum(key in line for line in _maps(pid)) == 0 and sum(key in f for f in _fds(pid)) == 1
     grpc_client.unregister_system_shared_memory("cycled")
     for i in range(1000):
         grpc_client.register_system_shared_memory("cycled", key, 4096 + i % 7, offset=i % 5 * 4096)
@@ -378,7 +379,7 @@ def _region_metrics(proc: ServerProcess) -> dict[str, float]:
     return found
 
 
-def test_a_region_unregistered_in_use_stays_mapped_until_the_request_ends(model_repository, regions, references):
+def test_a_region_unregistered_in_use_stays_open_until_the_request_ends(model_repository, regions, references):
     x = random_inputs(np.random.default_rng(5), 1, 6, 6, 512, 512)
     x["mask"] = None
     with GatedServer(model_repository, "--allow-shared-memory") as proc:
@@ -396,18 +397,55 @@ def test_a_region_unregistered_in_use_stays_mapped_until_the_request_ends(model_
                                              "mapped_bytes": registered}
             client.unregister_system_shared_memory()
             assert client.get_system_shared_memory_status(as_json=True).get("regions", {}) == {}
-            assert sum(in_key in line for line in _maps(proc.proc.pid)) == 1  # still mapped: in use
+            assert sum(in_key in f for f in _fds(proc.proc.pid)) == 1  # still open: in use
             assert _region_metrics(proc) == {"regions": 0, "bytes": 0, "mapped_regions": 2,
                                              "mapped_bytes": registered}
             proc.gate.release()
             thread.join(60)
             _check(answer["got"], _want(references["self_attention"], x), "unregistered in use")
-            assert sum(in_key in line for line in _maps(proc.proc.pid)) == 0  # unmapped once it ended
+            assert sum(in_key in f for f in _fds(proc.proc.pid)) == 0  # closed once it ended
+            assert sum(in_key in line for line in _maps(proc.proc.pid)) == 0  # never mapped
             assert _region_metrics(proc) == {"regions": 0, "bytes": 0, "mapped_regions": 0, "mapped_bytes": 0}
             assert client.is_server_live()
         finally:
             client.close()
 
+
+
+def test_placement_parameters_past_their_bounds_are_refused_on_both_ports(shm_server, grpc_client, http_client,
+                                                                            regions):
+    """shared_memory_offset / _byte_size are Triton's int64: a uint64_param past 2^63 - 1 over gRPC
+    (the native port relays the request to the Python request path) is refused naming the
+    parameter and the bound, as REST refuses a JSON integer past it; the server serves on."""
+    import grpc
+    from attnserve.proto import inference_pb2 as pb
+    from attnserve.proto import inference_pb2_grpc as pb_grpc
+
+    handle = regions("bounded", 1 << 16)
+    grpc_client.register_system_shared_memory("bounded", handle._shm_key, 1 << 16)
+    x = random_inputs(np.random.default_rng(9), 1, 2, 2, 512, 512)
+    for key in (server_shm.OFFSET, server_shm.BYTE_SIZE):
+        request = pb.ModelInferRequest(model_name="self_attention")
+        for name in ("query", "key", "value"):
+            tensor = request.inputs.add(name=name, datatype="FP32", shape=x[name].shape)
+            tensor.parameters[server_shm.REGION].string_param = "bounded"
+            tensor.parameters[server_shm.BYTE_SIZE].int64_param = x[name].nbytes
+        request.inputs[0].parameters[key].uint64_param = 1 << 63
+        with grpc.insecure_channel(shm_server.address) as channel:
+            with pytest.raises(grpc.RpcError) as exc:
+                pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value.details()
+        assert exc.value.details() == (f"input 'query': {key} must be at most 9223372036854775807 (an int64), "
+                                       "got 9223372036854775808")
+        tensor = httpclient.InferInput("query", list(x["query"].shape), "FP32")
+        tensor.set_shared_memory("bounded", x["query"].nbytes)
+        tensor._parameters[key] = 1 << 63
+        others = [httpclient.InferInput(n, list(x[n].shape), "FP32") for n in ("key", "value")]
+        for t, n in zip(others, ("key", "value"), strict=True):
+            t.set_data_from_numpy(x[n])
+        _refused(lambda tensor=tensor, others=others: http_client.infer("self_attention", [tensor, *others]),
+                 f"input 'query': {key} must be a non-negative integer, got 9223372036854775808")
+    assert grpc_client.is_server_ready()
 
 
 # -- server.shm on its own ---------------------------------------------------------------------
@@ -433,7 +471,7 @@ def test_mapped_bytes_are_reserved_in_the_memory_budget(regions):
     assert budget.reserved_bytes == 0 and table.mapped == 0
 
 
-def test_a_lease_keeps_an_unregistered_region_mapped(regions):
+def test_a_lease_keeps_an_unregistered_region_open(regions):
     handle = regions("leased", 4096)
     shm.set_shared_memory_region(handle, [np.arange(8, dtype=np.float32)])
     table = server_shm.SystemSharedMemory(8, 1 << 30)
@@ -450,6 +488,38 @@ def test_a_lease_keeps_an_unregistered_region_mapped(regions):
     assert table.mapped == 1  # only the new registration
     table.close()
     assert table.mapped == 0
+
+
+def test_staging_buffers_are_kept_only_after_an_answered_request_and_within_the_regions_bytes(regions):
+    """Inputs are read into, and outputs put in, buffers that a request answered (its batch done
+    with them) leaves for the next of the same sizes; a request refused or cancelled (a run may
+    still read them) leaves none. What is kept stays within the bytes of the regions held (which
+    the memory budget reserves), and goes with them."""
+    handle = regions("staged", 1 << 16)
+    shm.set_shared_memory_region(handle, [np.arange(1 << 14, dtype=np.float32)])
+    table = server_shm.SystemSharedMemory(8, 1 << 30)
+    table.register("r", handle._shm_key, 0, 1 << 16)
+
+    def use(answered: bool, nbytes: int = 4096) -> tuple[int, int]:
+        lease = table.lease()
+        data = lease.input(server_shm.Placement("r", 0, nbytes), nbytes, "input 'query'")
+        writer = lease.output(server_shm.Placement("r", 1 << 15, nbytes), nbytes, "output 'output'")
+        assert np.frombuffer(data, np.float32).tolist() == list(range(nbytes // 4))  # its own bytes, reused or not
+        assert writer.buffer.ctypes.data % 64 == 0  # where ONNX Runtime may write
+        addresses = (np.frombuffer(data, np.uint8).ctypes.data, writer.buffer.ctypes.data)
+        lease.release(answered)
+        return addresses
+
+    first = use(answered=False)
+    assert table._staging.free_bytes == 0  # refused or cancelled: nothing kept
+    second = use(answered=True)
+    assert table._staging.free_bytes == 2 * 4096
+    assert set(use(answered=True)) == set(second)  # the same two buffers again
+    assert table._staging.free_bytes == 2 * 4096 and first  # (the first pair went with the request)
+    use(answered=True, nbytes=1 << 15)  # 64 KiB of regions: two more of 32 KiB would pass it
+    assert table._staging.free_bytes <= 1 << 16
+    table.unregister("r")
+    assert table._staging.free_bytes == 0 and table.mapped == 0
 
 
 def test_the_kubernetes_example_shares_dev_shm_and_enables_the_extension():
@@ -537,7 +607,7 @@ def test_a_small_mask_in_a_large_message_is_checked_not_an_internal_error(server
     _check(got, _want(references["self_attention"], x), "small mask, large message")
 
 
-# -- outputs written in place (no copy) and the copies that remain --------------------------------
+# -- outputs written from the run's own arrays, and from a merged batch's rows ---------------------
 
 
 def _metrics_text(proc: ServerProcess) -> str:
@@ -594,10 +664,11 @@ def _infer_placed(client, model: str, x: dict, inputs_in: tuple[str, int] | None
     return got
 
 
-def test_a_lone_request_s_outputs_are_written_by_the_run_itself_and_exact(shm_server, grpc_client, regions):
-    """The run writes a lone request's outputs straight into its region (ONNX Runtime I/O binding,
-    counted as written="run"), bit for bit the answer the same request gets in the message; an
-    output at an unaligned offset, or over the request's own inputs, is copied there instead."""
+def test_a_lone_request_s_outputs_are_written_from_the_run_itself_and_exact(shm_server, grpc_client, regions):
+    """A lone request's outputs are written into its region from the run's own arrays (one write
+    through the region's descriptor, counted as written="run"), bit for bit the answer the same
+    request gets in the message, wherever they are placed: at an unaligned offset too, and over
+    the request's own inputs (read into the request's memory when it was decoded)."""
     rng = np.random.default_rng(11)
     cases = {  # the graph with both outputs, and one with `output` alone (which: the export's crossover)
         "masked": (random_inputs(rng, 2, 40, 24, 512, 512, masked=True), OUTPUT_NAMES),
@@ -615,8 +686,8 @@ def test_a_lone_request_s_outputs_are_written_by_the_run_itself_and_exact(shm_se
             "in place": ({n: (f"{case}-out", 64 * i + sum(sizes[m] for m in names[:i])) for i, n in enumerate(names)},
                          _RUN),
             "unaligned": ({n: (f"{case}-out", 4 + sum(sizes[m] for m in names[:i])) for i, n in enumerate(names)},
-                          _COPIED),
-            "over its inputs": ({"output": (f"{case}-in", 0)}, _COPIED),  # query's bytes: read by the run
+                          _RUN),
+            "over its inputs": ({"output": (f"{case}-in", 0)}, _RUN),  # query's bytes: read before the run
         }
         for how, (outputs_in, series) in placements.items():
             before = _metric(shm_server, series)

@@ -71,6 +71,25 @@ Status ParameterInt(const inference::ModelInferRequest& request, const std::stri
   return Invalid("parameter '" + name + "' must be an integer (int64_param or uint64_param; a JSON integer), got " + got);
 }
 
+// codec._check_contents_fields: typed contents in a field not the input's datatype's (bytes_contents,
+// int64_contents, ... for FP32 or BOOL) are refused, the first in field order named, never ignored.
+Status ForeignContents(const inference::ModelInferRequest::InferInputTensor& t, bool boolean) {
+  const inference::InferTensorContents& c = t.contents();
+  const char* own = boolean ? "bool_contents" : "fp32_contents";
+  const std::pair<const char*, int> fields[] = {  // InferTensorContents' fields, by number
+      {"bool_contents", c.bool_contents_size()},     {"int_contents", c.int_contents_size()},
+      {"int64_contents", c.int64_contents_size()},   {"uint_contents", c.uint_contents_size()},
+      {"uint64_contents", c.uint64_contents_size()}, {"fp32_contents", c.fp32_contents_size()},
+      {"fp64_contents", c.fp64_contents_size()},     {"bytes_contents", c.bytes_contents_size()}};
+  for (const auto& [name, size] : fields) {
+    if (size > 0 && std::strcmp(name, own) != 0) {
+      return Invalid("input " + PyRepr(t.name()) + ": contents." + name + " is not for datatype " + t.datatype() +
+                     ": its values go in contents." + own + " or raw_input_contents");
+    }
+  }
+  return Status::OK;
+}
+
 // One step of server/proto's wire scan (wire.check_fields): false with its WireError's words.
 bool ReadVarint(google::protobuf::io::CodedInputStream& in, uint64_t* value, std::string* why) {
   if (in.ReadVarint64(value)) return true;
@@ -325,6 +344,9 @@ Status Core::Check(const Queue& queue, const inference::ModelInferRequest& reque
     const int s = slot_of[static_cast<size_t>(i)];
     const bool boolean = s == 3;
     const Wide count = Product(t.shape());
+    if (t.has_contents()) {
+      if (Status foreign = ForeignContents(t, boolean); !foreign.ok()) return foreign;
+    }
     if (raw) {
       if (t.has_contents()) {
         return Invalid("input " + PyRepr(t.name()) + ": has typed contents and raw_input_contents; use one");
@@ -426,6 +448,10 @@ Status Core::Schedule(const ModelLimits& m, const inference::ModelInferRequest& 
                    std::to_string(priority));
   }
   if (Status status = ParameterInt(request, "timeout", &asked, &given); !status.ok()) return status;
+  if (asked > kMaxTimeoutUs - 1) {  // attnserve.ranges.QUEUE_TIMEOUT_US: past it a timeout would silently be none
+    return Invalid("parameter 'timeout' must be an integer in 0.." + std::to_string(kMaxTimeoutUs - 1) +
+                   " microseconds, got " + std::to_string(asked));
+  }
   uint64_t timeout_us = policy.default_timeout_us;
   if (asked > 0 && policy.allow_timeout_override) {  // as Triton: it may shorten the model's, never lengthen it
     timeout_us = timeout_us == 0 ? asked : std::min(asked, timeout_us);
