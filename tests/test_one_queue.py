@@ -4,8 +4,6 @@ others queued while both kinds arrive; the next batch at the gate then holds the
 
 from __future__ import annotations
 
-import time
-import urllib.request
 from concurrent import futures
 
 import grpc
@@ -17,6 +15,7 @@ from attnserve.server import native
 
 from tests.gated_server import GatedServer
 from tests.oip import infer_request, outputs_of, rest_infer
+from tests.test_native_control import _in_flight
 
 pytestmark = pytest.mark.skipif(native.why_unavailable() is not None, reason=str(native.why_unavailable()))
 
@@ -32,21 +31,6 @@ def _inputs(seed: int) -> dict[str, np.ndarray]:
             "value": rng.standard_normal((1, 5, 32), dtype=np.float32)}
 
 
-def _native_in_flight(proc: GatedServer) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("attnserve_native_in_flight "):
-                return float(line.split()[1])
-    return 0.0
-
-
-def _wait_in_flight(proc: GatedServer, calls: int) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while (got := _native_in_flight(proc)) != calls:
-        assert time.monotonic() < deadline, f"the core holds {got} calls, not {calls}, after {WAIT_S}s"
-        time.sleep(0.01)
-
-
 def test_rest_and_grpc_calls_to_one_model_join_the_same_runs(model_repository):
     with GatedServer(model_repository, "--data-plane", "native", "--max-batch-size", "32") as proc, \
             grpc.insecure_channel(f"127.0.0.1:{proc.port}") as channel, \
@@ -60,7 +44,7 @@ def test_rest_and_grpc_calls_to_one_model_join_the_same_runs(model_repository):
                           for seed in range(1, EACH + 1)}
             rest_calls = {seed: pool.submit(rest_infer, rest, MODEL, _inputs(seed), True)
                           for seed in range(EACH + 1, 2 * EACH + 1)}
-            _wait_in_flight(proc, 1 + 2 * EACH)  # every call of both kinds is in the core's queue
+            _in_flight(proc, 1 + 2 * EACH)  # every call of both kinds is in the core's queue
             proc.gate.release()
             assert proc.gate.wait_started() == 2 * EACH  # one run takes them all, whichever port they came by
             proc.gate.release()
