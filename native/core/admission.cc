@@ -12,10 +12,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-uint64_t NanosSince(Clock::time_point start) {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
-}
-
 }  // namespace
 
 void Core::GiveBack(Pending& p) {

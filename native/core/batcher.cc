@@ -16,10 +16,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-uint64_t NanosSince(Clock::time_point start) {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
-}
-
 }  // namespace
 
 std::unique_ptr<Batch> Core::Form(size_t index, Queue& queue) {

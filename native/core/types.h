@@ -91,6 +91,12 @@ struct MessageBounds {
 using TimePoint = std::chrono::steady_clock::time_point;
 constexpr TimePoint kNever = TimePoint::max();
 
+// Nanoseconds since `start`, for the counters of where time goes.
+inline uint64_t NanosSince(TimePoint start) {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+}
+
 // Cancelled calls by why x where (attnserve_cancelled_requests_total's reason and stage), in this
 // order: (client, deadline, disconnect) x (queued, running, terminated, answered); Core::Cancellations
 // reads them. disconnect: a REST client's connection ended (HTTP has no cancel of its own).
