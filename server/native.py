@@ -374,9 +374,14 @@ class NativePlane:
                 reservation.release()
                 future.set_result((None, status_of_code(code, details.decode("utf-8", "replace"))))
                 continue
-            message = pb.ModelInferResponse.FromString(head)
-            if call is not None and figures is not None:
-                self._figures(call, message.model_version, *figures)
+            try:
+                message = pb.ModelInferResponse.FromString(head)
+                if call is not None and figures is not None:
+                    self._figures(call, message.model_version, *figures)
+            except Exception as err:  # this caller's answer fails alone; the others' are still given
+                reservation.release()
+                future.set_result((None, status_for(err)))
+                continue
             future.set_result((InferResponse(message, list(raw), reservation), OK))
 
     def _close_answers(self) -> None:
